@@ -1,0 +1,195 @@
+"""Quantization specs, integer grids and bit packing shared by every stage.
+
+The one numeric convention used everywhere in quantpipe (calibration, exports, runtime):
+
+    w_hat[o, i] = (q[o, i] - zero[o, g]) * scale[o, g]      with g = g_idx[i]
+
+- ``q`` is an *unsigned* integer in ``[0, 2**bits - 1]``.
+- Symmetric specs use the fixed mid-point zero ``2**(bits - 1)`` (8 for INT4, 128 for INT8) and
+  ``scale = absmax / ((2**bits - 1) / 2)``: the grid used by GPTQ and compressed-tensors.
+- Asymmetric specs store an integer zero per group, ``scale = (max - min) / (2**bits - 1)``.
+- ``scale`` is stored in fp16 and ``q`` is always computed against the fp16-rounded scale, so the
+  stored tensors dequantize to exactly the weights that calibration evaluated.
+- ``g_idx[i]`` is the group of input column ``i``; without act-order it is ``i // group_size``.
+
+Packing (native format and compressed-tensors ``pack-quantized``): ``32 // bits`` values per
+int32 along the input dimension, least significant bits first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VALID_BITS = (4, 8)
+VALID_GROUP_SIZES = (32, 64, 128, -1)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one linear layer's weight is quantized."""
+
+    bits: int  # 4 or 8
+    group_size: int  # input columns sharing one scale; -1 = one group per output row
+    sym: bool  # True: fixed mid-point zero; False: a stored zero per group
+    act_order: bool = False  # GPTQ columns processed by decreasing Hessian diagonal (uses g_idx)
+
+    def __post_init__(self) -> None:
+        if self.bits not in VALID_BITS:
+            raise ValueError(f"bits={self.bits} is not supported; use one of {VALID_BITS}")
+        if self.group_size not in VALID_GROUP_SIZES and not (
+            self.group_size > 0 and self.group_size % 8 == 0
+        ):
+            raise ValueError(
+                f"group_size={self.group_size} is not supported; use 32, 64, 128 or -1 "
+                "(per output channel)"
+            )
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def sym_zero(self) -> int:
+        return 2 ** (self.bits - 1)
+
+    def group_size_for(self, in_features: int) -> int:
+        """The group size actually used for a layer (``in_features`` for -1)."""
+        return in_features if self.group_size == -1 else self.group_size
+
+    def n_groups(self, in_features: int) -> int:
+        gs = self.group_size_for(in_features)
+        assert in_features % gs == 0, (in_features, gs)
+        return in_features // gs
+
+    def with_group_size(self, group_size: int) -> "QuantSpec":
+        return QuantSpec(self.bits, group_size, self.sym, self.act_order)
+
+    def to_dict(self) -> dict:
+        return {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "sym": self.sym,
+            "act_order": self.act_order,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        return cls(int(d["bits"]), int(d["group_size"]), bool(d["sym"]), bool(d.get("act_order")))
+
+    def label(self) -> str:
+        g = "pc" if self.group_size == -1 else f"g{self.group_size}"
+        return f"w{self.bits}{g}{'' if self.sym else '-asym'}{'-act' if self.act_order else ''}"
+
+
+INT8_PER_CHANNEL = QuantSpec(bits=8, group_size=-1, sym=True)
+
+
+def resolve_group_size(requested: int, in_features: int, strict: bool = False) -> int:
+    """Largest usable group size <= ``requested`` that divides ``in_features``.
+
+    Fast kernels (ours, vLLM's Marlin) need ``in_features % group_size == 0``; SmolLM2's hidden
+    size 576 = 4.5 x 128, so a request for 128 becomes 64 on those layers.
+    """
+    if requested == -1 or in_features % requested == 0:
+        return requested
+    if strict:
+        raise ValueError(
+            f"group_size {requested} does not divide in_features {in_features}; "
+            f"use a divisor such as {_divisors_hint(in_features)} or drop --strict-group-size"
+        )
+    for gs in (64, 32, 16, 8):
+        if gs < requested and in_features % gs == 0:
+            return gs
+    return -1
+
+
+def _divisors_hint(in_features: int) -> str:
+    ok = [str(g) for g in (32, 64, 128) if in_features % g == 0] + ["-1"]
+    return ", ".join(ok)
+
+
+@dataclass
+class QuantizedWeight:
+    """One quantized linear weight, unpacked (what algorithms return and exports consume)."""
+
+    spec: QuantSpec  # the spec with the group size actually used for this layer
+    q: torch.Tensor  # uint8 [out, in], values in [0, 2**bits - 1]
+    scales: torch.Tensor  # fp16 [out, n_groups]
+    zeros: torch.Tensor  # uint8 [out, n_groups]; sym specs hold the mid-point
+    g_idx: torch.Tensor | None = None  # int32 [in]; None = sequential groups (i // group_size)
+
+    def __post_init__(self) -> None:
+        out_f, in_f = self.q.shape
+        n_groups = self.spec.n_groups(in_f)
+        assert self.q.dtype == torch.uint8, self.q.dtype
+        assert self.scales.shape == (out_f, n_groups) and self.scales.dtype == torch.float16
+        assert self.zeros.shape == (out_f, n_groups) and self.zeros.dtype == torch.uint8
+        if self.g_idx is not None:
+            assert self.g_idx.shape == (in_f,) and self.g_idx.dtype == torch.int32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def group_index(self) -> torch.Tensor:
+        return group_index(self.spec, self.q.shape[1], self.g_idx)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.q, self.scales, self.zeros, self.group_index(), dtype)
+
+
+def group_index(spec: QuantSpec, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """int64 [in]: the group of every input column."""
+    if g_idx is not None:
+        return g_idx.long()
+    return torch.arange(in_features) // spec.group_size_for(in_features)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reference dequantization.
+
+    q: [out, in] uint8, scales: [out, G] fp16, zeros: [out, G] uint8, g_idx: [in] -> W [out, in]
+    Computed in fp32 then cast, so every consumer that follows the same order agrees exactly.
+    """
+    g = g_idx.long()
+    s = scales.float()[:, g]  # [out, in]
+    z = zeros.float()[:, g]  # [out, in]
+    return ((q.float() - z) * s).to(dtype)
+
+
+def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned values along the last dim, LSB first.
+
+    q: [..., in] uint8 with values < 2**bits -> [..., in * bits // 32] int32
+    """
+    per_word = 32 // bits
+    assert q.shape[-1] % per_word == 0, f"last dim {q.shape[-1]} not a multiple of {per_word}"
+    assert int(q.max()) < 2**bits if q.numel() else True
+    # [..., in] -> [..., in/per_word, per_word] int64 so shifts never overflow
+    v = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits  # [per_word]
+    words = (v << shifts).sum(dim=-1)  # [..., in/per_word] in [0, 2**32)
+    # reinterpret the unsigned 32-bit pattern as int32 (two's complement)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: [..., in * bits // 32] int32 -> [..., in] uint8."""
+    per_word = 32 // bits
+    mask = 2**bits - 1
+    w = packed.to(torch.int64) & 0xFFFFFFFF  # unsigned view
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits  # [per_word]
+    v = (w.unsqueeze(-1) >> shifts) & mask  # [..., words, per_word]
+    v = v.reshape(*packed.shape[:-1], packed.shape[-1] * per_word).to(torch.uint8)
+    if n is not None:
+        v = v[..., :n]
+    return v

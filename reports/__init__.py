@@ -1,0 +1,1 @@
+"""Reports: quality and speed metrics rendered as self-contained HTML."""

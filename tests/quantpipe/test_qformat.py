@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from quantpipe.qformat import (
+    QuantizedWeight,
+    QuantSpec,
+    dequantize,
+    pack_int32,
+    resolve_group_size,
+    unpack_int32,
+)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_exact_round_trip(bits):
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 2**bits, (7, 64), generator=g, dtype=torch.int64).to(torch.uint8)
+    q[0, :] = 2**bits - 1  # all-ones words exercise the int32 sign bit
+    packed = pack_int32(q, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (7, 64 * bits // 32)
+    assert torch.equal(unpack_int32(packed, bits), q)
+
+
+def test_pack_is_lsb_first():
+    q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15]], dtype=torch.uint8)
+    word = int(pack_int32(q, 4)[0, 0]) & 0xFFFFFFFF
+    assert word == 0xF7654321
+
+
+def test_spec_validation_messages():
+    with pytest.raises(ValueError, match="use one of"):
+        QuantSpec(bits=3, group_size=128, sym=True)
+    with pytest.raises(ValueError, match="32, 64, 128 or -1"):
+        QuantSpec(bits=4, group_size=100, sym=True)
+
+
+def test_resolve_group_size():
+    assert resolve_group_size(128, 576) == 64
+    assert resolve_group_size(128, 1536) == 128
+    assert resolve_group_size(64, 576) == 64
+    assert resolve_group_size(-1, 576) == -1
+    with pytest.raises(ValueError, match="does not divide in_features 576"):
+        resolve_group_size(128, 576, strict=True)
+
+
+def test_dequantize_matches_float64_reference():
+    spec = QuantSpec(4, 32, sym=False)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (5, 64), generator=g).to(torch.uint8)
+    scales = (torch.rand(5, 2, generator=g) + 0.01).half()
+    zeros = torch.randint(0, 16, (5, 2), generator=g).to(torch.uint8)
+    qw = QuantizedWeight(spec, q, scales, zeros)
+    ref = torch.empty(5, 64, dtype=torch.float64)
+    for o in range(5):
+        for i in range(64):
+            ref[o, i] = (int(q[o, i]) - int(zeros[o, i // 32])) * float(scales[o, i // 32])
+    torch.testing.assert_close(qw.dequantize(torch.float64), ref, rtol=1e-6, atol=1e-7)
+    assert torch.equal(dequantize(q, scales, zeros, qw.group_index()), qw.dequantize())

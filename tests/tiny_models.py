@@ -1,0 +1,88 @@
+"""Tiny random causal LMs and a tiny tokenizer, built from configs (no hub access)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "Please summarise the attached contract and list the termination clauses.",
+    "The customer reports that the invoice total does not match the purchase order.",
+    "Extract the fields name, date and amount from the following receipt as JSON.",
+    "SELECT customer_id, SUM(amount) FROM orders GROUP BY customer_id;",
+    "Dear team, the quarterly revenue grew by 12 percent compared with last year.",
+    "请总结以下合同的主要条款，并列出付款条件。",
+    "def total(items): return sum(item.price for item in items)",
+    "Our refund policy allows returns within 30 days of delivery.",
+] * 4
+
+
+def make_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "<|im_end|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(family: str, vocab_size: int, tie: bool = True, **over):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    common.update(over)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(family)
+
+
+def make_model(family: str = "llama", seed: int = 0, tie: bool = True, **over):
+    """A tiny random model whose weights are scaled so that outputs are not degenerate."""
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer()
+    cfg = make_config(family, len(tok), tie=tie, **over)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    model.eval()
+    return model, tok
+
+
+def save_model(model, tok, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
