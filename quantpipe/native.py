@@ -1,0 +1,214 @@
+"""quantpipe's native quantized checkpoint: write and read.
+
+Layout of a quantized folder (QDIR), one entry per quantized linear ``P`` (e.g.
+``model.layers.0.self_attn.q_proj``), every other tensor under its Hugging Face name and dtype:
+
+| tensor          | dtype | shape                    | meaning                                     |
+|-----------------|-------|--------------------------|---------------------------------------------|
+| ``P.qweight``   | int32 | [out, in * bits / 32]    | unsigned q, packed along ``in``, LSB first  |
+| ``P.scales``    | fp16  | [out, in / group_size]   | one scale per (row, group)                  |
+| ``P.qzeros``    | uint8 | [out, in / group_size]   | asymmetric specs only (sym: 2**(bits-1))    |
+| ``P.g_idx``     | int32 | [in]                     | act-order specs only: group of each column  |
+| ``P.bias``      | any   | [out]                    | when the linear has a bias                  |
+
+``w[o, i] = (q[o, i] - zero[o, g_idx[i]]) * scale[o, g_idx[i]]`` (see ``quantpipe.qformat``).
+``config.json["quantization_config"]`` = ``{"quant_method": "quantpipe", "format_version": 1,
+"layers": {P: spec dict}}`` and ``quantpipe.json`` (stage ``quantized``) holds the whole plan,
+shard hashes and the source hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantpipe.io import (
+    MANIFEST_NAME,
+    atomic_output_dir,
+    read_manifest,
+    save_sharded,
+    write_manifest,
+)
+from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+
+log = logging.getLogger(__name__)
+
+NATIVE_FORMAT_VERSION = 1
+QUANT_METHOD = "quantpipe"
+# Files copied from the FP16 folder into every quantized folder.
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)
+
+
+def quantized_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The native tensors for one quantized linear."""
+    out = {
+        f"{name}.qweight": pack_int32(qw.q, qw.spec.bits),  # [out, in*bits/32] int32
+        f"{name}.scales": qw.scales.contiguous(),  # [out, G] fp16
+    }
+    if not qw.spec.sym:
+        out[f"{name}.qzeros"] = qw.zeros.contiguous()  # [out, G] uint8
+    if qw.g_idx is not None:
+        out[f"{name}.g_idx"] = qw.g_idx.contiguous()  # [in] int32
+    return out
+
+
+def read_fp_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors folder (index-aware)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else [p.name for p in sorted(folder.glob("*.safetensors"))]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for fname in files:
+        with safe_open(str(folder / fname), framework="pt") as f:
+            for k in f.keys():
+                state[k] = f.get_tensor(k)
+    return state
+
+
+def write_native(
+    out: str | Path,
+    fp16_dir: str | Path,
+    weights: dict[str, QuantizedWeight],
+    fp_overrides: dict[str, torch.Tensor] | None = None,
+    manifest_fields: dict | None = None,
+    max_shard_size: str = "2GB",
+    force: bool = False,
+) -> dict:
+    """Write a native quantized checkpoint.
+
+    ``weights``: linear name (no ``.weight``) -> its quantized weight. ``fp_overrides``: FP
+    tensors that replace the FP16 folder's (e.g. AWQ-scaled norms and kept-FP16 linears).
+    Returns the manifest.
+    """
+    fp16_dir = Path(fp16_dir)
+    fp16_manifest = read_manifest(fp16_dir, "fp16")
+    config = json.loads((fp16_dir / "config.json").read_text())
+    state = read_fp_state(fp16_dir)
+    for k, v in (fp_overrides or {}).items():
+        assert k in state, f"override {k} is not a tensor of {fp16_dir}"
+        state[k] = v.to(state[k].dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        lin = k[: -len(".weight")] if k.endswith(".weight") else None
+        if lin is not None and lin in weights:
+            qw = weights[lin]
+            assert tuple(v.shape) == qw.shape, (k, v.shape, qw.shape)
+            tensors.update(quantized_tensors(lin, qw))
+        else:
+            tensors[k] = v
+    missing = set(weights) - {k[: -len(".weight")] for k in state if k.endswith(".weight")}
+    if missing:
+        raise ValueError(f"quantized layers not found in {fp16_dir}: {sorted(missing)[:5]}")
+    layers = {name: qw.spec.to_dict() for name, qw in weights.items()}
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "format_version": NATIVE_FORMAT_VERSION,
+        "layers": layers,
+    }
+    with atomic_output_dir(out, force) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in SIDE_FILES:
+            if (fp16_dir / name).is_file():
+                shutil.copy2(fp16_dir / name, tmp / name)
+        shards = save_sharded(tensors, tmp, max_shard_size)
+        manifest = write_manifest(
+            tmp,
+            stage="quantized",
+            checkpoint_format="native",
+            native_format_version=NATIVE_FORMAT_VERSION,
+            source_fp16={
+                "path": str(fp16_dir.resolve()),
+                "shards": [{"file": s["file"], "sha256": s["sha256"]}
+                           for s in fp16_manifest["shards"]],
+                "source": fp16_manifest.get("source"),
+            },
+            layers=layers,
+            shards=shards,
+            **(manifest_fields or {}),
+        )
+    return manifest
+
+
+@dataclass
+class NativeCheckpoint:
+    """A native checkpoint's tensors as stored (packed), plus its plan."""
+
+    folder: Path
+    config: dict
+    manifest: dict
+    layers: dict[str, QuantSpec]  # quantized linear name -> spec
+    tensors: dict[str, torch.Tensor]  # every stored tensor, packed as on disk
+
+    def quantized_weight(self, name: str) -> QuantizedWeight:
+        """Unpack one linear into a :class:`QuantizedWeight`."""
+        spec = self.layers[name]
+        scales = self.tensors[f"{name}.scales"]  # [out, G] fp16
+        qweight = self.tensors[f"{name}.qweight"]  # [out, in*bits/32] int32
+        q = unpack_int32(qweight, spec.bits)  # [out, in] uint8
+        zeros = self.tensors.get(f"{name}.qzeros")
+        if zeros is None:
+            zeros = torch.full(scales.shape, spec.sym_zero, dtype=torch.uint8)
+        return QuantizedWeight(spec, q, scales, zeros, self.tensors.get(f"{name}.g_idx"))
+
+    def dequantized_state_dict(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+        """HF state dict with every quantized linear dequantized (the reference model)."""
+        out: dict[str, torch.Tensor] = {}
+        suffixes = (".qweight", ".scales", ".qzeros", ".g_idx")
+        for k, v in self.tensors.items():
+            if any(k.endswith(s) and k[: -len(s)] in self.layers for s in suffixes):
+                continue
+            out[k] = v
+        for name in self.layers:
+            out[f"{name}.weight"] = self.quantized_weight(name).dequantize(dtype)
+        return out
+
+
+def read_native(folder: str | Path) -> NativeCheckpoint:
+    folder = Path(folder)
+    manifest = read_manifest(folder, "quantized")
+    if manifest.get("checkpoint_format") != "native":
+        raise ValueError(
+            f"{folder} is a {manifest.get('checkpoint_format')!r} checkpoint, not native; "
+            f"see {MANIFEST_NAME}"
+        )
+    config = json.loads((folder / "config.json").read_text())
+    layers = {k: QuantSpec.from_dict(v) for k, v in manifest["layers"].items()}
+    return NativeCheckpoint(folder, config, manifest, layers, read_fp_state(folder))
+
+
+def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """Reference loader: a plain transformers model with the dequantized weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = read_native(folder)
+    cfg_dict = dict(ckpt.config)
+    cfg_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**cfg_dict)
+    try:  # skip random init of weights that are overwritten right away
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = ckpt.dequantized_state_dict(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()  # no_init_weights() skips the tying done at construction
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model.eval()
