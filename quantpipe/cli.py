@@ -58,5 +58,126 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
                f"{res.seconds:.1f}s)")
 
 
+@main.command("calibrate")
+@click.argument("fp16_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="CALIB_DIR.")
+@click.option("--prompts", default="business-calib", show_default=True,
+              help="Prompt file (JSONL/CSV/TSV/TXT/parquet/dataset folder) or business-calib.")
+@click.option("--column", default=None, help="Text column of a CSV/TSV/parquet prompt file.")
+@click.option("--algo", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq",
+              show_default=True)
+@click.option("--group-size", default=128, show_default=True,
+              help="INT4 group size: 32, 64, 128 or -1 (per channel).")
+@click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
+@click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal.")
+@click.option("--mse-clip", is_flag=True, help="RTN/GPTQ: search the clipping range per group.")
+@click.option("--strict-group-size", is_flag=True,
+              help="Error if the group size does not divide a layer (default: fall back).")
+@click.option("--samples", default=128, show_default=True, help="Calibration sequences.")
+@click.option("--seq-len", default=512, show_default=True, help="Tokens per sequence.")
+@click.option("--min-tokens", default=16, show_default=True, help="Drop shorter prompts.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--batch-size", default=8, show_default=True, help="Sequences per forward.")
+@click.option("--force", is_flag=True, help="Discard an existing CALIB_DIR.")
+def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
+                  strict_group_size, samples, seq_len, min_tokens, seed, batch_size, force):
+    """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
+    from calibration.pipeline import CalibrateSpec, calibrate
+
+    try:
+        spec = CalibrateSpec(
+            fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
+            strict_group_size, samples, seq_len, min_tokens, seed, batch_size, force=force,
+        )
+        res = calibrate(spec)
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(f"wrote {res.out} in {res.seconds:.1f}s (peak RSS {res.peak_rss_mb:.0f} MB, "
+               f"group-size fallbacks on {len(res.group_size_fallbacks)} layers, "
+               f"damping raises {res.damp_raises})")
+
+
+_OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeatable; "
+                  "the first matching rule wins.")
+
+
+@main.command("export")
+@click.argument("calib_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="QDIR.")
+@click.option("--format", "fmt", type=click.Choice(["native", "gptq", "compressed-tensors"]),
+              default="native", show_default=True)
+@click.option("--budget-bits", type=float, default=None,
+              help="Average bits per weight; picks INT4/INT8/FP16 per layer.")
+@click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
+@click.option("--max-shard-size", default="2GB", show_default=True)
+@click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size, force):
+    """Write a quantized checkpoint from CALIB_DIR."""
+    from quantpipe.export import ExportSpec, export_quantized
+
+    try:
+        spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
+                          max_shard_size, force)
+        res = export_quantized(spec)
+    except ValueError as exc:
+        _fail(exc)
+    c = res.plan.counts()
+    click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
+               f"{res.plan.effective_bits():.3f} bits/weight over quantized layers; "
+               f"int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
+
+
+@main.command("plan")
+@click.argument("calib_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--budget-bits", type=float, default=None, help="Average bits per weight.")
+@click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
+@click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
+              show_default=True, help="What the budget planner minimises.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
+def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
+    """Print the per-layer precision plan without exporting."""
+    from calibration.artifact import read_calibration
+    from calibration.plan import PlanSpec, make_plan
+    from quantpipe.io import write_json_atomic
+
+    try:
+        plan = make_plan(read_calibration(calib_dir),
+                         PlanSpec(int(bits), budget_bits, tuple(overrides), damage))
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(plan.table())
+    if json_out:
+        write_json_atomic(json_out, plan.to_dict())
+
+
+@main.command("eval")
+@click.option("--reference", required=True, type=click.Path(exists=True, path_type=Path),
+              help="FP16 folder (export-fp16).")
+@click.option("--candidate", required=True, type=click.Path(exists=True, path_type=Path),
+              help="Quantized folder (or any folder transformers loads).")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Any UTF-8 text file, scored in windows of --ctx tokens.")
+@click.option("--prompts", default=None,
+              help="Prompt file or business-eval (held-out prompts, chat template applied).")
+@click.option("--max-tokens", default=0, show_default=True, help="Stop after N tokens (0: all).")
+@click.option("--ctx", default=512, show_default=True, help="Window length in tokens.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write results here.")
+def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out):
+    """KL divergence, top-token agreement and perplexity of CANDIDATE vs REFERENCE."""
+    from quantpipe.io import write_json_atomic
+    from reports.eval import EvalSpec, format_result, load_texts, run_eval
+
+    try:
+        texts = load_texts(reference, text_file, prompts)
+        res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx))
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(format_result(res))
+    if json_out:
+        write_json_atomic(json_out, res.to_dict())
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,141 @@
+"""CALIB_DIR: the calibration artifact, written block by block and read by `export`.
+
+Layout::
+
+    CALIB_DIR/
+      progress.json                 spec + finished blocks (while running; resume point)
+      state/hidden.safetensors      inputs of the next block (while running; deleted at the end)
+      blocks/block-0000.safetensors per linear P and tag T in {w4, w8}:
+                                      P.T.qweight int32 [out, in*bits/32], P.T.scales fp16
+                                      [out, G], P.T.qzeros uint8 [out, G], P.T.g_idx int32
+                                      [in] (act-order only); fp.NAME: FP tensors that
+                                      calibration changed (AWQ-scaled norms and linears)
+      blocks/block-0000.json        per-layer specs and losses, fallbacks, timings
+      quantpipe.json                manifest (stage "calibration"), written last
+
+One calibration holds both the INT4 and the INT8 result of every linear, so `export --bits 4`,
+`--bits 8` and mixed plans never read the prompts again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from calibration.result import QuantResult
+from quantpipe.io import read_manifest, save_safetensors_atomic, write_json_atomic
+from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+
+TAGS = {4: "w4", 8: "w8"}
+
+
+def block_file(calib_dir: Path, index: int, ext: str) -> Path:
+    return Path(calib_dir) / "blocks" / f"block-{index:04d}.{ext}"
+
+
+def save_block(
+    calib_dir: Path,
+    index: int,
+    results: dict[str, dict[int, QuantResult]],
+    fp_tensors: dict[str, torch.Tensor],
+    info: dict,
+) -> None:
+    """Write one block's results (tensors first, then the JSON that marks it complete)."""
+    tensors: dict[str, torch.Tensor] = {}
+    layers: dict[str, dict] = {}
+    for name, by_bits in results.items():
+        layers[name] = {}
+        for bits, res in by_bits.items():
+            tag, w = TAGS[bits], res.weight
+            tensors[f"{name}.{tag}.qweight"] = pack_int32(w.q, bits)  # [out, in*bits/32] int32
+            tensors[f"{name}.{tag}.scales"] = w.scales  # [out, G] fp16
+            tensors[f"{name}.{tag}.qzeros"] = w.zeros  # [out, G] uint8
+            if w.g_idx is not None:
+                tensors[f"{name}.{tag}.g_idx"] = w.g_idx  # [in] int32
+            layers[name][tag] = {
+                "spec": w.spec.to_dict(),
+                "shape": list(w.shape),
+                "loss": res.loss,
+                "damp": res.damp,
+                "damp_raises": res.damp_raises,
+            }
+    for k, v in fp_tensors.items():
+        tensors[f"fp.{k}"] = v
+    (Path(calib_dir) / "blocks").mkdir(parents=True, exist_ok=True)
+    save_safetensors_atomic(tensors, block_file(calib_dir, index, "safetensors"))
+    write_json_atomic(block_file(calib_dir, index, "json"), {"layers": layers, **info})
+
+
+@dataclass
+class Calibration:
+    """A finished calibration, read lazily block by block."""
+
+    folder: Path
+    manifest: dict
+
+    @property
+    def fp16_dir(self) -> Path:
+        return Path(self.manifest["fp16_dir"])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.manifest["num_blocks"])
+
+    def block_info(self, index: int) -> dict:
+        return json.loads(block_file(self.folder, index, "json").read_text())
+
+    def layer_infos(self) -> dict[str, dict]:
+        """Every calibrated linear -> {"w4": {...}, "w8": {...}} (specs, losses)."""
+        out: dict[str, dict] = {}
+        for i in range(self.num_blocks):
+            out.update(self.block_info(i)["layers"])
+        return out
+
+    def weights(self, choice: dict[str, int]) -> dict[str, QuantizedWeight]:
+        """Load the quantized weights for ``choice``: linear name -> bits (4 or 8)."""
+        infos = self.layer_infos()
+        unknown = set(choice) - set(infos)
+        if unknown:
+            raise ValueError(f"layers not in this calibration: {sorted(unknown)[:5]}")
+        out: dict[str, QuantizedWeight] = {}
+        for i in range(self.num_blocks):
+            names = [n for n in self.block_info(i)["layers"] if n in choice]
+            if not names:
+                continue
+            with safe_open(str(block_file(self.folder, i, "safetensors")), framework="pt") as f:
+                keys = set(f.keys())
+                for name in names:
+                    tag = TAGS[choice[name]]
+                    spec = QuantSpec.from_dict(infos[name][tag]["spec"])
+                    q = unpack_int32(f.get_tensor(f"{name}.{tag}.qweight"), spec.bits)
+                    g_key = f"{name}.{tag}.g_idx"
+                    out[name] = QuantizedWeight(
+                        spec, q, f.get_tensor(f"{name}.{tag}.scales"),
+                        f.get_tensor(f"{name}.{tag}.qzeros"),
+                        f.get_tensor(g_key) if g_key in keys else None,
+                    )
+        return out
+
+    def fp_tensors(self) -> dict[str, torch.Tensor]:
+        """FP tensors that calibration changed (AWQ folding), by their model name."""
+        out: dict[str, torch.Tensor] = {}
+        for i in range(self.num_blocks):
+            with safe_open(str(block_file(self.folder, i, "safetensors")), framework="pt") as f:
+                for k in f.keys():
+                    if k.startswith("fp."):
+                        out[k[3:]] = f.get_tensor(k)
+        return out
+
+
+def read_calibration(folder: str | Path) -> Calibration:
+    folder = Path(folder)
+    if (folder / "progress.json").is_file() and not (folder / "quantpipe.json").is_file():
+        raise ValueError(
+            f"{folder} holds an unfinished calibration; re-run the same `quantpipe calibrate` "
+            "command to resume it"
+        )
+    return Calibration(folder, read_manifest(folder, "calibration"))

@@ -1,0 +1,158 @@
+"""Layer-sequential activation capture: block inputs, and per-input-group statistics.
+
+One decoder block at a time runs over the cached block inputs (the pattern of the original
+GPTQ ``llama_sequential``), so peak memory is one block plus the activations of the
+calibration set, never the whole model twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from calibration.families import Family, InputGroup
+
+
+@dataclass
+class BlockContext:
+    """What every decoder block needs besides its hidden states (shared by all samples)."""
+
+    position_ids: torch.Tensor  # [1, L] int64
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [1, L, head_dim]
+    attention_mask: torch.Tensor | None  # None: SDPA's causal path
+
+    def kwargs(self) -> dict:
+        return {
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+            "position_embeddings": self.position_embeddings,
+        }
+
+
+@torch.no_grad()
+def embed_inputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockContext]:
+    """input_ids [n, L] int64 -> block-0 hidden states [n, L, d] fp32 and the shared context."""
+    from transformers.masking_utils import create_causal_mask
+
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids).float()  # [n, L, d]
+    if getattr(inner.config, "model_type", "") in ("gemma", "gemma2"):
+        # Gemma scales embeddings by sqrt(hidden_size) inside its model forward
+        hidden = hidden * torch.tensor(inner.config.hidden_size**0.5, dtype=hidden.dtype)
+    length = input_ids.shape[1]
+    position_ids = torch.arange(length)[None]  # [1, L]
+    cos, sin = inner.rotary_emb(hidden[:1], position_ids=position_ids)
+    mask = create_causal_mask(
+        config=inner.config, inputs_embeds=hidden[:1], attention_mask=None, cache=None,
+        position_ids=position_ids,
+    )
+    return hidden, BlockContext(position_ids, (cos.float(), sin.float()), mask)
+
+
+@torch.no_grad()
+def run_block(block, hidden: torch.Tensor, ctx: BlockContext, batch_size: int) -> torch.Tensor:
+    """hidden [n, L, d] -> block output [n, L, d], ``batch_size`` samples at a time."""
+    outs = []
+    for start in range(0, hidden.shape[0], batch_size):
+        out = block(hidden[start : start + batch_size], **ctx.kwargs())
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return torch.cat(outs)
+
+
+@dataclass
+class GroupStats:
+    """Statistics of one shared linear input, accumulated over all calibration tokens."""
+
+    in_features: int
+    xtx: torch.Tensor  # [in, in] fp64 sum of x x^T
+    abs_sum: torch.Tensor  # [in] fp64 sum of |x|
+    tokens: int = 0
+    sample: list[torch.Tensor] = field(default_factory=list)  # rows kept for clip search
+    sample_rows: int = 0
+
+    @property
+    def H(self) -> torch.Tensor:
+        """GPTQ Hessian of the layer-wise loss: 2 X^T X / tokens  -> [in, in] fp32."""
+        return (2.0 * self.xtx / max(self.tokens, 1)).float()
+
+    @property
+    def x_absmean(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.tokens, 1)).float()  # [in]
+
+    def x_sample(self) -> torch.Tensor:
+        return torch.cat(self.sample) if self.sample else torch.zeros(0, self.in_features)
+
+
+class StatsCollector:
+    """Forward pre-hooks on the first linear of each input group of one block."""
+
+    def __init__(self, block, groups: tuple[InputGroup, ...], sample_rows: int = 4096,
+                 seed: int = 0):
+        self.stats: dict[InputGroup, GroupStats] = {}
+        self._handles = []
+        self._gen = torch.Generator().manual_seed(seed)
+        self._sample_rows = sample_rows
+        for group in groups:
+            lin = block.get_submodule(group.linears[0])
+            in_f = lin.in_features
+            self.stats[group] = GroupStats(
+                in_f, torch.zeros(in_f, in_f, dtype=torch.float64),
+                torch.zeros(in_f, dtype=torch.float64),
+            )
+            self._handles.append(lin.register_forward_pre_hook(self._hook(group)))
+
+    def _hook(self, group: InputGroup):
+        def hook(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
+            st = self.stats[group]
+            st.xtx += (x.T @ x).double()  # [in, in]
+            st.abs_sum += x.abs().sum(0).double()
+            st.tokens += x.shape[0]
+            want = self._sample_rows - st.sample_rows
+            if want > 0:
+                take = min(want, max(1, x.shape[0] // 8))
+                idx = torch.randperm(x.shape[0], generator=self._gen)[:take]
+                st.sample.append(x[idx].clone())
+                st.sample_rows += take
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class InputRecorder:
+    """Records the positional input of named submodules (AWQ's inspected modules)."""
+
+    def __init__(self, block, names: list[str], max_samples: int):
+        self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self._count: dict[str, int] = dict.fromkeys(names, 0)
+        self._max = max_samples
+        self._handles = [
+            block.get_submodule(n).register_forward_pre_hook(self._hook(n), with_kwargs=True)
+            for n in names
+        ]
+
+    def _hook(self, name: str):
+        def hook(_module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            room = self._max - self._count[name]
+            if room > 0:
+                self.inputs[name].append(x[:room].detach().clone())
+                self._count[name] += min(room, x.shape[0])
+
+        return hook
+
+    def get(self, name: str) -> torch.Tensor:
+        return torch.cat(self.inputs[name])  # [n, L, d]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def group_by_first_linear(family: Family) -> dict[str, InputGroup]:
+    return {g.linears[0]: g for g in family.groups}

@@ -1,0 +1,356 @@
+"""`quantpipe calibrate`: layer-sequential calibration of every decoder block.
+
+For each block, in order:
+1. run it over the cached block inputs with hooks that gather each input group's statistics
+   (GPTQ Hessian, mean |x|, a token sample) and, for AWQ, the inputs of the inspected modules;
+2. AWQ only: search and fold the per-channel scales group by group (arXiv 2306.00978, sec. 3.2);
+3. quantize every linear at INT4 (the requested spec) and INT8 (per channel) with the chosen
+   algorithm; record losses and numerical fallbacks;
+4. compute the next block's inputs: through the INT4-quantized block for GPTQ (the original
+   ``llama_sequential`` propagates quantized outputs), through the FP block otherwise;
+5. save the block's results and the next inputs, so a killed run resumes from here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tqdm.auto import tqdm
+
+from calibration.artifact import save_block
+from calibration.awq import awq_clip_search, awq_search_scales, fold_scales
+from calibration.capture import (
+    BlockContext,
+    InputRecorder,
+    StatsCollector,
+    embed_inputs,
+    run_block,
+)
+from calibration.families import ONE_PLUS_NORM_FAMILIES, Family, family_for, get_blocks
+from calibration.gptq import gptq
+from calibration.result import QuantResult
+from calibration.rtn import rtn
+from quantpipe.io import (
+    MANIFEST_NAME,
+    OutputExistsError,
+    read_manifest,
+    save_safetensors_atomic,
+    write_json_atomic,
+    write_manifest,
+)
+from quantpipe.qformat import INT8_PER_CHANNEL, QuantSpec, resolve_group_size
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("gptq", "awq", "rtn")
+
+
+@dataclass(frozen=True)
+class CalibrateSpec:
+    fp16_dir: Path  # output of export-fp16
+    out: Path  # CALIB_DIR
+    prompts: str = "business-calib"  # prompt file, or a shipped set name
+    column: str | None = None  # text column for CSV/TSV/parquet prompt files
+    algo: str = "gptq"  # gptq | awq | rtn
+    group_size: int = 128  # INT4 group size requested (falls back per layer, see below)
+    sym: bool = True  # INT4 symmetric (mid-point zero) or asymmetric
+    act_order: bool = False  # GPTQ: process columns by decreasing Hessian diagonal
+    mse_clip: bool = False  # RTN/GPTQ: search a clipping range per group
+    strict_group_size: bool = False  # error instead of falling back to a smaller group size
+    samples: int = 128  # calibration sequences
+    seq_len: int = 512  # tokens per sequence
+    min_tokens: int = 16  # drop prompts shorter than this
+    seed: int = 0
+    batch_size: int = 8  # sequences per block forward
+    awq_samples: int = 16  # sequences used by AWQ's scale search (block-output loss)
+    force: bool = False  # discard an existing CALIB_DIR
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
+        QuantSpec(4, self.group_size, self.sym, self.act_order)  # validates group size
+        if self.act_order and self.algo != "gptq":
+            raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
+        for name in ("samples", "seq_len", "batch_size", "awq_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def int4(self) -> QuantSpec:
+        return QuantSpec(4, self.group_size, self.sym, self.act_order)
+
+    def fingerprint(self) -> str:
+        """Identifies the settings a partial run was started with (resume must match)."""
+        keep = {k: str(v) for k, v in asdict(self).items() if k not in ("out", "force")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CalibrateResult:
+    out: Path
+    seconds: float
+    peak_rss_mb: float
+    group_size_fallbacks: dict[str, int]
+    damp_raises: int
+    resumed_from: int
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _prepare_out(spec: CalibrateSpec) -> int:
+    """Create CALIB_DIR or find the resume point; returns the first block to compute."""
+    out = spec.out
+    progress = out / "progress.json"
+    if (out / MANIFEST_NAME).is_file() or (out.exists() and not progress.is_file()
+                                          and out.is_dir() and any(out.iterdir())):
+        if not spec.force:
+            raise OutputExistsError(
+                f"{out} exists and holds other files or a finished calibration; pass --force "
+                "to replace it or choose another --out"
+            )
+    if spec.force and out.exists():
+        shutil.rmtree(out)
+    if progress.is_file():
+        state = json.loads(progress.read_text())
+        if state["fingerprint"] != spec.fingerprint():
+            raise ValueError(
+                f"{out} holds an unfinished calibration with other settings "
+                f"({state['spec']}); re-run with those settings to resume, or pass --force"
+            )
+        if (out / "state" / "hidden.safetensors").is_file():
+            log.info("resuming %s at block %d", out, state["next_block"])
+            return int(state["next_block"])
+    out.mkdir(parents=True, exist_ok=True)
+    return 0
+
+
+def _save_progress(spec: CalibrateSpec, next_block: int, extra: dict) -> None:
+    write_json_atomic(
+        spec.out / "progress.json",
+        {"fingerprint": spec.fingerprint(), "next_block": next_block,
+         "spec": {k: str(v) for k, v in asdict(spec).items()}, **extra},
+    )
+
+
+def _layer_spec(spec: CalibrateSpec, name: str, in_features: int,
+                fallbacks: dict[str, int]) -> QuantSpec:
+    gs = resolve_group_size(spec.group_size, in_features, spec.strict_group_size)
+    if gs != spec.group_size:
+        fallbacks[name] = gs
+    return spec.int4.with_group_size(gs)
+
+
+def _quantize(spec: CalibrateSpec, W: torch.Tensor, H: torch.Tensor, qspec: QuantSpec,
+              clip_x: torch.Tensor | None) -> QuantResult:
+    """One linear, one spec, with the chosen algorithm. W: [out, in] fp32, H: [in, in] fp32."""
+    if spec.algo == "gptq":
+        return gptq(W, H, qspec, mse_clip=spec.mse_clip)
+    if spec.algo == "rtn":
+        return rtn(W, qspec, mse_clip=spec.mse_clip, H=H)
+    if spec.algo == "awq":
+        if clip_x is None:  # q/k: llm-awq does not clip them (attention scores are sensitive)
+            return rtn(W, qspec, H=H)
+        max_val = awq_clip_search(W, clip_x, qspec)
+        return rtn(W, qspec, H=H, clip=max_val)
+    raise ValueError(f"unknown algorithm {spec.algo!r}")
+
+
+def _awq_block(block, family: Family, model_type: str, collector: StatsCollector,
+               recorder: InputRecorder, ctx: BlockContext, spec_for) -> dict:
+    """Search and fold AWQ scales for each input group of one block (in place)."""
+    info = {}
+    prev_kind_norm = "one_plus_norm" if model_type in ONE_PLUS_NORM_FAMILIES else "norm"
+    for group in family.groups:
+        st = collector.stats[group]
+        linears = [block.get_submodule(n) for n in group.linears]
+        prev = block.get_submodule(group.prev_op)
+        is_norm = not isinstance(prev, torch.nn.Linear)
+        if not is_norm and prev.out_features != linears[0].in_features:
+            info[group.linears[0]] = {"skipped": f"{group.prev_op} -> {group.linears} shapes "
+                                      "differ (grouped-query attention)"}
+            continue
+        weights = [lin.weight.data.float() for lin in linears]
+        if group.inspect:
+            module = block.get_submodule(group.inspect)
+            x_in = recorder.get(group.inspect)  # [n, L, d]
+            with torch.no_grad():
+                ref = _run_inspect(module, x_in, ctx)
+
+            def loss_fn(candidates, module=module, linears=linears, x_in=x_in, ref=ref):
+                saved = [lin.weight.data for lin in linears]
+                try:
+                    for lin, w in zip(linears, candidates):
+                        lin.weight.data = w.to(saved[0].dtype)
+                    with torch.no_grad():
+                        out = _run_inspect(module, x_in, ctx)
+                finally:
+                    for lin, w in zip(linears, saved):
+                        lin.weight.data = w
+                return float((out - ref).float().pow(2).mean())
+        else:
+            x = st.x_sample()  # [rows, in]
+            ref = x @ weights[0].T  # [rows, out]
+
+            def loss_fn(candidates, x=x, ref=ref):
+                return float((x @ candidates[0].T - ref).pow(2).mean())
+
+        res = awq_search_scales(st.x_absmean, weights, spec_for(linears[0].in_features),
+                                loss_fn)
+        s = res.scales  # [in]
+        prev_w = prev.weight.data.float()
+        prev_b = prev.bias.data.float() if getattr(prev, "bias", None) is not None else None
+        folded = fold_scales(prev_w, prev_kind_norm if is_norm else "linear", weights, s, prev_b)
+        prev.weight.data = folded.prev_weight.to(prev.weight.dtype)
+        if prev_b is not None:
+            prev.bias.data = folded.prev_bias.to(prev.bias.dtype)
+        for lin, w in zip(linears, folded.weights):
+            lin.weight.data = w.to(lin.weight.dtype)
+        # the group's input is now x / s: keep statistics in the new coordinates
+        st.xtx /= (s[:, None] * s[None, :]).double()
+        st.abs_sum /= s.double()
+        st.sample = [t / s for t in st.sample]
+        if group.inspect:
+            recorder.inputs[group.inspect] = [t / s for t in recorder.inputs[group.inspect]]
+        info[group.linears[0]] = {"ratio": res.ratio, "loss_s1": res.losses[0],
+                                  "loss_best": min(res.losses)}
+    return info
+
+
+def _run_inspect(module, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    if isinstance(module, torch.nn.Linear) or not hasattr(module, "q_proj"):
+        out = module(x)
+    else:  # attention needs the positions and the mask
+        out = module(hidden_states=x, **ctx.kwargs())
+    return out[0] if isinstance(out, tuple) else out
+
+
+def calibrate(spec: CalibrateSpec) -> CalibrateResult:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+
+    t0 = time.perf_counter()
+    fp16_manifest = read_manifest(spec.fp16_dir, "fp16")
+    start = _prepare_out(spec)
+    tokenizer = AutoTokenizer.from_pretrained(spec.fp16_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa"
+    ).eval()
+    model_type = model.config.model_type
+    family = family_for(model_type)
+    blocks = get_blocks(model, family)
+    prefix = family.blocks
+    data_summary = {}
+    state_file = spec.out / "state" / "hidden.safetensors"
+    if start == 0:
+        records = load_prompt_records(spec.prompts, column=spec.column)
+        calib = build_calibration_set(
+            tokenizer, records,
+            CalibDataSpec(n_samples=spec.samples, seq_len=spec.seq_len,
+                          min_tokens=spec.min_tokens, seed=spec.seed),
+        )
+        input_ids = calib.input_ids
+        if not torch.is_tensor(input_ids):
+            raise ValueError("calibration needs equal-length sequences; use pack mode")
+        data_summary = asdict(calib.summary)
+        hidden, ctx = embed_inputs(model, input_ids)
+        (spec.out / "state").mkdir(parents=True, exist_ok=True)
+        save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
+        _save_progress(spec, 0, {"data": data_summary})
+    else:
+        saved = load_file(str(state_file))
+        hidden, input_ids = saved["hidden"], saved["input_ids"]
+        _, ctx = embed_inputs(model, input_ids[:1])
+        data_summary = json.loads((spec.out / "progress.json").read_text()).get("data", {})
+    fallbacks: dict[str, int] = {}
+    total_raises = 0
+    for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
+                  initial=start, total=len(blocks)):
+        tb = time.perf_counter()
+        block = blocks[i]
+        collector = StatsCollector(block, family.groups, seed=spec.seed + i)
+        inspect_names = [g.inspect for g in family.groups if g.inspect]
+        recorder = (InputRecorder(block, inspect_names, spec.awq_samples)
+                    if spec.algo == "awq" else None)
+        fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
+        collector.remove()
+        if recorder is not None:
+            recorder.remove()
+        awq_info: dict = {}
+        fp_changed: dict[str, torch.Tensor] = {}
+        if spec.algo == "awq":
+            before = {k: v.detach().clone() for k, v in block.state_dict().items()}
+            awq_info = _awq_block(block, family, model_type, collector, recorder, ctx,
+                                  lambda in_f: _layer_spec(spec, "", in_f, {}))
+            for k, v in block.state_dict().items():
+                if not torch.equal(v, before[k]):
+                    fp_changed[f"{prefix}.{i}.{k}"] = v.detach().to(torch.float16).clone()
+        results: dict[str, dict[int, QuantResult]] = {}
+        block_raises = 0
+        for group in family.groups:
+            st = collector.stats[group]
+            H = st.H  # [in, in] fp32
+            for lin_name in group.linears:
+                full = f"{prefix}.{i}.{lin_name}"
+                lin = block.get_submodule(lin_name)
+                W = lin.weight.data.float()  # [out, in]
+                q4 = _layer_spec(spec, full, lin.in_features, fallbacks)
+                clip_x = None if lin_name.endswith(("q_proj", "k_proj")) else st.x_sample()
+                r4 = _quantize(spec, W, H, q4, clip_x)
+                r8 = _quantize(spec, W, H, INT8_PER_CHANNEL, clip_x)
+                results[full] = {4: r4, 8: r8}
+                block_raises += r4.damp_raises + r8.damp_raises
+                if spec.algo == "gptq":  # propagate through the quantized block
+                    lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
+        total_raises += block_raises
+        if spec.algo == "gptq":
+            hidden = run_block(block, hidden, ctx, spec.batch_size)
+        else:
+            hidden = fp_out
+        save_block(spec.out, i, results, fp_changed, {
+            "seconds": time.perf_counter() - tb, "awq": awq_info,
+            "damp_raises": block_raises,
+        })
+        save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
+        _save_progress(spec, i + 1, {"data": data_summary})
+    # finished: the manifest marks the folder valid; the resume state is no longer needed
+    if fallbacks:
+        sizes = sorted(set(fallbacks.values()))
+        log.warning("group size %d does not divide %d layer(s); used %s there "
+                    "(recorded per layer)", spec.group_size, len(fallbacks), sizes)
+    seconds = time.perf_counter() - t0
+    peak = _peak_rss_mb()
+    write_manifest(
+        spec.out,
+        stage="calibration",
+        fp16_dir=str(Path(spec.fp16_dir).resolve()),
+        fp16_shards=[{"file": s["file"], "sha256": s["sha256"]}
+                     for s in fp16_manifest["shards"]],
+        model_type=model_type,
+        num_blocks=len(blocks),
+        block_prefix=prefix,
+        algo=spec.algo,
+        int4=spec.int4.to_dict(),
+        int8=INT8_PER_CHANNEL.to_dict(),
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()},
+        data=data_summary,
+        group_size_fallbacks=fallbacks,
+        damp_raises=total_raises,
+        seconds=seconds,
+        peak_rss_mb=peak,
+    )
+    shutil.rmtree(spec.out / "state", ignore_errors=True)
+    os.replace(spec.out / "progress.json", spec.out / "blocks" / "progress-final.json")
+    return CalibrateResult(spec.out, seconds, peak, fallbacks, total_raises, start)

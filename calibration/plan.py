@@ -1,0 +1,246 @@
+"""The per-layer precision plan: INT4, INT8 or FP16 for every calibrated linear.
+
+Precedence (highest first):
+1. ``--override PATTERN=VALUE`` rules, in the order given; the first rule whose pattern matches
+   a layer decides it (PATTERN is an exact layer name or ``re:REGEX`` matched with fullmatch;
+   VALUE is 4, 8 or fp16). Overridden layers are fixed before anything else is decided.
+2. ``--budget-bits B``: the remaining layers start at INT4 and are upgraded (INT4 -> INT8 ->
+   FP16) where that buys the most predicted damage reduction per extra bit, while the average
+   bits per weight over all calibrated linears stays <= B.
+3. Otherwise every remaining layer gets ``--bits``.
+
+Bits per weight are counted as stored in the native format: ``bits`` for the integer, plus
+16 / group_size for the fp16 scale, plus 8 / group_size for a uint8 zero (asymmetric only),
+plus 32 / out_features for an int32 g_idx (act-order only); FP16 layers count 16.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantpipe.qformat import QuantSpec
+
+log = logging.getLogger(__name__)
+
+FP16 = None  # the plan's value for "keep this layer in FP16"
+SENSITIVITY_FILE = "sensitivity.json"
+
+
+def bits_per_weight(spec: QuantSpec | None, shape: tuple[int, int]) -> float:
+    """Stored bits per weight of one layer (see module docstring)."""
+    if spec is None:
+        return 16.0
+    out_f, in_f = shape
+    gs = spec.group_size_for(in_f)
+    bpw = spec.bits + 16.0 / gs
+    if not spec.sym:
+        bpw += 8.0 / gs
+    if spec.act_order:
+        bpw += 32.0 / out_f
+    return bpw
+
+
+@dataclass(frozen=True)
+class Override:
+    pattern: str  # exact name, or "re:" + regex (fullmatch)
+    bits: int | None  # 4, 8, or None for FP16
+
+    @classmethod
+    def parse(cls, text: str) -> "Override":
+        if "=" not in text:
+            raise ValueError(f"override {text!r} must look like NAME=4, 're:.*down_proj=8' or "
+                             "lm_head=fp16")
+        pattern, _, value = text.rpartition("=")
+        value = value.strip().lower()
+        if value not in ("4", "8", "fp16", "16"):
+            raise ValueError(f"override {text!r}: value must be 4, 8 or fp16")
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise ValueError(f"override {text!r}: bad regex ({exc})") from None
+        return cls(pattern, None if value in ("fp16", "16") else int(value))
+
+    def matches(self, name: str) -> bool:
+        if self.pattern.startswith("re:"):
+            return re.fullmatch(self.pattern[3:], name) is not None
+        return name == self.pattern
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    bits: int = 4  # default precision
+    budget_bits: float | None = None  # average bits per weight (automatic plan)
+    overrides: tuple[str, ...] = field(default_factory=tuple)  # parsed with Override.parse
+    damage: str = "auto"  # "auto" (measured KLD if present, else proxy), "kld" or "proxy"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits {self.bits} is not supported; use 4 or 8")
+        if self.budget_bits is not None and not 0 < self.budget_bits <= 16:
+            raise ValueError(f"--budget-bits {self.budget_bits} must be in (0, 16]: 16 keeps "
+                             "everything FP16")
+        if self.damage not in ("auto", "kld", "proxy"):
+            raise ValueError("damage must be auto, kld or proxy")
+        for o in self.overrides:
+            Override.parse(o)
+
+
+@dataclass
+class Plan:
+    bits: dict[str, int | None]  # layer -> 4, 8 or None (FP16)
+    specs: dict[str, QuantSpec | None]  # layer -> spec actually used (group-size fallbacks)
+    shapes: dict[str, tuple[int, int]]
+    reasons: dict[str, str]  # layer -> "override re:...", "budget", "default"
+    budget_bits: float | None
+    damage_source: str  # what the budget planner minimised
+    predicted_damage: float
+
+    @property
+    def params(self) -> int:
+        return sum(o * i for o, i in self.shapes.values())
+
+    def effective_bits(self) -> float:
+        total = sum(bits_per_weight(self.specs[n], s) * s[0] * s[1] for n, s in self.shapes.items())
+        return total / self.params
+
+    def counts(self) -> dict[str, int]:
+        out = {"int4": 0, "int8": 0, "fp16": 0}
+        for b in self.bits.values():
+            out["fp16" if b is None else f"int{b}"] += 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_bits": self.budget_bits,
+            "effective_bits_per_weight": self.effective_bits(),
+            "damage_source": self.damage_source,
+            "predicted_damage": self.predicted_damage,
+            "counts": self.counts(),
+            "layers": {
+                n: {"bits": self.bits[n], "spec": None if self.specs[n] is None
+                    else self.specs[n].to_dict(), "shape": list(self.shapes[n]),
+                    "bits_per_weight": bits_per_weight(self.specs[n], self.shapes[n]),
+                    "reason": self.reasons[n]}
+                for n in self.bits
+            },
+        }
+
+    def table(self) -> str:
+        rows = [f"{'layer':<48} {'precision':<14} {'bpw':>6}  reason"]
+        for n in self.bits:
+            spec = self.specs[n]
+            label = "fp16" if spec is None else spec.label()
+            rows.append(f"{n:<48} {label:<14} {bits_per_weight(spec, self.shapes[n]):>6.3f}  "
+                        f"{self.reasons[n]}")
+        c = self.counts()
+        rows.append(f"effective bits per weight: {self.effective_bits():.4f} "
+                    f"(int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
+        return "\n".join(rows)
+
+
+def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
+    """layer -> {4: damage, 8: damage, None: 0.0} and the name of the source used."""
+    path = Path(calib.folder) / SENSITIVITY_FILE
+    if source in ("auto", "kld") and path.is_file():
+        sens = json.loads(path.read_text())
+        table = {n: {4: v["kld_w4"], 8: v["kld_w8"], None: 0.0}
+                 for n, v in sens["layers"].items()}
+        return table, "measured KL divergence (sensitivity.json)"
+    if source == "kld":
+        raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}; run `quantpipe sensitivity` "
+                         "first or use --damage proxy")
+    return ({n: {4: v["w4"]["loss"], 8: v["w8"]["loss"], None: 0.0}
+             for n, v in layer_infos.items()}, "proxy loss tr(dW H dW^T)")
+
+
+def make_plan(calib, spec: PlanSpec) -> Plan:
+    """Build the plan for a finished calibration (``calibration.artifact.Calibration``)."""
+    infos = calib.layer_infos()
+    names = list(infos)
+    shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
+    specs_of = {n: {4: QuantSpec.from_dict(infos[n]["w4"]["spec"]),
+                    8: QuantSpec.from_dict(infos[n]["w8"]["spec"]), None: None} for n in names}
+    overrides = [Override.parse(o) for o in spec.overrides]
+    bits: dict[str, int | None] = {}
+    reasons: dict[str, str] = {}
+    for o in overrides:
+        hit = [n for n in names if o.matches(n) and n not in bits]
+        if not any(o.matches(n) for n in names):
+            raise ValueError(f"override {o.pattern!r} matches no calibrated layer "
+                             f"(layers look like {names[0]})")
+        for n in hit:
+            bits[n] = o.bits
+            reasons[n] = f"override {o.pattern}"
+    free = [n for n in names if n not in bits]
+    damage_source = "none"
+    predicted = 0.0
+    if spec.budget_bits is None:
+        for n in free:
+            bits[n] = spec.bits
+            reasons[n] = "default"
+    else:
+        damage, damage_source = _damage_table(calib, infos, spec.damage)
+        chosen = _budget_plan(free, {n: shapes[n] for n in names}, specs_of, damage, bits,
+                              spec.budget_bits)
+        for n in free:
+            bits[n] = chosen[n]
+            reasons[n] = "budget"
+        predicted = sum(damage[n][bits[n]] for n in names if n in damage)
+    ordered = {n: bits[n] for n in names}
+    return Plan(ordered, {n: specs_of[n][bits[n]] for n in names}, shapes,
+                {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted)
+
+
+def _budget_plan(free, shapes, specs_of, damage, fixed, budget) -> dict[str, int | None]:
+    """Greedy multiple-choice knapsack.
+
+    Each layer moves along INT4 -> INT8 -> FP16. A move costs extra stored bits
+    (params x delta bits-per-weight) and buys a drop in predicted damage. Taking moves in order
+    of damage drop per bit is the classic greedy for the LP relaxation of the multiple-choice
+    knapsack: it is optimal when each layer's (bits, damage) points are convex, which we enforce
+    by merging a non-convex middle step into the jump 4 -> 16 (its ratio is then the average).
+    The greedy stops at the first move that does not fit, then tries the smaller remaining
+    moves, so the budget is used as fully as the granularity of layers allows.
+    """
+    params = {n: shapes[n][0] * shapes[n][1] for n in shapes}
+    total_params = sum(params.values())
+
+    def cost(n, b):
+        return bits_per_weight(specs_of[n][b], shapes[n]) * params[n]
+
+    used = sum(cost(n, b) for n, b in fixed.items()) + sum(cost(n, 4) for n in free)
+    limit = budget * total_params
+    min_bits = used / total_params
+    if used > limit + 1e-6:
+        raise ValueError(
+            f"--budget-bits {budget} is below the minimum {min_bits:.3f} bits per weight "
+            "(every free layer at INT4, with scale and zero overhead, plus overrides); raise "
+            "the budget or use a larger group size"
+        )
+    moves = []  # (ratio, layer, from, to, extra_bits, gain)
+    for n in free:
+        d4, d8, d16 = damage[n][4], damage[n][8], damage[n][None]
+        c4, c8, c16 = cost(n, 4), cost(n, 8), cost(n, None)
+        r48 = (d4 - d8) / max(c8 - c4, 1e-9)
+        r816 = (d8 - d16) / max(c16 - c8, 1e-9)
+        if r816 > r48:  # non-convex: going to FP16 at once is the better rate
+            moves.append(((d4 - d16) / (c16 - c4), n, 4, None, c16 - c4))
+        else:
+            moves.append((r48, n, 4, 8, c8 - c4))
+            moves.append((r816, n, 8, None, c16 - c8))
+    moves.sort(key=lambda m: -m[0])
+    state = {n: 4 for n in free}
+    for ratio, n, frm, to, extra in moves:
+        if ratio <= 0:
+            break
+        if state[n] != frm:  # its previous step was not taken: this one is not reachable
+            continue
+        if used + extra <= limit + 1e-6:
+            state[n] = to
+            used += extra
+    return state

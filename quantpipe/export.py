@@ -1,0 +1,84 @@
+"""Stage 4: `quantpipe export` — a calibration becomes a quantized checkpoint.
+
+The per-layer plan (which linears are INT4, INT8 or kept FP16) is computed from the
+calibration by ``calibration.plan`` and applied here; the chosen format's writer does the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from calibration.artifact import read_calibration
+from calibration.plan import Plan, PlanSpec, make_plan
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("native", "gptq", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    calib_dir: Path  # output of `quantpipe calibrate`
+    out: Path  # QDIR
+    bits: int = 4  # default precision of quantized linears: 4 or 8
+    fmt: str = "native"  # native | gptq | compressed-tensors
+    budget_bits: float | None = None  # average bits per weight: automatic mixed precision
+    overrides: tuple[str, ...] = field(default_factory=tuple)  # "NAME|re:REGEX=4|8|fp16"
+    max_shard_size: str = "2GB"
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"--bits {self.bits} is not supported; use 4 or 8")
+        if self.fmt not in FORMATS:
+            raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMATS}")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    plan: Plan
+    bytes_on_disk: int
+    seconds: float
+
+
+def export_quantized(spec: ExportSpec) -> ExportResult:
+    t0 = time.perf_counter()
+    calib = read_calibration(spec.calib_dir)
+    plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides))
+    weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
+    manifest_fields = {
+        "calibration": {
+            "path": str(Path(spec.calib_dir).resolve()),
+            "algo": calib.manifest["algo"],
+            "int4": calib.manifest["int4"],
+            "data": calib.manifest.get("data", {}),
+            "group_size_fallbacks": calib.manifest.get("group_size_fallbacks", {}),
+            "damp_raises": calib.manifest.get("damp_raises", 0),
+            "seconds": calib.manifest.get("seconds"),
+        },
+        "plan": plan.to_dict(),
+    }
+    args = dict(
+        fp_overrides=calib.fp_tensors(), manifest_fields=manifest_fields,
+        max_shard_size=spec.max_shard_size, force=spec.force,
+    )
+    if spec.fmt == "native":
+        from quantpipe.native import write_native
+
+        write_native(spec.out, calib.fp16_dir, weights, **args)
+    elif spec.fmt == "gptq":
+        from quantpipe.formats.gptq import write_gptq
+
+        write_gptq(spec.out, calib.fp16_dir, weights, **args)
+    elif spec.fmt == "compressed-tensors":
+        from quantpipe.formats.compressed_tensors import write_compressed_tensors
+
+        write_compressed_tensors(spec.out, calib.fp16_dir, weights, **args)
+    else:
+        raise ValueError(f"unknown format {spec.fmt!r}")
+    size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))
+    return ExportResult(Path(spec.out), plan, size, time.perf_counter() - t0)
