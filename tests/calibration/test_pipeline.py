@@ -1,0 +1,138 @@
+"""End-to-end calibration on tiny models: calibrate -> export -> load, resume, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from calibration.artifact import read_calibration
+from calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.export import ExportSpec, export_quantized
+from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+from quantpipe.native import load_dequantized_model, read_native
+from reports.eval import EvalSpec, evaluate_models
+
+PROMPTS = [
+    "Please summarise the attached contract and list the termination clauses.",
+    "The customer reports that the invoice total does not match the purchase order.",
+    "Extract the fields name, date and amount from the following receipt as JSON.",
+    "SELECT customer_id, SUM(amount) FROM orders GROUP BY customer_id;",
+    "Dear team, the quarterly revenue grew by 12 percent compared with last year.",
+    "请总结以下合同的主要条款，并列出付款条件。",
+    "def total(items): return sum(item.price for item in items)",
+    "Our refund policy allows returns within 30 days of delivery.",
+]
+
+
+@pytest.fixture(scope="module")
+def fp16_dir(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp16") / "fp16"
+    export_fp16(Fp16ExportSpec(str(tiny_model_dir), out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    lines = [json.dumps({"prompt": f"{p} Request {i}."}) for i in range(6) for p in PROMPTS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _spec(fp16_dir, prompt_file, out, **kw):
+    base = dict(samples=8, seq_len=32, min_tokens=4, batch_size=4, awq_samples=4)
+    base.update(kw)
+    return CalibrateSpec(fp16_dir, out, str(prompt_file), **base)
+
+
+@pytest.mark.parametrize("algo", ["rtn", "gptq", "awq"])
+def test_calibrate_export_eval(fp16_dir, prompt_file, tmp_path, algo):
+    res = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "calib", algo=algo, group_size=32))
+    calib = read_calibration(res.out)
+    infos = calib.layer_infos()
+    assert len(infos) == 2 * 7  # 2 blocks x (q, k, v, o, gate, up, down)
+    assert not (res.out / "state").exists()
+    for bits in (4, 8):
+        q = tmp_path / f"q{bits}"
+        export_quantized(ExportSpec(res.out, q, bits=bits))
+        ckpt = read_native(q)
+        assert {s.bits for s in ckpt.layers.values()} == {bits}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(fp16_dir)
+    text = " ".join(PROMPTS) * 3
+    kld = {}
+    for bits in (4, 8):
+        cand = load_dequantized_model(tmp_path / f"q{bits}")
+        kld[bits] = evaluate_models(ref, cand, tok, EvalSpec(fp16_dir, fp16_dir, (text,),
+                                                            ctx=64)).kld["mean"]
+    assert kld[8] < kld[4]
+    assert kld[8] < 1e-3
+
+
+def test_awq_fold_keeps_fp_model(fp16_dir, prompt_file, tmp_path):
+    """AWQ's folded FP tensors + scaled weights compute the same function as the original."""
+    res = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "calib", algo="awq"))
+    calib = read_calibration(res.out)
+    fp = calib.fp_tensors()
+    assert any("layernorm" in k for k in fp)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)
+    folded = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)
+    state = folded.state_dict()
+    with torch.no_grad():
+        for k, v in fp.items():
+            state[k].copy_(v.float())
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        a, b = ref(ids).logits, folded(ids).logits
+    # fp16 storage of the folded tensors: relative rounding ~1e-3
+    assert (a - b).abs().max() < 2e-2 * a.abs().max()
+
+
+def test_resume_after_kill(fp16_dir, prompt_file, tmp_path):
+    out = tmp_path / "calib"
+    code = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "import calibration.pipeline as p\n"
+        "orig = p._save_progress\n"
+        "def prog(spec, nxt, extra):\n"
+        "    orig(spec, nxt, extra)\n"
+        "    if nxt == 1:  # block 0 saved: die before block 1\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "p._save_progress = prog\n"
+        f"p.calibrate(p.CalibrateSpec(Path({str(fp16_dir)!r}), Path({str(out)!r}), "
+        f"{str(prompt_file)!r}, algo='gptq', samples=8, seq_len=32, min_tokens=4, "
+        "batch_size=4, awq_samples=4))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "quantpipe.json").exists()
+    with pytest.raises(ValueError, match="unfinished calibration"):
+        read_calibration(out)
+    with pytest.raises(ValueError, match="other settings"):
+        calibrate(_spec(fp16_dir, prompt_file, out, algo="rtn"))
+    res = calibrate(_spec(fp16_dir, prompt_file, out, algo="gptq"))
+    assert res.resumed_from == 1
+    resumed = read_calibration(out).layer_infos()
+    fresh = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "fresh", algo="gptq"))
+    full = read_calibration(fresh.out).layer_infos()
+    for name in full:  # resuming gives the same result as an uninterrupted run
+        assert resumed[name]["w4"]["loss"] == pytest.approx(full[name]["w4"]["loss"], rel=1e-5)
+
+
+def test_errors(fp16_dir, prompt_file, tmp_path):
+    with pytest.raises(ValueError, match="use one of"):
+        _spec(fp16_dir, prompt_file, tmp_path / "c", algo="smoothquant")
+    with pytest.raises(ValueError, match="act-order"):
+        _spec(fp16_dir, prompt_file, tmp_path / "c", algo="rtn", act_order=True)
+    with pytest.raises(ValueError, match="does not divide"):
+        calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="rtn", group_size=128,
+                        strict_group_size=True))
