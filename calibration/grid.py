@@ -51,3 +51,79 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize then dequantize (same broadcasting as :func:`quantize_to_grid`)."""
     return (quantize_to_grid(w, scale, zero, maxq) - zero) * scale
+
+
+# ---- per-group helpers shared by RTN, GPTQ and AWQ ------------------------------------------
+
+
+def group_size_checked(spec: QuantSpec, in_features: int) -> int:
+    """The group size used for a layer; ValueError with a remedy when it does not divide."""
+    gs = spec.group_size_for(in_features)
+    if in_features % gs != 0:
+        raise ValueError(
+            f"group_size {spec.group_size} does not divide in_features {in_features}; pick one "
+            "with quantpipe.qformat.resolve_group_size (e.g. 32, 64 or -1) before quantizing"
+        )
+    return gs
+
+
+def to_groups(W: torch.Tensor, gs: int) -> torch.Tensor:
+    """W: [out, in] -> [out, G, gs] (a view; G = in // gs)."""
+    out_f, in_f = W.shape
+    return W.reshape(out_f, in_f // gs, gs)
+
+
+def params_for_groups(
+    Wg: torch.Tensor,
+    spec: QuantSpec,
+    max_val: torch.Tensor | None = None,
+    mse_clip: bool = False,
+    col_weight: torch.Tensor | None = None,
+    grid: int = 20,
+    max_shrink: float = 0.8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of every group.
+
+    Wg: [out, G, gs] fp32 -> scale [out, G] fp32 (fp16-representable), zero [out, G] fp32.
+
+    - plain: min-max of each group;
+    - ``max_val`` [out, G]: the range is first clipped to ``[-max_val, max_val]`` (AWQ auto_clip);
+    - ``mse_clip``: the range is shrunk by ``p = 1 - i / grid`` for ``i < max_shrink * grid``
+      (GPTQ's quantizer ``mse`` option) and each group keeps the ``p`` with the smallest squared
+      error, weighted per column by ``col_weight`` [G, gs] (e.g. diag(H)) when given. ``p = 1`` is
+      evaluated first and only a strictly smaller error replaces it, so the search never loses
+      to min-max.
+    """
+    xmin = Wg.amin(dim=-1)  # [out, G]
+    xmax = Wg.amax(dim=-1)  # [out, G]
+    if max_val is not None:
+        assert max_val.shape == xmin.shape, (max_val.shape, xmin.shape)
+        xmin = torch.maximum(xmin, -max_val)
+        xmax = torch.minimum(xmax, max_val)
+    scale, zero = scale_zero_from_range(xmin, xmax, spec)
+    if not mse_clip:
+        return scale, zero
+    if grid < 1 or not 0.0 < max_shrink <= 1.0:
+        raise ValueError(
+            f"mse_clip needs grid >= 1 and 0 < max_shrink <= 1, got grid={grid}, "
+            f"max_shrink={max_shrink}; the defaults are 20 and 0.8"
+        )
+    wd = Wg.double()
+    cw = None if col_weight is None else col_weight.double().unsqueeze(0)  # [1, G, gs]
+
+    def err_of(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # errors in float64 so that ties between candidates compare exactly
+        d = fake_quantize(Wg, s.unsqueeze(-1), z.unsqueeze(-1), spec.maxq).double() - wd
+        d2 = d * d if cw is None else d * d * cw  # [out, G, gs]
+        return d2.sum(dim=-1)  # [out, G]
+
+    best_err = err_of(scale, zero)
+    for i in range(1, int(max_shrink * grid)):
+        p = 1.0 - i / grid
+        s, z = scale_zero_from_range(p * xmin, p * xmax, spec)
+        err = err_of(s, z)
+        better = err < best_err  # [out, G] bool
+        best_err = torch.where(better, err, best_err)
+        scale = torch.where(better, s, scale)
+        zero = torch.where(better, z, zero)
+    return scale, zero
