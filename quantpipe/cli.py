@@ -179,5 +179,141 @@ def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out
         write_json_atomic(json_out, res.to_dict())
 
 
+@main.command("verify")
+@click.argument("qdir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def verify_cmd(qdir):
+    """Check a quantized folder (native, GPTQ or compressed-tensors) before loading it.
+
+    Verifies manifest hashes (quantpipe folders), every tensor's presence, shape and dtype,
+    finite positive scales, zero points and group sizes. Exit code 1 lists every problem.
+    """
+    from quantpipe.formats.verify import verify_checkpoint
+
+    try:
+        report = verify_checkpoint(qdir)
+    except ValueError as exc:
+        _fail(exc)  # prints every problem, exit code 1
+    click.echo(report.summary())
+
+
+@main.command("serve")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Bind address (loopback by default; other addresses expose the server).")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--max-num-seqs", default=16, show_default=True, type=int,
+              help="Sequences in the running batch.")
+@click.option("--max-queue", default=64, show_default=True, type=int,
+              help="Accepted requests waiting beyond the batch; more get 429.")
+@click.option("--kv-cache-memory", default=None,
+              help="KV pool size, e.g. 2GiB (default: half the free memory).")
+@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per block.")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int,
+              help="Tokens computed per engine step (prefill chunks + decodes).")
+@click.option("--no-prefix-caching", is_flag=True, help="Disable KV prefix caching.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
+def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
+              max_num_batched_tokens, no_prefix_caching, device):
+    """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
+    from quantpipe.io import parse_size
+    from runtime.server import ServeSpec, serve
+
+    try:
+        spec = ServeSpec(model_dir, host, port, max_num_seqs, max_queue,
+                         parse_size(kv_cache_memory) if kv_cache_memory else None, block_size,
+                         max_num_batched_tokens, not no_prefix_caching, device)
+        click.echo(f"serving {model_dir} on http://{host}:{port}/v1", err=True)
+        serve(spec)
+    except ValueError as exc:
+        _fail(exc)
+
+
+@main.command("bench-serve")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
+@click.option("--concurrency", default="1,4,16", show_default=True,
+              help="Comma-separated in-flight caps, one run each.")
+@click.option("--prompt-len", default=256, show_default=True, type=int)
+@click.option("--output-len", default=128, show_default=True, type=int)
+@click.option("--duration", default=60.0, show_default=True, type=float,
+              help="Seconds of sending per run.")
+@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--request-rate", default=None, type=float,
+              help="Poisson arrival rate (req/s); default: closed loop at each concurrency.")
+@click.option("--shared-prefix-len", default=0, show_default=True, type=int,
+              help="Leading prompt tokens common to all requests (prefix caching).")
+@click.option("--warmup", default=2, show_default=True, type=int, help="Warm-up requests.")
+@click.option("--ttft-slo", default=2.0, show_default=True, type=float, help="Seconds.")
+@click.option("--tpot-slo", default=0.060, show_default=True, type=float, help="Seconds.")
+@click.option("--allow-remote", is_flag=True, help="Permit a non-loopback --url.")
+@click.option("--json", "json_out", default=None, type=click.Path(path_type=Path),
+              help="Write all runs and medians here.")
+def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats, request_rate,
+                    shared_prefix_len, warmup, ttft_slo, tpot_slo, allow_remote, json_out):
+    """Load-test a running server (metrics as `vllm bench serve` defines them)."""
+    from runtime.loadgen import BenchSpec, format_table, run_bench
+
+    try:
+        conc = tuple(int(c) for c in concurrency.split(",") if c.strip())
+    except ValueError:
+        _fail(ValueError(f"--concurrency {concurrency!r}: write integers like 1,4,16"))
+    try:
+        spec = BenchSpec(url=url, concurrency=conc, prompt_len=prompt_len, output_len=output_len,
+                         duration=duration, repeats=repeats, request_rate=request_rate,
+                         warmup_requests=warmup, shared_prefix_len=shared_prefix_len,
+                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, allow_remote=allow_remote,
+                         json_out=json_out)
+        res = run_bench(spec)
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(format_table(res))
+
+
+@main.command("plan-memory")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--context", default=8192, show_default=True, type=int,
+              help="Tokens per sequence (prompt + output).")
+@click.option("--concurrency", default=10, show_default=True, type=int)
+@click.option("--device-memory", default="80GB", show_default=True)
+@click.option("--utilization", default=0.9, show_default=True, type=float)
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--reserve", default="1GiB", show_default=True, help="Runtime reserve.")
+@click.option("--kv-dtype", default=None, help="KV element type (default: the config's dtype).")
+def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization, block_size,
+                    reserve, kv_dtype):
+    """Weights + KV cache + activations vs device memory; max sequences at --context."""
+    from quantpipe.io import parse_size
+    from runtime.memory_plan import MemoryPlanSpec, format_plan, plan_memory
+
+    try:
+        spec = MemoryPlanSpec(model_dir, context=context, concurrency=concurrency,
+                              device_memory=parse_size(device_memory), utilization=utilization,
+                              block_size=block_size, runtime_reserve=parse_size(reserve),
+                              kv_dtype=kv_dtype)
+        click.echo(format_plan(plan_memory(spec)))
+    except ValueError as exc:
+        _fail(exc)
+
+
+@main.command("generate")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+def generate_cmd(model_dir, prompt, chat, max_new_tokens, device):
+    """Greedy-generate from an FP16 or quantized MODEL_DIR; text on stdout, timings on stderr."""
+    from runtime.generate import GenerateSpec, run_generate
+
+    try:
+        res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device))
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(res.text)
+    click.echo(f"{'quantized' if res.quantized else 'fp'} model, {res.prompt_tokens} prompt "
+               f"tokens: prefill {res.prefill_s * 1000:.1f} ms, decode "
+               f"{res.decode_tokens_per_s:.1f} tokens/s ({res.new_tokens} new), peak memory "
+               f"{res.peak_memory_bytes / 2**20:.0f} MiB", err=True)
+
+
 if __name__ == "__main__":
     main()

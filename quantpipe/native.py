@@ -78,6 +78,49 @@ def read_fp_state(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_fp16_source(
+    fp16_dir: str | Path,
+    weights: dict[str, QuantizedWeight],
+    fp_overrides: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """The FP16 folder's ``(config, state, manifest)`` with ``fp_overrides`` applied.
+
+    Checks that every quantized layer has a ``.weight`` of the same shape in the folder.
+    Shared by every export format (native, GPTQ, compressed-tensors).
+    """
+    fp16_dir = Path(fp16_dir)
+    fp16_manifest = read_manifest(fp16_dir, "fp16")
+    config = json.loads((fp16_dir / "config.json").read_text())
+    state = read_fp_state(fp16_dir)
+    for k, v in (fp_overrides or {}).items():
+        assert k in state, f"override {k} is not a tensor of {fp16_dir}"
+        state[k] = v.to(state[k].dtype)
+    missing = set(weights) - {k[: -len(".weight")] for k in state if k.endswith(".weight")}
+    if missing:
+        raise ValueError(f"quantized layers not found in {fp16_dir}: {sorted(missing)[:5]}")
+    for name, qw in weights.items():
+        w = state[f"{name}.weight"]
+        assert tuple(w.shape) == qw.shape, (name, w.shape, qw.shape)
+    return config, state, fp16_manifest
+
+
+def source_fp16_entry(fp16_dir: str | Path, fp16_manifest: dict) -> dict:
+    """The ``source_fp16`` manifest field: where the FP16 weights came from, with hashes."""
+    return {
+        "path": str(Path(fp16_dir).resolve()),
+        "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in fp16_manifest["shards"]],
+        "source": fp16_manifest.get("source"),
+    }
+
+
+def copy_side_files(src: str | Path, dst: str | Path) -> None:
+    """Copy the tokenizer and generation files (:data:`SIDE_FILES`) that exist in ``src``."""
+    src, dst = Path(src), Path(dst)
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
 def write_native(
     out: str | Path,
     fp16_dir: str | Path,
@@ -94,24 +137,14 @@ def write_native(
     Returns the manifest.
     """
     fp16_dir = Path(fp16_dir)
-    fp16_manifest = read_manifest(fp16_dir, "fp16")
-    config = json.loads((fp16_dir / "config.json").read_text())
-    state = read_fp_state(fp16_dir)
-    for k, v in (fp_overrides or {}).items():
-        assert k in state, f"override {k} is not a tensor of {fp16_dir}"
-        state[k] = v.to(state[k].dtype)
+    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides)
     tensors: dict[str, torch.Tensor] = {}
     for k, v in state.items():
         lin = k[: -len(".weight")] if k.endswith(".weight") else None
         if lin is not None and lin in weights:
-            qw = weights[lin]
-            assert tuple(v.shape) == qw.shape, (k, v.shape, qw.shape)
-            tensors.update(quantized_tensors(lin, qw))
+            tensors.update(quantized_tensors(lin, weights[lin]))
         else:
             tensors[k] = v
-    missing = set(weights) - {k[: -len(".weight")] for k in state if k.endswith(".weight")}
-    if missing:
-        raise ValueError(f"quantized layers not found in {fp16_dir}: {sorted(missing)[:5]}")
     layers = {name: qw.spec.to_dict() for name, qw in weights.items()}
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
@@ -120,21 +153,14 @@ def write_native(
     }
     with atomic_output_dir(out, force) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in SIDE_FILES:
-            if (fp16_dir / name).is_file():
-                shutil.copy2(fp16_dir / name, tmp / name)
+        copy_side_files(fp16_dir, tmp)
         shards = save_sharded(tensors, tmp, max_shard_size)
         manifest = write_manifest(
             tmp,
             stage="quantized",
             checkpoint_format="native",
             native_format_version=NATIVE_FORMAT_VERSION,
-            source_fp16={
-                "path": str(fp16_dir.resolve()),
-                "shards": [{"file": s["file"], "sha256": s["sha256"]}
-                           for s in fp16_manifest["shards"]],
-                "source": fp16_manifest.get("source"),
-            },
+            source_fp16=source_fp16_entry(fp16_dir, fp16_manifest),
             layers=layers,
             shards=shards,
             **(manifest_fields or {}),

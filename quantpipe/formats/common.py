@@ -1,0 +1,97 @@
+"""Pieces shared by the GPTQ and compressed-tensors writers and the validating loader.
+
+A quantized folder is written in one place (:func:`write_quantized_folder`): config.json with
+the format's ``quantization_config``, the side files (tokenizer, generation config), sharded
+safetensors and, last, the ``quantpipe.json`` manifest, all inside
+:func:`quantpipe.io.atomic_output_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from quantpipe.io import atomic_output_dir, save_sharded, write_json_atomic, write_manifest
+from quantpipe.native import copy_side_files
+from quantpipe.qformat import QuantizedWeight
+
+# The three on-disk layouts quantpipe writes and reads.
+FORMATS = ("native", "gptq", "compressed-tensors")
+
+# 2-D ``.weight`` tensors that are not linears of a decoder block: never quantized, never
+# listed as "kept in FP16" (names of the Llama/Qwen/Mistral/Gemma families).
+NON_LINEAR_2D = ("embed_tokens", "lm_head", "wte", "wpe", "embed_positions")
+
+
+def kept_fp16_linears(state: dict[str, torch.Tensor], quantized: set[str]) -> list[str]:
+    """Linears (2-D ``X.weight``, not embeddings or the head) that the plan keeps in FP16."""
+    out = []
+    for k, v in state.items():
+        if not k.endswith(".weight") or v.dim() != 2:
+            continue
+        name = k[: -len(".weight")]
+        if name in quantized or name.rsplit(".", 1)[-1] in NON_LINEAR_2D:
+            continue
+        out.append(name)
+    return out
+
+
+def is_sequential_g_idx(qw: QuantizedWeight) -> bool:
+    """True when the layer's groups are plain ``i // group_size`` (no act-order permutation)."""
+    if qw.g_idx is None:
+        return True
+    in_f = qw.shape[1]
+    seq = torch.arange(in_f) // qw.spec.group_size_for(in_f)  # [in] int64
+    return torch.equal(qw.g_idx.long(), seq)
+
+
+def replace_quantized(
+    state: dict[str, torch.Tensor],
+    weights: dict[str, QuantizedWeight],
+    layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """The state dict to save: each quantized ``P.weight`` replaced by the format's tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        lin = k[: -len(".weight")] if k.endswith(".weight") else None
+        if lin is not None and lin in weights:
+            tensors.update(layer_tensors(lin, weights[lin]))
+        else:
+            tensors[k] = v
+    return tensors
+
+
+def write_quantized_folder(
+    out: str | Path,
+    *,
+    config: dict,
+    quantization_config: dict,
+    tensors: dict[str, torch.Tensor],
+    checkpoint_format: str,
+    side_dir: Path,
+    manifest_fields: dict,
+    extra_json: dict[str, dict] | None = None,
+    max_shard_size: str = "2GB",
+    force: bool = False,
+) -> dict:
+    """Write config.json, side files, shards and the manifest (last) atomically."""
+    assert checkpoint_format in FORMATS, checkpoint_format
+    config = dict(config)
+    config["quantization_config"] = quantization_config
+    with atomic_output_dir(out, force) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for fname, obj in (extra_json or {}).items():
+            write_json_atomic(tmp / fname, obj)
+        copy_side_files(side_dir, tmp)
+        shards = save_sharded(tensors, tmp, max_shard_size)
+        manifest = write_manifest(
+            tmp,
+            stage="quantized",
+            checkpoint_format=checkpoint_format,
+            shards=shards,
+            **manifest_fields,
+        )
+    return manifest

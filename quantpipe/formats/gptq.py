@@ -1,0 +1,207 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel layout, loaded by vLLM ``gptq``/``gptq_marlin`` and by
+transformers through GPTQModel).
+
+Per quantized linear ``P`` (``pf = 32 // bits`` values per int32, LSB first):
+
+| tensor        | dtype | shape          | content                                        |
+|---------------|-------|----------------|------------------------------------------------|
+| ``P.qweight`` | int32 | [in / pf, out] | q packed along ``in`` (word r: rows r*pf ...)  |
+| ``P.qzeros``  | int32 | [G, out / pf]  | zeros packed along ``out``; v1 stores zero - 1 |
+| ``P.scales``  | fp16  | [G, out]       | one scale per (group, output channel)          |
+| ``P.g_idx``   | int32 | [in]           | group of each input column (i // gs: no act-order) |
+
+Facts checked against the real code (cited next to each routine below):
+- AutoGPTQ ``auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py`` ``pack()``: qweight packs
+  ``32 // bits`` consecutive input rows per int32 word, ``qweight[row] |= q[j] << bits*(j-i)``;
+  it does ``zeros -= 1`` before packing qzeros along the output dim (the "v1" format).
+- GPTQModel ``gptqmodel/utils/model.py`` ``convert_gptq_v1_to_v2_format_module``: v1 stores
+  ``zero - 1``; ``checkpoint_format: "gptq_v2"`` stores the zero itself.
+- vLLM ``model_executor/layers/quantization/gptq.py``: ``use_v2_format = checkpoint_format ==
+  "gptq_v2"``; qweight [in/pf, out], qzeros [G, out/pf], scales [G, out], g_idx [in].
+- vLLM ``model_executor/layers/quantization/utils/gptq_utils.py`` ``get_dynamic_override``:
+  ``dynamic`` maps a regex to overrides, checked in order with ``re.match`` on the module name;
+  ``"-:"`` excludes the module (kept unquantized), ``"+:"`` (or no prefix) overrides
+  ``bits``/``group_size``/``sym``/``desc_act``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+
+import torch
+
+from quantpipe import __version__
+from quantpipe.formats.layer import Expected, UnpackedLayer
+from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+
+log = logging.getLogger(__name__)
+
+QUANT_METHOD = "gptq"
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+# vLLM fuses these projections into one module; a dynamic rule must match the fused name too
+# (vLLM calls get_dynamic_override with the fused prefix, e.g. "...self_attn.qkv_proj").
+VLLM_FUSED_NAMES = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+}
+
+
+# ---- packing (pure) ------------------------------------------------------------------------
+
+
+def pack_gptq(qw: QuantizedWeight, v1: bool) -> dict[str, torch.Tensor]:
+    """One linear's GPTQ tensors (AutoGPTQ ``qlinear_cuda_old.pack``, GPTQModel v1/v2)."""
+    bits = qw.spec.bits
+    out_f, in_f = qw.shape
+    per_word = 32 // bits
+    if out_f % per_word:
+        raise ValueError(
+            f"out_features {out_f} is not a multiple of {per_word}: GPTQ packs qzeros along the "
+            "output dim; keep this layer in FP16 or export --format native"
+        )
+    # q: [out, in] uint8 -> packed along in: [out, in/pf] int32 -> transposed [in/pf, out]
+    qweight = pack_int32(qw.q, bits).t().contiguous()
+    # zeros: [out, G] uint8 -> stored zero (v1: zero - 1, >= 0 checked by the caller) [G, out]
+    stored = qw.zeros.to(torch.int16) - (1 if v1 else 0)  # [out, G] int16
+    assert int(stored.min()) >= 0, "v1 cannot store a zero point of 0; use gptq_v2"
+    qzeros = pack_int32(stored.t().contiguous().to(torch.uint8), bits)  # [G, out/pf] int32
+    return {
+        "qweight": qweight,
+        "qzeros": qzeros,
+        "scales": qw.scales.t().contiguous(),  # [out, G] -> [G, out] fp16
+        "g_idx": qw.group_index().to(torch.int32),  # [in] int32 (sequential without act-order)
+    }
+
+
+def unpack_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    v1: bool,
+) -> UnpackedLayer:
+    """Inverse of :func:`pack_gptq`; v1 zeros get their ``+1`` back (may exceed maxq: verify
+    reports that)."""
+    q = unpack_int32(qweight.t().contiguous(), bits)  # [in/pf, out] -> [out, in] uint8
+    zeros = unpack_int32(qzeros, bits).t().to(torch.int32)  # [G, out/pf] -> [out, G] int32
+    if v1:
+        zeros = zeros + 1
+    return UnpackedLayer(q, scales.t().contiguous(), zeros.contiguous(), g_idx)
+
+
+def expected_gptq(name: str, spec: QuantSpec, qweight_shape: tuple[int, ...]) -> Expected:
+    """Shapes and dtypes of one layer's tensors, from its qweight shape [in/pf, out]."""
+    per_word = 32 // spec.bits
+    in_f, out_f = qweight_shape[0] * per_word, qweight_shape[1]
+    n_groups = 1 if spec.group_size == -1 else in_f // spec.group_size
+    return {
+        f"{name}.qweight": ((in_f // per_word, out_f), (torch.int32,)),
+        f"{name}.qzeros": ((n_groups, out_f // per_word), (torch.int32,)),
+        f"{name}.scales": ((n_groups, out_f), (torch.float16,)),
+        f"{name}.g_idx": ((in_f,), (torch.int32,)),
+    }
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+def layer_pattern(name: str) -> str:
+    """An anchored regex for one module that also matches vLLM's fused module name."""
+    prefix, _, leaf = name.rpartition(".")
+    alts = [leaf] + ([VLLM_FUSED_NAMES[leaf]] if leaf in VLLM_FUSED_NAMES else [])
+    head = re.escape(prefix) + r"\." if prefix else ""
+    return f"^{head}(?:{'|'.join(alts)})$"
+
+
+def _spec_fields(spec: QuantSpec) -> dict:
+    return {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
+            "desc_act": spec.act_order}
+
+
+def gptq_quantization_config(
+    plan: dict[str, QuantSpec], kept_fp16: list[str], checkpoint_format: str
+) -> dict:
+    """``quantization_config`` / ``quantize_config.json``: the most common spec is the default;
+    each layer that differs gets a ``"+:"`` rule, each kept-FP16 linear a ``"-:"`` rule."""
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"checkpoint_format {checkpoint_format!r}; use one of {CHECKPOINT_FORMATS}"
+        )
+    if not plan:
+        raise ValueError("no quantized layers: nothing to export in GPTQ format")
+    base = Counter(plan.values()).most_common(1)[0][0]
+    dynamic: dict[str, dict] = {}
+    for name in kept_fp16:
+        dynamic[f"-:{layer_pattern(name)}"] = {}
+    for name, spec in plan.items():
+        if spec != base:
+            dynamic[f"+:{layer_pattern(name)}"] = _spec_fields(spec)
+    cfg = {
+        "quant_method": QUANT_METHOD,
+        "checkpoint_format": checkpoint_format,
+        **_spec_fields(base),
+        "lm_head": "lm_head" in plan,  # GPTQModel: is the output head quantized
+        "pack_dtype": "int32",
+        "true_sequential": True,
+        "meta": {"quantizer": [f"quantpipe:{__version__}"]},
+    }
+    if dynamic:
+        cfg["dynamic"] = dynamic
+    return cfg
+
+
+def gptq_plan(qcfg: dict, layer_names: list[str]) -> tuple[dict[str, QuantSpec], list[str]]:
+    """Per-layer specs of a GPTQ checkpoint (ours or another tool's) and the problems found."""
+    problems: list[str] = []
+    fmt = qcfg.get("checkpoint_format", "gptq")
+    if fmt not in CHECKPOINT_FORMATS:
+        problems.append(f"config.json quantization_config.checkpoint_format={fmt!r}: quantpipe "
+                        f"reads {CHECKPOINT_FORMATS} (marlin-repacked checkpoints are not read)")
+    base = {"bits": qcfg.get("bits"), "group_size": qcfg.get("group_size", -1),
+            "sym": qcfg.get("sym", True), "desc_act": qcfg.get("desc_act", False)}
+    dynamic = qcfg.get("dynamic") or {}
+    plan: dict[str, QuantSpec] = {}
+    for name in layer_names:
+        fields = dict(base)
+        for pattern, over in dynamic.items():
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], name):
+                    problems.append(f"{name}: has GPTQ tensors but dynamic rule {pattern!r} "
+                                    "marks it as not quantized")
+                    break
+            elif re.match(pattern.removeprefix("+:"), name):
+                fields.update({k: v for k, v in over.items() if k in fields})
+                break
+        try:
+            plan[name] = QuantSpec(int(fields["bits"]), int(fields["group_size"]),
+                                   bool(fields["sym"]), bool(fields["desc_act"]))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{name}: quantization_config gives {fields}: {exc}")
+    return plan, problems
+
+
+def is_v1(qcfg: dict) -> bool:
+    return qcfg.get("checkpoint_format", "gptq") == "gptq"
+
+
+def choose_checkpoint_format(weights: dict[str, QuantizedWeight], requested: str) -> str:
+    """``auto``: v1 ("gptq", read by every GPTQ loader) unless an asymmetric zero point is 0,
+    which v1 cannot store (``zero - 1`` underflows); then "gptq_v2" (vLLM, GPTQModel)."""
+    if requested != "auto":
+        if requested not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format {requested!r}; use auto, gptq or gptq_v2")
+        if requested == "gptq":
+            bad = [n for n, qw in weights.items() if int(qw.zeros.min()) == 0]
+            if bad:
+                raise ValueError(f"{bad[0]} has a zero point of 0, which GPTQ v1 cannot store; "
+                                 "use checkpoint_format='gptq_v2' or 'auto'")
+        return requested
+    zero0 = [n for n, qw in weights.items() if int(qw.zeros.min()) == 0]
+    if zero0:
+        log.warning("GPTQ export: %d layer(s) (e.g. %s) have a zero point of 0; writing "
+                    "checkpoint_format gptq_v2", len(zero0), zero0[0])
+        return "gptq_v2"
+    return "gptq"

@@ -1,0 +1,58 @@
+"""Load any quantized folder quantpipe reads (native, GPTQ, compressed-tensors) into one
+format-neutral structure, after :mod:`quantpipe.formats.verify` has passed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantpipe.formats.verify import VerifyReport, inspect_checkpoint
+from quantpipe.qformat import QuantizedWeight, QuantSpec
+
+
+@dataclass
+class QuantizedCheckpoint:
+    """A verified quantized checkpoint, unpacked.
+
+    ``layers`` are unpacked :class:`~quantpipe.qformat.QuantizedWeight` (uint8 q, fp16 scales,
+    uint8 zeros, int32 g_idx or None) in quantpipe's convention whatever the format on disk;
+    ``fp_tensors`` hold every other tensor under its Hugging Face name (embeddings, norms,
+    biases ``P.bias`` of quantized linears, linears kept in FP16).
+    """
+
+    folder: Path
+    checkpoint_format: str  # "native" | "gptq" | "compressed-tensors"
+    config: dict  # config.json, quantization_config included
+    plan: dict[str, QuantSpec]  # quantized linear name -> spec (group size actually used)
+    layers: dict[str, QuantizedWeight]  # same keys as plan
+    fp_tensors: dict[str, torch.Tensor]
+    manifest: dict | None  # quantpipe.json; None for folders made by other tools
+    report: VerifyReport
+
+    def model_config(self) -> dict:
+        """config.json without its quantization_config (to build the FP model skeleton)."""
+        return {k: v for k, v in self.config.items() if k != "quantization_config"}
+
+    def dequantized_state_dict(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+        """HF state dict with every quantized linear dequantized (the reference weights)."""
+        out = dict(self.fp_tensors)
+        for name, qw in self.layers.items():
+            out[f"{name}.weight"] = qw.dequantize(dtype)  # [out, in]
+        return out
+
+
+def load_quantized(folder: str | Path) -> QuantizedCheckpoint:
+    """Verify then unpack a quantized folder; ValueError listing every problem otherwise."""
+    ins = inspect_checkpoint(folder)
+    return QuantizedCheckpoint(
+        folder=Path(folder),
+        checkpoint_format=ins.report.checkpoint_format,
+        config=ins.config,
+        plan=ins.plan,
+        layers=ins.layers,
+        fp_tensors=ins.fp_tensors,
+        manifest=ins.manifest,
+        report=ins.report,
+    )

@@ -1,0 +1,396 @@
+"""Validate a quantized folder (native, GPTQ or compressed-tensors) before anything is loaded.
+
+Checks, all collected before one ``ValueError`` lists them (each names the file, the tensor and
+what was expected):
+
+1. quantpipe folders (``quantpipe.json`` present): manifest readable, stage ``quantized``, every
+   shard's size and sha256 (:func:`quantpipe.io.verify_shard_hashes`), no unlisted shards,
+   manifest ``checkpoint_format`` and per-layer plan equal to what config.json describes.
+   Folders made by other tools (no manifest) skip these and get the checks below.
+2. every safetensors file parses; every quantized layer of the plan has all its tensors with
+   the shape and dtype the format and the layer's spec require, and no stray ``.weight``;
+3. group size divides ``in_features``; scales finite and > 0; zero points in ``[0, 2**bits-1]``
+   (symmetric layers: exactly ``2**(bits-1)``); ``g_idx`` in ``[0, G)`` and sequential unless
+   the layer uses act-order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantpipe.formats import compressed_tensors as ct
+from quantpipe.formats import gptq
+from quantpipe.formats.layer import Expected, UnpackedLayer
+from quantpipe.io import MANIFEST_NAME, read_manifest, verify_shard_hashes
+from quantpipe.native import QUANT_METHOD as NATIVE_METHOD
+from quantpipe.qformat import QuantizedWeight, QuantSpec, unpack_int32
+
+# quant_method in config.json -> quantpipe format name
+FORMAT_OF_METHOD = {NATIVE_METHOD: "native", gptq.QUANT_METHOD: "gptq",
+                    ct.QUANT_METHOD: "compressed-tensors"}
+MAX_LISTED = 40  # problems listed in the error message (the count is always exact)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify_checkpoint`` checked (only returned when everything passed)."""
+
+    folder: str
+    checkpoint_format: str  # "native" | "gptq" | "compressed-tensors"
+    hashes_checked: bool  # quantpipe.json present: shard sizes + sha256 verified
+    files: int  # safetensors files read
+    quantized_layers: int
+    fp_tensors: int  # tensors kept as they are (embeddings, norms, biases, FP16 linears)
+    specs: dict[str, int]  # spec label (e.g. "w4g128") -> number of layers
+    quantized_weights: int  # sum of out*in over quantized linears
+    quantized_bytes: int  # bytes stored for them (packed q + scales + zeros + g_idx)
+    total_bytes: int  # size of all safetensors files
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per quantized weight, metadata (scales, zeros, g_idx) included."""
+        return 8 * self.quantized_bytes / max(self.quantized_weights, 1)
+
+    def summary(self) -> str:
+        specs = ", ".join(f"{k} x{v}" for k, v in sorted(self.specs.items()))
+        return (
+            f"OK {self.folder}: {self.checkpoint_format}, {self.quantized_layers} quantized "
+            f"layers ({specs}), {self.fp_tensors} other tensors, {self.files} file(s), "
+            f"{self.total_bytes / 1e6:.2f} MB, {self.bits_per_weight:.3f} bits/weight on "
+            f"quantized linears; "
+            + ("manifest and sha256 verified" if self.hashes_checked
+               else "no quantpipe.json (made by another tool): hashes not checked")
+        )
+
+
+@dataclass
+class Inspection:
+    """Everything read while verifying; the loader builds on it."""
+
+    report: VerifyReport
+    config: dict
+    manifest: dict | None
+    plan: dict[str, QuantSpec]
+    layers: dict[str, QuantizedWeight]
+    fp_tensors: dict[str, torch.Tensor]
+    problems: list[str] = field(default_factory=list)
+
+
+def verify_checkpoint(folder: str | Path) -> VerifyReport:
+    """Check a quantized folder; ValueError listing every problem found (see module doc)."""
+    return inspect_checkpoint(folder).report
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+
+def _safetensors_files(folder: Path, problems: list[str]) -> list[str]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as exc:
+            problems.append(f"{index}: unreadable index ({exc}); re-export the folder")
+            files = []
+        for f in files:
+            if not (folder / f).is_file():
+                problems.append(f"{folder / f}: listed in {index.name} but missing")
+        return [f for f in files if (folder / f).is_file()]
+    files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+    if not files:
+        problems.append(f"{folder}: no *.safetensors files")
+    return files
+
+
+def _read_tensors(
+    folder: Path, files: list[str], problems: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for fname in files:
+        try:
+            with safe_open(str(folder / fname), framework="pt") as f:
+                for k in f.keys():
+                    tensors[k] = f.get_tensor(k)
+                    where[k] = fname
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            problems.append(f"{folder / fname}: not a readable safetensors file ({exc})")
+    return tensors, where
+
+
+def _check_manifest(folder: Path, fmt: str | None, problems: list[str]) -> dict | None:
+    if not (folder / MANIFEST_NAME).is_file():
+        return None
+    try:
+        manifest = read_manifest(folder, "quantized")
+    except ValueError as exc:
+        problems.append(str(exc))
+        return None
+    if fmt is not None and manifest.get("checkpoint_format") != fmt:
+        problems.append(f"{folder / MANIFEST_NAME}: checkpoint_format "
+                        f"{manifest.get('checkpoint_format')!r} but config.json describes {fmt!r}")
+    shards = manifest.get("shards") or []
+    for entry in shards:
+        try:
+            verify_shard_hashes(folder, [entry])
+        except ValueError as exc:
+            problems.append(str(exc))
+    listed = {e["file"] for e in shards}
+    for p in sorted(folder.glob("*.safetensors")):
+        if p.name not in listed:
+            problems.append(f"{p}: not listed in {MANIFEST_NAME} (stray or renamed shard)")
+    return manifest
+
+
+# ---- per-format layouts -----------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    name: str
+    spec: QuantSpec
+    expected: Expected  # tensor -> (shape, dtypes)
+    roles: dict[str, str | None]  # "scales"/"zeros"/"g_idx" -> stored tensor name
+
+
+def _native_layers(qcfg: dict, tensors, problems) -> tuple[dict[str, QuantSpec], list[_Layer]]:
+    plan: dict[str, QuantSpec] = {}
+    for name, d in (qcfg.get("layers") or {}).items():
+        try:
+            plan[name] = QuantSpec.from_dict(d)
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"config.json quantization_config.layers[{name!r}] = {d}: {exc}")
+    layers = []
+    for name, spec in plan.items():
+        qweight = tensors.get(f"{name}.qweight")
+        if qweight is None or qweight.dim() != 2:
+            problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
+                            f"[out, in*{spec.bits}/32])")
+            continue
+        per_word = 32 // spec.bits
+        out_f, in_f = qweight.shape[0], qweight.shape[-1] * per_word
+        n_groups = 1 if spec.group_size == -1 else max(in_f // spec.group_size, 1)
+        exp: Expected = {
+            f"{name}.qweight": ((out_f, in_f // per_word), (torch.int32,)),
+            f"{name}.scales": ((out_f, n_groups), (torch.float16,)),
+        }
+        if not spec.sym:
+            exp[f"{name}.qzeros"] = ((out_f, n_groups), (torch.uint8,))
+        if f"{name}.g_idx" in tensors:
+            exp[f"{name}.g_idx"] = ((in_f,), (torch.int32,))
+        layers.append(_Layer(name, spec, exp, {
+            "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
+            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in tensors else None}))
+    for k in tensors:
+        if k.endswith(".qweight") and k[: -len(".qweight")] not in plan:
+            problems.append(f"{k}: packed weight of a layer that config.json's plan does not list")
+    return plan, layers
+
+
+def _gptq_layers(qcfg: dict, tensors, problems) -> tuple[dict[str, QuantSpec], list[_Layer]]:
+    names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
+    plan, found = gptq.gptq_plan(qcfg, names)
+    problems.extend(found)
+    layers = []
+    for name, spec in list(plan.items()):
+        if tensors[f"{name}.qweight"].dim() != 2:
+            problems.append(f"{name}.qweight: {tensors[f'{name}.qweight'].dim()}-D, expected "
+                            f"int32 [in*{spec.bits}/32, out]")
+            del plan[name]
+            continue
+        exp = gptq.expected_gptq(name, spec, tuple(tensors[f"{name}.qweight"].shape))
+        if not spec.act_order and f"{name}.g_idx" not in tensors:
+            del exp[f"{name}.g_idx"]  # optional without desc_act (groups are i // group_size)
+        layers.append(_Layer(name, spec, exp, {
+            "scales": f"{name}.scales", "zeros": f"{name}.qzeros",
+            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in exp else None}))
+    return plan, layers
+
+
+def _ct_layers(qcfg: dict, tensors, problems) -> tuple[dict[str, QuantSpec], list[_Layer]]:
+    names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]
+    plan, g_idx_layers, found = ct.ct_plan(qcfg, names)
+    problems.extend(found)
+    layers = []
+    for name in list(plan):
+        spec = plan[name]
+        shape_t = tensors.get(f"{name}.weight_shape")
+        if shape_t is None or shape_t.numel() != 2:
+            problems.append(f"{name}.weight_shape: missing or not 2 values (expected int64 [2] "
+                            "= [out_features, in_features])")
+            del plan[name]
+            continue
+        shape = (int(shape_t[0]), int(shape_t[1]))
+        exp = ct.expected_ct(name, spec, shape, g_idx_layers[name])
+        layers.append(_Layer(name, spec, exp, {
+            "scales": f"{name}.weight_scale",
+            "zeros": f"{name}.weight_zero_point" if not spec.sym else None,
+            "g_idx": f"{name}.weight_g_idx" if g_idx_layers[name] else None}))
+    return plan, layers
+
+
+def _unpack(fmt: str, lay: _Layer, tensors, qcfg: dict) -> UnpackedLayer:
+    name, spec = lay.name, lay.spec
+    g_idx = tensors[lay.roles["g_idx"]] if lay.roles["g_idx"] else None
+    if fmt == "native":
+        q = unpack_int32(tensors[f"{name}.qweight"], spec.bits)  # [out, in] uint8
+        scales = tensors[f"{name}.scales"]
+        zeros = (tensors[f"{name}.qzeros"].to(torch.int32) if not spec.sym
+                 else torch.full(scales.shape, spec.sym_zero, dtype=torch.int32))
+        return UnpackedLayer(q, scales, zeros, g_idx)
+    if fmt == "gptq":
+        return gptq.unpack_gptq(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"],
+                                tensors[f"{name}.scales"], g_idx, spec.bits, gptq.is_v1(qcfg))
+    if fmt == "compressed-tensors":
+        shape = tuple(int(v) for v in tensors[f"{name}.weight_shape"])
+        return ct.unpack_ct(tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"],
+                            shape, tensors.get(f"{name}.weight_zero_point"), g_idx, spec)
+    raise AssertionError(fmt)
+
+
+def _check_values(lay: _Layer, u: UnpackedLayer, where: dict[str, str]) -> list[str]:
+    """Value checks on one unpacked layer; each message names file and tensor."""
+    spec, out = lay.spec, []
+    in_f = u.q.shape[1]
+    n_groups = u.scales.shape[1]
+
+    def loc(role: str) -> str:
+        t = lay.roles[role]
+        return f"{where.get(t, '?')}: {t}"
+
+    bad_nf = int((~torch.isfinite(u.scales)).sum())
+    bad_np = int((u.scales <= 0).sum())
+    if bad_nf or bad_np:
+        out.append(f"{loc('scales')}: {bad_nf} non-finite and {bad_np} non-positive scale(s) "
+                   "(expected finite values > 0)")
+    lo, hi = int(u.zeros.min()), int(u.zeros.max())
+    if lo < 0 or hi > spec.maxq:
+        out.append(f"{loc('zeros')}: zero points span [{lo}, {hi}], outside [0, {spec.maxq}] "
+                   f"for {spec.bits}-bit")
+    elif spec.sym and (lo != spec.sym_zero or hi != spec.sym_zero):
+        out.append(f"{loc('zeros')}: symmetric layer with zero points in [{lo}, {hi}] "
+                   f"(expected all {spec.sym_zero})")
+    if u.g_idx is not None:
+        glo, ghi = int(u.g_idx.min()), int(u.g_idx.max())
+        if glo < 0 or ghi >= n_groups:
+            out.append(f"{loc('g_idx')}: values in [{glo}, {ghi}], expected [0, {n_groups - 1}]")
+        elif not spec.act_order:
+            seq = torch.arange(in_f) // spec.group_size_for(in_f)
+            if not torch.equal(u.g_idx.long(), seq):
+                out.append(f"{loc('g_idx')}: not sequential (i // group_size) but the config "
+                           "does not enable act-order (desc_act / actorder)")
+    return out
+
+
+def _quantized_weight(spec: QuantSpec, u: UnpackedLayer) -> QuantizedWeight:
+    g_idx = u.g_idx
+    if g_idx is not None and not spec.act_order:
+        g_idx = None  # checked sequential above: the spec's own i // group_size
+    return QuantizedWeight(spec, u.q, u.scales.contiguous(), u.zeros.to(torch.uint8), g_idx)
+
+
+# ---- the whole check ------------------------------------------------------------------------
+
+
+def inspect_checkpoint(folder: str | Path) -> Inspection:
+    """Read and check a folder; ValueError listing every problem (nothing half-loaded)."""
+    folder = Path(folder)
+    problems: list[str] = []
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder}: no config.json; pass the folder written by "
+                         "`quantpipe export` (or a GPTQ / compressed-tensors model folder)")
+    config = json.loads((folder / "config.json").read_text())
+    qcfg = config.get("quantization_config") or {}
+    method = qcfg.get("quant_method")
+    fmt = FORMAT_OF_METHOD.get(method)
+    if fmt is None:
+        problems.append(f"{folder / 'config.json'}: quantization_config.quant_method={method!r}; "
+                        f"quantpipe reads {sorted(FORMAT_OF_METHOD)}")
+    manifest = _check_manifest(folder, fmt, problems)
+    files = _safetensors_files(folder, problems)
+    tensors, where = _read_tensors(folder, files, problems)
+
+    plan: dict[str, QuantSpec] = {}
+    lays: list[_Layer] = []
+    if fmt == "native":
+        plan, lays = _native_layers(qcfg, tensors, problems)
+    elif fmt == "gptq":
+        plan, lays = _gptq_layers(qcfg, tensors, problems)
+    elif fmt == "compressed-tensors":
+        plan, lays = _ct_layers(qcfg, tensors, problems)
+
+    layers: dict[str, QuantizedWeight] = {}
+    used: set[str] = set()
+    q_bytes = q_weights = 0
+    for lay in lays:
+        ok = True
+        for tname, (shape, dtypes) in lay.expected.items():
+            t = tensors.get(tname)
+            if t is None:
+                problems.append(f"{lay.name}: missing tensor {tname} (expected "
+                                f"{_dt(dtypes)} {list(shape)}, spec {lay.spec.label()})")
+                ok = False
+            elif tuple(t.shape) != shape or t.dtype not in dtypes:
+                problems.append(f"{where[tname]}: {tname} is {str(t.dtype)[6:]} "
+                                f"{list(t.shape)}, expected {_dt(dtypes)} {list(shape)} "
+                                f"(spec {lay.spec.label()})")
+                ok = False
+        if f"{lay.name}.weight" in tensors:
+            problems.append(f"{where[f'{lay.name}.weight']}: {lay.name}.weight present next to "
+                            "its quantized tensors (a layer is either quantized or FP)")
+        if not ok:
+            continue
+        u = _unpack(fmt, lay, tensors, qcfg)
+        out_f, in_f = u.q.shape
+        gs = lay.spec.group_size
+        if gs != -1 and in_f % gs:
+            problems.append(f"{lay.name}: group_size {gs} does not divide in_features {in_f}; "
+                            "the scales cannot cover the columns")
+            continue
+        found = _check_values(lay, u, where)
+        problems.extend(found)
+        used.update(lay.expected)
+        q_weights += out_f * in_f
+        q_bytes += sum(tensors[t].numel() * tensors[t].element_size() for t in lay.expected)
+        if not found:
+            layers[lay.name] = _quantized_weight(lay.spec, u)
+
+    if manifest is not None and "layers" in manifest:
+        want = {n: s.to_dict() for n, s in plan.items()}
+        if manifest["layers"] != want:
+            diff = sorted(n for n in set(want) | set(manifest["layers"])
+                          if want.get(n) != manifest["layers"].get(n))
+            problems.append(f"{folder / MANIFEST_NAME}: plan differs from config.json for "
+                            f"{len(diff)} layer(s), e.g. {diff[:3]}")
+    if manifest is not None and fmt == "gptq" and "gptq_checkpoint_format" in manifest:
+        if manifest["gptq_checkpoint_format"] != qcfg.get("checkpoint_format", "gptq"):
+            problems.append(f"{folder / MANIFEST_NAME}: gptq_checkpoint_format "
+                            f"{manifest['gptq_checkpoint_format']!r} but config.json says "
+                            f"{qcfg.get('checkpoint_format')!r}")
+    if problems:
+        listed = "\n  - ".join(problems[:MAX_LISTED])
+        extra = len(problems) - MAX_LISTED
+        more = f"\n  ... and {extra} more" if extra > 0 else ""
+        raise ValueError(f"{folder}: {len(problems)} problem(s); nothing was loaded:\n  - "
+                         f"{listed}{more}")
+
+    fp_tensors = {k: v for k, v in tensors.items() if k not in used}
+    specs: dict[str, int] = {}
+    for s in plan.values():
+        specs[s.label()] = specs.get(s.label(), 0) + 1
+    report = VerifyReport(
+        folder=str(folder), checkpoint_format=fmt or "?", hashes_checked=manifest is not None,
+        files=len(files), quantized_layers=len(layers), fp_tensors=len(fp_tensors),
+        specs=specs, quantized_weights=q_weights, quantized_bytes=q_bytes,
+        total_bytes=sum((folder / f).stat().st_size for f in files),
+    )
+    return Inspection(report, config, manifest, plan, layers, fp_tensors)
+
+
+def _dt(dtypes: tuple[torch.dtype, ...]) -> str:
+    return "/".join(str(d)[6:] for d in dtypes)
