@@ -1,0 +1,190 @@
+"""Every number of a report, computed once from :class:`reports.data.ReportData`.
+
+The HTML page and the JSON file beside it are both rendered from the :class:`ReportSummary`
+returned by :func:`summarize`, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+
+from reports.data import CandidateData, DistributionMetrics, ReportData
+from reports.textmetrics import (
+    GarbageScore,
+    GarbageThresholds,
+    JsonCheck,
+    LengthStats,
+    exact_match,
+    extract_json,
+    garbage_score,
+    json_check,
+    length_stats,
+    rouge_l,
+)
+from reports.verdict import QualityNumbers, Verdict, judge
+
+REPORT_JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    """One held-out prompt: the candidate's output against FP16's."""
+
+    prompt_id: str
+    rouge_l: float
+    exact_match: bool
+    json: JsonCheck | None  # only for expect_json prompts
+    garbage: GarbageScore
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    rouge_l_mean: float
+    rouge_l_median: float
+    exact_match_rate: float
+    json_prompts: int  # expect_json prompts where FP16's output parsed
+    json_parse_rate: float | None  # candidate outputs that parse, over all expect_json prompts
+    json_agreement: float | None  # parse + keys agree, over json_prompts
+    garbage_rate: float  # outputs flagged by the garbage detector
+    lengths: LengthStats
+    per_prompt: tuple[PromptResult, ...]
+
+
+@dataclass(frozen=True)
+class ReferenceSummary:
+    """FP16's own outputs: the baseline for lengths, JSON validity and garbage."""
+
+    lengths: LengthStats | None
+    garbage: tuple[GarbageScore, ...]
+    garbage_rate: float | None
+    json_parse_rate: float | None
+
+
+@dataclass(frozen=True)
+class CandidateSummary:
+    name: str
+    path: str
+    distribution: DistributionMetrics | None
+    generation: GenerationSummary | None
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class ReportSummary:
+    reference: ReferenceSummary
+    candidates: tuple[CandidateSummary, ...]
+
+
+def _rate(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
+
+
+def summarize_reference(data: ReportData, gth: GarbageThresholds) -> ReferenceSummary:
+    outs = data.reference_outputs
+    if outs is None:
+        return ReferenceSummary(None, (), None, None)
+    garbage = tuple(garbage_score(t, gth) for t in outs)
+    parses = [extract_json(t)[0] for p, t in zip(data.prompts, outs) if p.expect_json]
+    return ReferenceSummary(length_stats(list(outs)), garbage,
+                            _rate([g.is_garbage for g in garbage]), _rate(parses))
+
+
+def summarize_generations(data: ReportData, cand: CandidateData,
+                          gth: GarbageThresholds) -> GenerationSummary | None:
+    if cand.outputs is None or data.reference_outputs is None or not data.prompts:
+        return None
+    refs = list(data.reference_outputs)
+    outs = list(cand.outputs)
+    rl = rouge_l(outs, refs)
+    em = exact_match(outs, refs)
+    results = []
+    for p, ref, out, r, e in zip(data.prompts, refs, outs, rl, em):
+        jc = json_check(ref, out, p.json_keys) if p.expect_json else None
+        results.append(PromptResult(p.id, r, e, jc, garbage_score(out, gth)))
+    checks = [x.json for x in results if x.json is not None]
+    comparable = [c for c in checks if c.reference_parses]
+    return GenerationSummary(
+        rouge_l_mean=statistics.fmean(rl),
+        rouge_l_median=statistics.median(rl),
+        exact_match_rate=sum(em) / len(em),
+        json_prompts=len(comparable),
+        json_parse_rate=_rate([c.candidate_parses for c in checks]),
+        json_agreement=_rate([c.agrees for c in comparable]),
+        garbage_rate=sum(x.garbage.is_garbage for x in results) / len(results),
+        lengths=length_stats(outs),
+        per_prompt=tuple(results),
+    )
+
+
+def summarize(data: ReportData, gth: GarbageThresholds = GarbageThresholds()) -> ReportSummary:
+    ref = summarize_reference(data, gth)
+    cands = []
+    for c in data.candidates:
+        gen = summarize_generations(data, c, gth)
+        d = c.distribution
+        numbers = QualityNumbers(
+            kld_mean=d.kld["mean"] if d else None,
+            same_top_rate=d.same_top_rate if d else None,
+            ppl_ratio=d.ppl_ratio if d else None,
+            rouge_l_mean=gen.rouge_l_mean if gen else None,
+            json_agreement=gen.json_agreement if gen else None,
+            json_prompts=gen.json_prompts if gen else 0,
+            garbage_rate=gen.garbage_rate if gen else None,
+            reference_garbage_rate=ref.garbage_rate,
+        )
+        cands.append(CandidateSummary(c.name, c.path, d, gen, judge(numbers, data.thresholds)))
+    return ReportSummary(ref, tuple(cands))
+
+
+def _jsonable(obj):
+    """Dataclasses -> dicts, tuples -> lists, NaN/inf -> None (strict JSON has no NaN)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def report_json(data: ReportData, summary: ReportSummary) -> dict:
+    """The JSON document written beside the HTML (schema in docs/reports.md)."""
+    return {
+        "format": "quantpipe-report",
+        "version": REPORT_JSON_VERSION,
+        "title": data.title,
+        "created": data.created,
+        "reference": data.reference,
+        "thresholds": data.thresholds.to_dict(),
+        "prompts": [
+            {"id": p.id, "category": p.category, "lang": p.lang,
+             "expect_json": p.expect_json, "json_keys": list(p.json_keys)}
+            for p in data.prompts
+        ],
+        "reference_summary": _jsonable(summary.reference),
+        "candidates": [
+            {
+                "name": c.name,
+                "path": c.path,
+                "verdict": c.verdict.to_dict(),
+                "distribution": _jsonable(c.distribution),
+                "generation": _jsonable(c.generation),
+                "calibration": _jsonable(cd.calibration),
+            }
+            for c, cd in zip(summary.candidates, data.candidates)
+        ],
+        "outputs": {
+            "reference": list(data.reference_outputs or []),
+            **{c.name: list(c.outputs) for c in data.candidates if c.outputs is not None},
+        },
+        "speed": [
+            {"name": r.name, "metric": r.metric, "value": r.value, "unit": r.unit, **r.extra}
+            for r in data.speed
+        ],
+        "machine": _jsonable(data.machine),
+    }
