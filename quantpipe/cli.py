@@ -315,5 +315,60 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device):
                f"{res.peak_memory_bytes / 2**20:.0f} MiB", err=True)
 
 
+@main.command("sensitivity")
+@click.argument("calib_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--tokens", default=1024, show_default=True, type=int,
+              help="Scored tokens of business-calib prompts (more: slower, less noise).")
+@click.option("--seq-len", default=256, show_default=True, type=int, help="Tokens per sequence.")
+@click.option("--bits", default="4,8", show_default=True,
+              help="Precisions to measure (the budget planner needs 4,8).")
+@click.option("--seed", default=1, show_default=True, type=int, help="Prompt shuffle seed.")
+@click.option("--force", is_flag=True, help="Measure again even if sensitivity.json exists.")
+def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
+    """Measure each linear's KLD when quantized alone; writes CALIB_DIR/sensitivity.json."""
+    from calibration.sensitivity import SensitivitySpec, measure_sensitivity
+
+    try:
+        try:
+            bits_t = tuple(int(b) for b in bits.split(",") if b.strip())
+        except ValueError:
+            raise ValueError(f"--bits {bits!r}: write 4, 8 or 4,8") from None
+        res = measure_sensitivity(SensitivitySpec(calib_dir, tokens, seq_len, bits_t, seed,
+                                                  force=force))
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(res.table())
+    click.echo(f"{'reused' if res.reused else 'wrote'} {res.path}")
+
+
+@main.command("report")
+@click.option("--reference", required=True, type=click.Path(exists=True, path_type=Path),
+              help="FP16 folder.")
+@click.option("--candidate", "candidates", required=True, multiple=True,
+              type=click.Path(exists=True, path_type=Path), help="Quantized folder (repeatable).")
+@click.option("--prompts", default="business-eval", show_default=True,
+              help="Held-out prompts for side-by-side generations (and KLD unless --text).")
+@click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Score KL divergence on this UTF-8 text instead of the prompts.")
+@click.option("--max-prompts", default=24, show_default=True, help="Prompts generated.")
+@click.option("--max-new-tokens", default=96, show_default=True, help="Greedy tokens each.")
+@click.option("--eval-max-tokens", default=0, show_default=True, help="KLD token limit.")
+@click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Speed-record JSON from bench/ or bench-serve (repeatable).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="reports/NAME.html")
+def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
+               eval_max_tokens, speed, out):
+    """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
+    from reports.build import ReportSpec, build_report
+
+    try:
+        html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
+                                           max_prompts, max_new_tokens, eval_max_tokens,
+                                           tuple(speed)))
+    except ValueError as exc:
+        _fail(exc)
+    click.echo(f"wrote {html} and {js}")
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,145 @@
+"""`quantpipe report`: measure reference and candidates, then write the HTML + JSON report.
+
+Orchestration only: distribution metrics come from ``reports.eval``, text metrics and the page
+from ``reports.textmetrics`` / ``reports.html``; this module loads models, runs greedy
+generation on the held-out prompts and assembles ``reports.data.ReportData``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from calibration.prompts import PromptRecord, load_prompt_records
+from reports.data import (
+    CalibrationFacts,
+    CandidateData,
+    DistributionMetrics,
+    ReportData,
+    detect_machine,
+    load_speed_records,
+)
+from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from reports.html import write_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    reference: Path  # FP16 folder
+    candidates: tuple[Path, ...]  # quantized folders
+    out: Path  # report .html path (the .json lands beside it)
+    prompts: str = "business-eval"  # held-out prompts: generations (and KLD unless text)
+    text: Path | None = None  # score KLD on this text file instead of the prompts
+    max_prompts: int = 24  # prompts generated side by side (spread over categories)
+    max_new_tokens: int = 96  # greedy tokens per generation
+    eval_max_tokens: int = 0  # KLD token limit (0 = all)
+    speed: tuple[Path, ...] = field(default_factory=tuple)  # speed-record JSON files
+    title: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("give at least one --candidate QDIR")
+        if self.out.suffix != ".html":
+            raise ValueError(f"--out {self.out} must end in .html (the JSON lands beside it)")
+        if self.max_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("--max-prompts and --max-new-tokens must be >= 1")
+        names = [c.name for c in self.candidates]
+        if len(set(names)) != len(names):
+            raise ValueError(f"candidate folders must have distinct names: {names}")
+
+
+def spread(records: list[PromptRecord], k: int) -> list[PromptRecord]:
+    """k records spread evenly over the list (which is grouped by category)."""
+    if k >= len(records):
+        return list(records)
+    step = len(records) / k
+    return [records[int(i * step)] for i in range(k)]
+
+
+@torch.no_grad()
+def generate_greedy(model, tokenizer, records: list[PromptRecord], max_new_tokens: int,
+                    batch_size: int = 8) -> list[str]:
+    """Greedy answers, chat template applied, batched with left padding."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = [
+        tokenizer.apply_chat_template(r.chat(), add_generation_prompt=True, tokenize=False)
+        if tokenizer.chat_template else (r.prompt or "")
+        for r in records
+    ]
+    outs: list[str] = []
+    for start in tqdm(range(0, len(texts), batch_size), desc="generate", leave=False):
+        batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
+                          add_special_tokens=False)
+        gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        new = gen[:, batch["input_ids"].shape[1]:]  # [b, new]
+        outs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+    return outs
+
+
+def calibration_facts(qdir: Path) -> CalibrationFacts | None:
+    """Calibration facts of a quantized folder made by quantpipe (None for other tools')."""
+    manifest_path = Path(qdir) / "quantpipe.json"
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    calib = manifest.get("calibration") or {}
+    calib_dir = Path(calib.get("path", ""))
+    if calib and (calib_dir / "quantpipe.json").is_file():
+        from calibration.artifact import read_calibration
+
+        c = read_calibration(calib_dir)
+        return CalibrationFacts.from_calibration(c.manifest, c.layer_infos(), manifest.get("plan"))
+    log.warning("%s: calibration folder %s is gone; the report shows the manifest only",
+                qdir, calib_dir)
+    return None
+
+
+def build_report(spec: ReportSpec) -> tuple[Path, Path]:
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(spec.reference)
+    records = load_prompt_records(spec.prompts)
+    texts = load_texts(spec.reference, spec.text, None if spec.text else spec.prompts)
+    chosen = spread(records, spec.max_prompts)
+    ref = load_eval_model(spec.reference)
+    log.info("generating %d reference answers", len(chosen))
+    ref_outputs = generate_greedy(ref, tokenizer, chosen, spec.max_new_tokens)
+    candidates = []
+    for qdir in spec.candidates:
+        cand = load_eval_model(qdir)
+        ev = evaluate_models(ref, cand, tokenizer,
+                             EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens))
+        log.info("%s: KLD mean %.5f", qdir, ev.kld["mean"])
+        outputs = generate_greedy(cand, tokenizer, chosen, spec.max_new_tokens)
+        candidates.append(CandidateData(
+            name=Path(qdir).name, path=str(qdir),
+            distribution=DistributionMetrics.from_eval(ev), outputs=tuple(outputs),
+            calibration=calibration_facts(qdir),
+        ))
+        del cand
+    speed = tuple(r for p in spec.speed for r in load_speed_records(p))
+    data = ReportData(
+        title=spec.title or f"{Path(spec.reference).name}: quantized vs FP16",
+        reference=str(spec.reference),
+        prompts=tuple(chosen),
+        reference_outputs=tuple(ref_outputs),
+        candidates=tuple(candidates),
+        speed=speed,
+        machine=detect_machine(),
+        created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    paths = write_report(data, spec.out)
+    log.info("report written in %.1fs", time.perf_counter() - t0)
+    return paths
