@@ -236,6 +236,29 @@ def _run_inspect(module, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _quantize_block(spec: CalibrateSpec, block, family: Family, collector: StatsCollector,
+                    prefix: str, i: int, fallbacks: dict[str, int]):
+    """INT4 and INT8 results for every linear of block ``i`` (GPTQ: weights left quantized)."""
+    results: dict[str, dict[int, QuantResult]] = {}
+    raises = 0
+    for group in family.groups:
+        H = collector.stats[group].H  # [in, in] fp32
+        x_clip = collector.stats[group].x_sample()  # [rows, in]
+        for lin_name in group.linears:
+            full = f"{prefix}.{i}.{lin_name}"
+            lin = block.get_submodule(lin_name)
+            W = lin.weight.data.float()  # [out, in]
+            q4 = _layer_spec(spec, full, lin.in_features, fallbacks)
+            clip_x = None if lin_name.endswith(("q_proj", "k_proj")) else x_clip
+            r4 = _quantize(spec, W, H, q4, clip_x)
+            r8 = _quantize(spec, W, H, INT8_PER_CHANNEL, clip_x)
+            results[full] = {4: r4, 8: r8}
+            raises += r4.damp_raises + r8.damp_raises
+            if spec.algo == "gptq":  # the next block sees this block's quantized outputs
+                lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
+    return results, raises
+
+
 def calibrate(spec: CalibrateSpec) -> CalibrateResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -299,21 +322,16 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
                     fp_changed[f"{prefix}.{i}.{k}"] = v.detach().to(torch.float16).clone()
         results: dict[str, dict[int, QuantResult]] = {}
         block_raises = 0
-        for group in family.groups:
-            st = collector.stats[group]
-            H = st.H  # [in, in] fp32
-            for lin_name in group.linears:
-                full = f"{prefix}.{i}.{lin_name}"
-                lin = block.get_submodule(lin_name)
-                W = lin.weight.data.float()  # [out, in]
-                q4 = _layer_spec(spec, full, lin.in_features, fallbacks)
-                clip_x = None if lin_name.endswith(("q_proj", "k_proj")) else st.x_sample()
-                r4 = _quantize(spec, W, H, q4, clip_x)
-                r8 = _quantize(spec, W, H, INT8_PER_CHANNEL, clip_x)
-                results[full] = {4: r4, 8: r8}
-                block_raises += r4.damp_raises + r8.damp_raises
-                if spec.algo == "gptq":  # propagate through the quantized block
-                    lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
+        # The algorithms run many small column operations: with several OpenMP threads each
+        # one pays thread wake-ups (and spins when cores are shared), which was measured to
+        # cost more than the work itself on 2 cores. Large forwards keep all threads.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            results, block_raises = _quantize_block(spec, block, family, collector, prefix, i,
+                                                    fallbacks)
+        finally:
+            torch.set_num_threads(threads)
         total_raises += block_raises
         if spec.algo == "gptq":
             hidden = run_block(block, hidden, ctx, spec.batch_size)
