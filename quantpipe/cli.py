@@ -370,5 +370,41 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
     click.echo(f"wrote {html} and {js}")
 
 
+@main.command("run")
+@click.argument("source", default="smollm2-135m")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="WORKDIR.")
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--budget-bits", type=float, default=None,
+              help="Mixed precision: average bits per weight (measures sensitivity first).")
+@click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
+@click.option("--algo", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq",
+              show_default=True)
+@click.option("--group-size", default=128, show_default=True)
+@click.option("--sym/--asym", default=True, show_default=True)
+@click.option("--samples", default=64, show_default=True, help="Calibration sequences.")
+@click.option("--seq-len", default=512, show_default=True)
+@click.option("--prompts", default="business-calib", show_default=True,
+              help="Calibration prompts (file or business-calib).")
+@click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Speed-record JSON to include in the report (repeatable).")
+def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, samples, seq_len,
+            prompts, speed):
+    """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
+    from quantpipe.run import RunSpec, run_pipeline
+
+    try:
+        res = run_pipeline(RunSpec(source, out, int(bits), budget_bits, tuple(overrides), algo,
+                                   group_size, sym, samples, seq_len, prompts,
+                                   speed=tuple(speed)))
+    except ValueError as exc:
+        _fail(exc)
+    k = res.eval["kld"]
+    click.echo(f"KLD mean {k['mean']:.5f} (p99 {k['p99']:.4f}), same top token "
+               f"{100 * res.eval['same_top_rate']:.2f}%, PPL {res.eval['ppl_candidate']:.3f} "
+               f"vs FP16 {res.eval['ppl_reference']:.3f}")
+    click.echo("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.stages.items()))
+    click.echo(f"report: {res.report}")
+
+
 if __name__ == "__main__":
     main()

@@ -42,6 +42,7 @@ class ReportSpec:
     max_new_tokens: int = 96  # greedy tokens per generation
     eval_max_tokens: int = 0  # KLD token limit (0 = all)
     speed: tuple[Path, ...] = field(default_factory=tuple)  # speed-record JSON files
+    evals: tuple[Path, ...] = field(default_factory=tuple)  # `eval --json` results to reuse
     title: str = ""
 
     def __post_init__(self) -> None:
@@ -111,17 +112,24 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(spec.reference)
     records = load_prompt_records(spec.prompts)
-    texts = load_texts(spec.reference, spec.text, None if spec.text else spec.prompts)
+    texts = (load_texts(spec.reference, spec.text, None if spec.text else spec.prompts)
+             if len(spec.evals) < len(spec.candidates) else ())
     chosen = spread(records, spec.max_prompts)
     ref = load_eval_model(spec.reference)
     log.info("generating %d reference answers", len(chosen))
     ref_outputs = generate_greedy(ref, tokenizer, chosen, spec.max_new_tokens)
+    reuse = {}
+    for path in spec.evals:  # earlier `quantpipe eval --json` results, by candidate folder
+        d = json.loads(Path(path).read_text())
+        reuse[str(Path(d["candidate"]).resolve())] = d
     candidates = []
     for qdir in spec.candidates:
         cand = load_eval_model(qdir)
-        ev = evaluate_models(ref, cand, tokenizer,
-                             EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens))
-        log.info("%s: KLD mean %.5f", qdir, ev.kld["mean"])
+        ev = reuse.get(str(Path(qdir).resolve()))
+        if ev is None:
+            ev = evaluate_models(ref, cand, tokenizer,
+                                 EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens))
+            log.info("%s: KLD mean %.5f", qdir, ev.kld["mean"])
         outputs = generate_greedy(cand, tokenizer, chosen, spec.max_new_tokens)
         candidates.append(CandidateData(
             name=Path(qdir).name, path=str(qdir),
