@@ -129,7 +129,7 @@ def _distribution(summary: ReportSummary) -> str:
     return ('<section id="distribution"><h2>Token distributions vs FP16</h2>'
             '<p class="lead">KL(P<sub>FP16</sub> ‖ P<sub>candidate</sub>) per scored token in '
             "nats; <em>same top</em>: tokens whose most likely next token matches FP16's; "
-            "Δp: candidate minus FP16 probability of FP16's top token.</p>"
+            "Δp: candidate minus FP16 probability of the text's next token (llama.cpp's Δp).</p>"
             f'<div class="grid-table-chart">{table}{_chart(chart)}</div></section>')
 
 

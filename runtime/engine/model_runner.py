@@ -1,0 +1,199 @@
+"""Run a Llama/Qwen2/Mistral decoder over the paged KV cache, one batched step at a time.
+
+We call the Hugging Face module's own submodules (embeddings, norms, q/k/v/o projections, rotary
+embedding, MLP, lm_head), so any ``nn.Linear`` replaced by a QuantLinear runs unchanged. Only
+attention is ours: new K/V are written into their paged slots, then each sequence's blocks are
+gathered into a dense, padded ``[B, ctx_max, kv_heads, head_dim]`` tensor and fed to
+``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask that is causal *and*
+hides padding. Prefill chunks and decode tokens share one step (queries padded per sequence).
+The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused kernel); there
+is no custom paged-attention kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.engine.kv_cache import KVCacheSpec, slot_mapping
+
+# Model families whose decoder layers follow the Llama layout (data, not isinstance chains):
+# model_type -> attribute names of (decoder, layers, final norm). All three use
+# input_layernorm / self_attn.{q,k,v,o}_proj / post_attention_layernorm / mlp inside a layer.
+FAMILIES: dict[str, tuple[str, str, str]] = {
+    "llama": ("model", "layers", "norm"),
+    "qwen2": ("model", "layers", "norm"),
+    "mistral": ("model", "layers", "norm"),
+}
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """The tokens of one sequence computed in this step."""
+
+    token_ids: list[int]  # new tokens (a prefill chunk, or the one decode token)
+    start: int  # position of token_ids[0] == tokens already in the KV cache
+    block_table: list[int]  # blocks covering positions 0 .. start + len(token_ids) - 1
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Index tensors shared by every layer of one step (built once by :func:`prepare_batch`)."""
+
+    input_ids: torch.Tensor  # [T] int64, all chunks concatenated
+    positions: torch.Tensor  # [T] int64
+    write_slots: torch.Tensor  # [T] int64 flat slot (block * block_size + offset) per new token
+    q_index: torch.Tensor  # [T] int64 row in the padded [B * q_max] query layout
+    gather_slots: torch.Tensor  # [B, ctx_max] int64 flat slots of each context (0 where padded)
+    attn_mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool, True = may attend
+    last_index: torch.Tensor  # [B] int64 index into T of each chunk's last token
+    q_max: int
+
+
+def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> BatchMeta:
+    if not chunks:
+        raise ValueError("prepare_batch needs at least one sequence chunk")
+    q_max = max(len(c.token_ids) for c in chunks)
+    ctx_lens = [c.start + len(c.token_ids) for c in chunks]
+    ctx_max = max(ctx_lens)
+    ids, pos, slots, q_index, last = [], [], [], [], []
+    gather = torch.zeros(len(chunks), ctx_max, dtype=torch.int64)
+    for b, c in enumerate(chunks):
+        n = len(c.token_ids)
+        ids += c.token_ids
+        pos += range(c.start, c.start + n)
+        slots += slot_mapping(c.block_table, c.start, c.start + n, block_size)
+        q_index += range(b * q_max, b * q_max + n)
+        last.append(len(ids) - 1)
+        gather[b, : ctx_lens[b]] = torch.tensor(slot_mapping(c.block_table, 0, ctx_lens[b],
+                                                             block_size))
+    # Mask: query row i of sequence b sits at position start_b + i and may see keys j <= that
+    # position (causal) and j < ctx_len_b (not padding). Padded query rows (i >= n_b) would see
+    # nothing and give NaN from softmax over all -inf, so they see key 0; they are dropped later.
+    starts = torch.tensor([c.start for c in chunks]).view(-1, 1, 1)  # [B, 1, 1]
+    qpos = starts + torch.arange(q_max).view(1, -1, 1)  # [B, q_max, 1]
+    kpos = torch.arange(ctx_max).view(1, 1, -1)  # [1, 1, ctx_max]
+    mask = kpos <= qpos  # [B, q_max, ctx_max]
+    n_q = torch.tensor([len(c.token_ids) for c in chunks]).view(-1, 1, 1)
+    mask |= (torch.arange(q_max).view(1, -1, 1) >= n_q) & (kpos == 0)
+    return BatchMeta(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        write_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        q_index=torch.tensor(q_index, dtype=torch.int64, device=device),
+        gather_slots=gather.to(device),
+        attn_mask=mask.unsqueeze(1).to(device),
+        last_index=torch.tensor(last, dtype=torch.int64, device=device),
+        q_max=q_max,
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1), the HF/Llama RoPE convention."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D], cos/sin: [T, D] -> [T, heads, D]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: BatchMeta,
+    grouped_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the step's queries over each sequence's paged context.
+
+    q: [T, H, D]; k_pool/v_pool: [num_blocks, block_size, KV, D];
+    grouped_mask: [B, 1, G * q_max, ctx_max] bool (see :func:`group_mask`) -> out [T, H, D].
+
+    GQA without copying K/V per query head: query head h uses KV head h // G (HF repeat_kv
+    order), so the G query heads of one KV head are folded into the query length and attend to
+    that KV head once; mathematically identical to repeating K/V G times.
+    """
+    T, H, D = q.shape
+    KV = k_pool.shape[2]
+    G = H // KV
+    B, ctx_max = meta.gather_slots.shape
+    idx = meta.gather_slots.view(-1)  # [B * ctx_max]
+    # Gather each sequence's blocks into a dense padded context: [B, ctx_max, KV, D] -> [B, KV,
+    # ctx_max, D]
+    k = k_pool.view(-1, KV, D).index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
+    v = v_pool.view(-1, KV, D).index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
+    q_pad = q.new_zeros(B * meta.q_max, H, D)
+    q_pad[meta.q_index] = q
+    # [B * q_max, H, D] -> [B, q_max, KV, G, D] -> [B, KV, G, q_max, D] -> [B, KV, G*q_max, D]
+    q_g = q_pad.view(B, meta.q_max, KV, G, D).permute(0, 2, 3, 1, 4).reshape(
+        B, KV, G * meta.q_max, D)
+    out = F.scaled_dot_product_attention(q_g, k, v, attn_mask=grouped_mask, scale=scale)
+    # [B, KV, G*q_max, D] -> [B, KV, G, q_max, D] -> [B, q_max, KV, G, D] -> [B * q_max, H, D]
+    out = out.view(B, KV, G, meta.q_max, D).permute(0, 3, 1, 2, 4).reshape(B * meta.q_max, H, D)
+    return out[meta.q_index]  # [T, H, D]
+
+
+def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, 1, q_max, ctx] -> [B, 1, groups * q_max, ctx]: the same mask for each folded head."""
+    B, _, q_max, ctx = mask.shape
+    return mask.unsqueeze(2).expand(B, 1, groups, q_max, ctx).reshape(B, 1, groups * q_max, ctx)
+
+
+class ModelRunner:
+    """Owns the HF module and the KV pools; ``forward(chunks) -> logits [B, vocab]``."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int) -> None:
+        cfg = model.config
+        if cfg.model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type {cfg.model_type!r} is not supported by the serving engine; "
+                f"supported: {sorted(FAMILIES)}"
+            )
+        decoder_name, layers_name, norm_name = FAMILIES[cfg.model_type]
+        self.model = model
+        self.decoder = getattr(model, decoder_name)
+        self.layers = getattr(self.decoder, layers_name)
+        self.final_norm = getattr(self.decoder, norm_name)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.device = next(model.parameters()).device
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.kv_spec = KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim,
+                                   self.dtype, block_size)
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in self.layers]
+        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        meta = prepare_batch(chunks, self.kv_spec.block_size, self.device)
+        T = meta.input_ids.numel()
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.decoder.embed_tokens(meta.input_ids)  # [T, hidden]
+        # The model's own rotary module (handles rope_type / scaling); cos, sin: [1, T, D].
+        cos, sin = self.decoder.rotary_emb(h.unsqueeze(0), meta.positions.unsqueeze(0))
+        cos, sin = cos[0], sin[0]  # [T, D]
+        mask = group_mask(meta.attn_mask, H // KV)  # built once, shared by every layer
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)  # [T, hidden]
+            q = attn.q_proj(x).view(T, H, D)  # [T, H * D] -> [T, H, D]
+            k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
+            v = attn.v_proj(x).view(T, KV, D)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k  # write into paged slots
+            self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v
+            o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask, self.scale)
+            h = h + attn.o_proj(o.reshape(T, H * D))  # [T, H, D] -> [T, hidden]
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = self.final_norm(h[meta.last_index])  # [B, hidden], only tokens we sample from
+        return self.model.lm_head(last).float()  # [B, vocab] fp32 logits

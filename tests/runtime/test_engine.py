@@ -1,0 +1,207 @@
+"""Engine outputs equal Hugging Face greedy generation token for token; blocks never leak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from runtime.engine.kv_cache import BlockPool, KVCacheSpec, prefix_block_hashes
+from runtime.engine.model_runner import apply_rope, rotate_half
+from runtime.engine.sampling import filter_logits, sample_token
+from tests.tiny_models import make_model
+
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request):
+    model, tok = make_model(request.param)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (3, 17, 30, 41)]
+    prompts.append(prompts[3][:36] + [7, 8, 9])  # shares 9 full 4-token blocks with prompt 3
+    ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW,
+                          do_sample=False)[0, len(p):].tolist() for p in prompts]
+    return model, tok, prompts, ref
+
+
+def _engine(model, tok, num_blocks: int, prefix: bool = True, **kw) -> LLMEngine:
+    spec = KVCacheSpec(model.config.num_hidden_layers, model.config.num_key_value_heads,
+                       model.config.hidden_size // model.config.num_attention_heads,
+                       torch.float32, block_size=4)
+    cfg = EngineConfig(block_size=4, kv_cache_memory=num_blocks * spec.bytes_per_block,
+                       enable_prefix_caching=prefix, **kw)
+    return LLMEngine(model, tok, cfg)
+
+
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+
+
+def test_concurrent_requests_match_hf_greedy(tiny):
+    model, tok, prompts, ref = tiny
+    eng = _engine(model, tok, 400, max_num_seqs=8, max_num_batched_tokens=64)
+    assert eng.generate(prompts, GREEDY) == ref
+    assert eng.pool.num_used == 0
+
+
+def test_chunked_prefill_and_small_batches_match(tiny):
+    model, tok, prompts, ref = tiny
+    # 8 tokens per step: the 41-token prompt is prefilled in chunks alongside decodes.
+    eng = _engine(model, tok, 400, max_num_seqs=2, max_num_batched_tokens=8)
+    assert eng.generate(prompts, GREEDY) == ref
+    assert eng.pool.num_used == 0
+
+
+def test_preemption_with_tiny_pool_matches(tiny):
+    model, tok, prompts, ref = tiny
+    eng = _engine(model, tok, 16, max_num_seqs=4, max_num_batched_tokens=64)
+    assert eng.generate(prompts, GREEDY) == ref
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.pool.num_used == 0
+
+
+def test_prefix_cache_hits_match(tiny):
+    model, tok, prompts, ref = tiny
+    eng = _engine(model, tok, 400, max_num_seqs=8, max_num_batched_tokens=64)
+    assert eng.generate(prompts[3:4], GREEDY) == ref[3:4]
+    assert eng.pool.hit_rate == 0.0
+    assert eng.generate(prompts[3:], GREEDY) == ref[3:]  # both reuse prompt 3's blocks
+    # Prompt 3 again: its first 40 tokens (10 blocks; the last token is always computed);
+    # prompt 4: the 9 blocks (36 tokens) it shares with prompt 3.
+    assert eng.pool.prefix_hits == 40 + 36
+    assert eng.pool.num_used == 0
+
+
+def test_abort_frees_blocks(tiny):
+    model, tok, prompts, _ = tiny
+    eng = _engine(model, tok, 64, max_num_seqs=2, max_num_batched_tokens=16)
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    for _ in range(3):
+        eng.step()
+    assert eng.pool.num_used > 0
+    for r in rids:
+        eng.abort(r)
+    assert eng.pool.num_used == 0 and not eng.has_work()
+
+
+def test_stop_string_and_eos():
+    model, tok = make_model("llama")
+    eng = _engine(model, tok, 100, max_num_seqs=2, max_num_batched_tokens=32)
+    ids = tok.encode("The customer reports")
+    rid = eng.add_request(ids, SamplingParams(max_tokens=20, ignore_eos=True))
+    full = ""
+    while eng.has_work():
+        full += "".join(o.new_text for o in eng.step() if o.request_id == rid)
+    stop = full[3:5]
+    rid = eng.add_request(ids, SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,)))
+    text, reason = "", None
+    while eng.has_work():
+        for o in eng.step():
+            text += o.new_text
+            reason = o.finish_reason
+    assert text == full[: full.index(stop)] and reason == "stop"
+    # EOS ends a request unless ignore_eos: make EOS the argmax by boosting its lm_head row.
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 0  # tied: also zeroes the embedding row
+        model.lm_head.weight[tok.eos_token_id] += model.model.norm.weight.sign() * 5
+    out = eng.generate([ids], SamplingParams(max_tokens=5))
+    assert out == [[tok.eos_token_id]]
+    assert eng.pool.num_used == 0
+
+
+def test_validation_errors():
+    model, tok = make_model("llama")
+    eng = _engine(model, tok, 8, max_num_seqs=2, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request(list(range(3, 40)), GREEDY)
+    with pytest.raises(ValueError, match="limit"):
+        eng.add_request([5] * 250, GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_block_pool_lru_eviction():
+    pool = BlockPool(3)
+    hashes = prefix_block_hashes(list(range(8)), 4)  # two full blocks
+    a, b = pool.allocate(), pool.allocate()
+    pool.register_full_block(a, hashes[0])
+    pool.register_full_block(b, hashes[1])
+    pool.free([a, b])
+    assert pool.num_used == 0 and pool.num_free == 3
+    assert pool.match_prefix(hashes) == [a, b]
+    pool.free([a, b])  # freed tail first: b is older in the LRU than a
+    c = pool.allocate()  # takes the never-used block
+    d = pool.allocate()  # evicts the least recently freed cached block, b
+    assert c not in (a, b) and d == b
+    assert pool.match_prefix(hashes) == [a]  # chain broken at block 2
+    pool.free([a, c, d])
+    assert pool.num_used == 0
+
+
+def test_rope_matches_hf():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
+
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    assert torch.equal(rotate_half(x), hf_rotate_half(x))
+    cos, sin = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    q_hf, _ = apply_rotary_pos_emb(x.transpose(0, 1), x.transpose(0, 1), cos, sin,
+                                   unsqueeze_dim=0)
+    torch.testing.assert_close(apply_rope(x, cos, sin), q_hf.transpose(0, 1), rtol=0, atol=1e-12)
+
+
+def test_sampling_filters_and_seed():
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert torch.isinf(filter_logits(logits, 2, 1.0)[:3]).all()
+    probs = torch.softmax(logits, 0)  # p(4)=0.636, p(3)=0.234: top_p 0.7 keeps two tokens
+    kept = ~torch.isinf(filter_logits(logits, 0, 0.7))
+    assert kept.tolist() == [False, False, False, True, True]
+    assert probs[3:].sum() >= 0.7
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=1)
+    draws = [sample_token(logits, p, torch.Generator().manual_seed(3)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    assert sample_token(logits, SamplingParams(), None) == 4
+
+
+def test_paged_attention_matches_float64_reference():
+    from runtime.engine.model_runner import SeqChunk, group_mask, paged_attention, prepare_batch
+
+    g = torch.Generator().manual_seed(0)
+    H, KV, D, bs, nb = 4, 2, 8, 4, 12
+    k_pool = torch.randn(nb, bs, KV, D, generator=g, dtype=torch.float64)
+    v_pool = torch.randn(nb, bs, KV, D, generator=g, dtype=torch.float64)
+    # A decode (1 new token at position 9) and a prefill chunk (5 tokens from position 3).
+    chunks = [SeqChunk([1], 9, [7, 2, 5]), SeqChunk([1] * 5, 3, [0, 11])]
+    meta = prepare_batch(chunks, bs, torch.device("cpu"))
+    q = torch.randn(6, H, D, generator=g, dtype=torch.float64)
+    out = paged_attention(q, k_pool, v_pool, meta, group_mask(meta.attn_mask, H // KV), 0.3)
+    row = 0
+    for c in chunks:
+        slots = torch.tensor([c.block_table[t // bs] * bs + t % bs
+                              for t in range(c.start + len(c.token_ids))])
+        k = k_pool.view(-1, KV, D)[slots].repeat_interleave(H // KV, 1)  # [ctx, H, D]
+        v = v_pool.view(-1, KV, D)[slots].repeat_interleave(H // KV, 1)
+        for i in range(len(c.token_ids)):
+            n = c.start + i + 1  # causal: keys 0 .. own position
+            w = torch.softmax(torch.einsum("hd,thd->ht", q[row], k[:n]) * 0.3, dim=-1)
+            ref = torch.einsum("ht,thd->hd", w, v[:n])
+            torch.testing.assert_close(out[row], ref, rtol=0, atol=1e-12)
+            row += 1
+
+
+@pytest.mark.slow
+def test_smollm2_engine_matches_hf_greedy(smollm2_fp16_dir):
+    from runtime.engine import load_model_for_serving
+
+    model, tok = load_model_for_serving(smollm2_fp16_dir, "cpu")
+    prompts = [tok.encode("The capital of France is"),
+               tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.")]
+    ref = [model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False)[0, len(p):].tolist() for p in prompts]
+    eng = LLMEngine(model, tok, EngineConfig(kv_cache_memory=2**26, max_num_seqs=4))
+    assert eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True)) == ref
+    assert eng.pool.num_used == 0

@@ -1,0 +1,27 @@
+"""The engine over a quantized (QuantLinear) model from runtime.loader: same tokens as HF greedy."""
+
+from __future__ import annotations
+
+import torch
+
+from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+from quantpipe.qformat import QuantSpec
+from runtime.engine import EngineConfig, LLMEngine, SamplingParams, load_model_for_serving
+from runtime.quant_linear import QuantLinear
+from tests.runtime._quant_helpers import quantize_folder
+
+
+def test_quantized_folder_serves_and_matches_hf_greedy(tiny_llama_dir, tmp_path):
+    fp16 = tmp_path / "fp16"
+    export_fp16(Fp16ExportSpec(str(tiny_llama_dir), fp16))
+    quantize_folder(fp16, tmp_path / "q", [QuantSpec(4, 32, True)])
+    model, tok = load_model_for_serving(tmp_path / "q", "cpu", torch.float32)
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (4, 19, 33)]
+    ref = [model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False)[0, len(p):].tolist() for p in prompts]
+    eng = LLMEngine(model, tok, EngineConfig(block_size=4, max_num_seqs=4,
+                                             max_num_batched_tokens=64, kv_cache_memory=2**20))
+    assert eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True)) == ref
+    assert eng.pool.num_used == 0
