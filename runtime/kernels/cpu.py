@@ -1,0 +1,154 @@
+"""CPU path: torch's int4pack / int8pack kernels, repacked once at load time, and the fallback.
+
+Which backend a layer gets (:func:`cpu_backend_for`, visible dispatch):
+
+| backend      | when                                                                       |
+|--------------|----------------------------------------------------------------------------|
+| ``int4pack`` | bits 4, group size 32/64/128/256 dividing ``in``, ``out % 16 == 0``,        |
+|              | ``in % 32 == 0``; act-order only when every group holds ``group_size``      |
+|              | columns (then columns are sorted by group and the input is permuted)       |
+| ``int8pack`` | bits 8, sym, one group per row (per-channel)                               |
+| ``dequant``  | everything else: dequantize (fp32) and matmul on every call                |
+
+Numerics of the fast paths (both run with **bf16** activations: the only dtype with a fast
+kernel on these CPUs; fp32 inputs are 15-40x slower there):
+
+- int4pack computes ``w = (q - 8) * scale + zero_fp`` with a float zero *point*. Our integer
+  zero ``z`` maps exactly to ``zero_fp = (8 - z) * scale`` since
+  ``(q - 8) * s + (8 - z) * s = (q - z) * s``. Scales and zero points are stored in bf16, so
+  the effective weight differs from the fp16-scale reference by the bf16 rounding of ``scale``
+  and ``zero_fp`` (relative 2**-9 each); sym layers have ``zero_fp = 0`` exactly.
+- int8pack computes ``x @ (q8 * scale).T`` with ``q8 = q - 128`` as int8 (exact) and bf16
+  per-row scales.
+
+Repacked layouts: int4pack takes unsigned q as int32 [out, in] and returns its own opaque uint8
+blob ``[out, in / 2]`` (``_convert_weight_to_int4pack_for_cpu(q, inner_k_tiles=2)``), plus
+``scales_and_zeros`` bf16 [G, out, 2] (scale, zero point). int8pack takes int8 [out, in] and
+bf16 scales [out].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kernels.layout import PackedLinear
+
+INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+INNER_K_TILES = 2  # int4pack tiling; needs in % (16 * INNER_K_TILES) == 0
+
+
+def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
+    """int64 [in] column order that makes groups contiguous, or None if impossible.
+
+    With act-order, ``g_idx`` is a permutation of ``arange(in) // group_size`` when every group
+    holds exactly ``group_size`` columns (GPTQ's ``perm // group_size``); sorting the columns by
+    group then gives sequential groups and ``x[:, perm] @ W[:, perm].T == x @ W.T``.
+    """
+    assert p.g_idx is not None
+    perm = torch.argsort(p.g_idx.long(), stable=True)  # [in]
+    sequential = torch.arange(p.in_features) // p.group_size
+    if not torch.equal(p.g_idx.long()[perm], sequential):
+        return None
+    return perm
+
+
+def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
+    """(backend, reason) for one layer on CPU."""
+    bits, gs, in_f, out_f = p.spec.bits, p.group_size, p.in_features, p.out_features
+    if bits == 4:
+        if gs not in INT4PACK_GROUP_SIZES:
+            return "dequant", f"int4pack takes group sizes {INT4PACK_GROUP_SIZES}, not {gs}"
+        if out_f % 16 or in_f % (16 * INNER_K_TILES):
+            return "dequant", f"int4pack needs out % 16 == 0 and in % 32 == 0 ({out_f}x{in_f})"
+        if p.g_idx is not None and act_order_permutation(p) is None:
+            return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
+        return "int4pack", "int4 groupwise"
+    if bits == 8:
+        if p.qzeros is not None:
+            return "dequant", "int8pack is symmetric only"
+        if gs != in_f:
+            return "dequant", "int8pack is per-channel only"
+        return "int8pack", "int8 per-channel sym"
+    raise ValueError(f"bits={bits} has no CPU kernel; use 4 or 8")
+
+
+@dataclass(frozen=True)
+class CpuInt4:
+    packed: torch.Tensor  # uint8 [out, in / 2] opaque int4pack layout
+    scales_and_zeros: torch.Tensor  # [G, out, 2] in the activation dtype (bf16)
+    perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
+    group_size: int
+    out_features: int
+
+
+def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> CpuInt4:
+    """``act_dtype`` (bf16 fast; fp32 exact but slow, used by tests to check the packing)."""
+    q = p.unpacked_q().to(torch.int32)  # [out, in] int32 in [0, 16)
+    scales = p.scales.float()  # [out, G]
+    zeros = p.zeros_u8().float()  # [out, G]
+    perm = None
+    if p.g_idx is not None:
+        perm = act_order_permutation(p)
+        q = q[:, perm].contiguous()  # [out, in] columns now in sequential groups
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+    # integer zero z -> float zero point (8 - z) * s: exact in fp32 (fp16 s times an int < 16)
+    zero_fp = (8.0 - zeros) * scales  # [out, G]
+    sz = torch.stack([scales, zero_fp], dim=-1)  # [out, G, 2]
+    sz = sz.transpose(0, 1).contiguous().to(act_dtype)  # [G, out, 2] act_dtype
+    return CpuInt4(packed, sz, perm, p.group_size, p.out_features)
+
+
+def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:
+    """x2d [M, in] any float -> [M, out] in x's dtype (activations cast to the sz dtype)."""
+    xb = x2d.to(w.scales_and_zeros.dtype)
+    if w.perm is not None:
+        xb = xb[:, w.perm]  # [M, in] columns in the repacked order
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group_size,
+                                                   w.scales_and_zeros)  # [M, out]
+    return y.to(x2d.dtype)
+
+
+@dataclass(frozen=True)
+class CpuInt8:
+    q_int8: torch.Tensor  # int8 [out, in] = q - 128
+    scales: torch.Tensor  # bf16 [out]
+
+
+def repack_int8(p: PackedLinear) -> CpuInt8:
+    q8 = (p.unpacked_q().to(torch.int16) - 128).to(torch.int8)  # [out, in] exact
+    return CpuInt8(q8.contiguous(), p.scales[:, 0].to(torch.bfloat16).contiguous())
+
+
+def int8_matmul(x2d: torch.Tensor, w: CpuInt8) -> torch.Tensor:
+    """x2d [M, in] -> [M, out] (bf16 activations and scales: int8pack needs them equal)."""
+    y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), w.q_int8,
+                                           w.scales)  # [M, out] bf16
+    return y.to(x2d.dtype)
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """The fallback keeps q unpacked (uint8, 2 values per byte of int4 wasted) for speed."""
+
+    q: torch.Tensor  # uint8 [out, in]
+    scales: torch.Tensor  # fp16 [out, G]
+    zeros: torch.Tensor  # uint8 [out, G]
+    g_idx: torch.Tensor  # int64 [in]
+
+
+def repack_unpacked(p: PackedLinear, device) -> Unpacked:
+    return Unpacked(p.unpacked_q().to(device), p.scales.to(device), p.zeros_u8().to(device),
+                    p.group_index().to(device))
+
+
+def dequant_matmul(x2d: torch.Tensor, w: Unpacked) -> torch.Tensor:
+    """Correct for every layout: W = (q - z) * s in fp32 (as qformat.dequantize), then matmul.
+
+    W is a temporary of this call only; nothing dequantized is kept between calls.
+    """
+    s = w.scales.float()[:, w.g_idx]  # [out, in]
+    z = w.zeros.float()[:, w.g_idx]  # [out, in]
+    weight = ((w.q.float() - z) * s).to(x2d.dtype)  # [out, in]
+    return x2d @ weight.T  # [M, in] @ [in, out] -> [M, out]

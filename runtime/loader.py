@@ -1,0 +1,108 @@
+"""Build a runnable transformers model from a quantized folder, with ``QuantLinear`` layers.
+
+``load_quantized_model(qdir, device, dtype)``:
+1. read the checkpoint into :class:`PackedCheckpoint` (the seam: native today; GPTQ and
+   compressed-tensors readers only need to produce the same ``PackedLinear`` inputs);
+2. build the model from its config with parameters on the meta device (accelerate's
+   ``init_empty_weights``; buffers such as rotary ``inv_freq`` stay real), so no FP16 copy of a
+   quantized weight is ever allocated;
+3. put a ``QuantLinear`` (repacked on ``device``) in place of every quantized ``nn.Linear``;
+4. assign the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``; tie embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantpipe.io import MANIFEST_NAME
+from quantpipe.native import read_native
+from runtime.kernels.layout import PackedLinear, packed_from_native
+from runtime.quant_linear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+_PACKED_SUFFIXES = (".qweight", ".scales", ".qzeros", ".g_idx", ".bias")
+
+
+@dataclass
+class PackedCheckpoint:
+    """Any quantized checkpoint, converted to the runtime's inputs."""
+
+    config: dict  # HF config.json without quantization_config
+    layers: dict[str, PackedLinear]  # quantized linear name -> packed inputs
+    fp_tensors: dict[str, torch.Tensor]  # every other tensor, HF names
+
+
+def read_packed(qdir: str | Path) -> PackedCheckpoint:
+    """Dispatch on the folder's manifest format (only ``native`` so far)."""
+    qdir = Path(qdir)
+    manifest_path = qdir / MANIFEST_NAME
+    fmt = (json.loads(manifest_path.read_text()).get("checkpoint_format")
+           if manifest_path.is_file() else None)
+    if fmt == "native":
+        ckpt = read_native(qdir)
+        layers = {name: packed_from_native(ckpt, name) for name in ckpt.layers}
+        fp = {k: v for k, v in ckpt.tensors.items()
+              if not any(k.endswith(s) and k[: -len(s)] in layers for s in _PACKED_SUFFIXES)}
+        config = dict(ckpt.config)
+        config.pop("quantization_config", None)
+        return PackedCheckpoint(config, layers, fp)
+    raise ValueError(
+        f"{qdir}: checkpoint format {fmt!r} is not readable by the runtime yet; export it with "
+        "`quantpipe export --format native` (or load it with vLLM)"
+    )
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # CPU: fp32 for the FP layers (fp16/bf16 dense matmuls are several times slower on these
+    # CPUs; quantized layers still run with bf16 activations). CUDA: fp16.
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
+def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
+                         dtype: torch.dtype | None = None, backend: str | None = None):
+    """A transformers causal LM running from the packed weights of ``qdir`` (eval mode)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch.cuda.is_available() is False; "
+                         "use --device cpu")
+    dtype = dtype or default_dtype(device)
+    ckpt = read_packed(qdir)
+    config = AutoConfig.for_model(**ckpt.config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, packed in ckpt.layers.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if not isinstance(getattr(parent, child, None), torch.nn.Linear):
+            raise ValueError(f"{qdir}: quantized layer {name} is not an nn.Linear of "
+                             f"{type(model).__name__}")
+        setattr(parent, child, QuantLinear(packed, device, backend=backend, bias_dtype=dtype))
+    state = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
+             for k, v in ckpt.fp_tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
+    if missing or unexpected:
+        raise ValueError(f"{qdir}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    if tied:
+        model.tie_weights()
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.to(device)  # non-persistent buffers (rotary inv_freq) built on CPU
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{qdir}: tensors never loaded: {left[:5]}")
+    counts = Counter(m.backend for m in model.modules() if isinstance(m, QuantLinear))
+    log.info("loaded %s on %s: %d QuantLinear layers %s", qdir, device, sum(counts.values()),
+             dict(counts))
+    model.quantpipe_backends = dict(counts)
+    return model.eval()

@@ -1,0 +1,113 @@
+"""``QuantLinear``: an ``nn.Linear`` replacement that runs from packed INT4/INT8 weights.
+
+Backend per layer, chosen once at construction from the device and the layer's layout
+(visible dispatch in :func:`choose_backend`):
+
+| device | backend      | kernel                                                       |
+|--------|--------------|--------------------------------------------------------------|
+| cuda   | ``triton``   | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot / dequant+mm) |
+| cpu    | ``int4pack`` | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16 activations) |
+| cpu    | ``int8pack`` | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
+| any    | ``dequant``  | dequantize in fp32 + matmul per call (layouts the above reject) |
+
+The repacked tensors are built on the target device at construction; no dequantized copy of
+the weight outlives a forward call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from runtime.kernels import cpu as cpu_kernels
+from runtime.kernels.layout import PackedLinear, repack_for_triton
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("triton", "int4pack", "int8pack", "dequant")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_backend(p: PackedLinear, device: torch.device) -> tuple[str, str]:
+    """(backend, reason) for layer ``p`` on ``device``."""
+    if device.type == "cuda":
+        if _triton_available():
+            return "triton", "CUDA device"
+        return "dequant", "triton is not installed (pip install triton)"
+    if device.type == "cpu":
+        return cpu_kernels.cpu_backend_for(p)
+    return "dequant", f"no fast kernel for device type {device.type!r}"
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T + b with W held packed (see the module docstring for the backends)."""
+
+    def __init__(self, packed: PackedLinear, device: torch.device | str = "cpu",
+                 backend: str | None = None, bias_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.in_features = packed.in_features
+        self.out_features = packed.out_features
+        self.spec = packed.spec
+        if backend is None:
+            backend, reason = choose_backend(packed, device)
+        else:
+            if backend not in BACKENDS:
+                raise ValueError(f"backend {backend!r} unknown; use one of {BACKENDS}")
+            reason = "requested"
+        self.backend = backend
+        self.reason = reason
+        if backend == "triton":
+            self._w = repack_for_triton(packed, device)
+        elif backend == "int4pack":
+            self._w = cpu_kernels.repack_int4(packed)
+        elif backend == "int8pack":
+            self._w = cpu_kernels.repack_int8(packed)
+        elif backend == "dequant":
+            self._w = cpu_kernels.repack_unpacked(packed, device)
+        else:
+            raise AssertionError(backend)
+        # expose the repacked tensors as buffers (memory accounting, state inspection)
+        for field, value in vars(self._w).items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(f"w_{field}", value, persistent=False)
+        bias = packed.bias
+        if bias is not None:
+            bias = bias.to(device=device, dtype=bias_dtype or bias.dtype)
+        self.register_buffer("bias", bias, persistent=False)
+        self.device_ = device
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"spec={self.spec.label()}, backend={self.backend}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != self.device_.type:
+            raise ValueError(
+                f"input on {x.device} but QuantLinear was built for {self.device_}; load the "
+                "model with device= the device of the inputs (packed weights are not moved)"
+            )
+        shape = x.shape
+        x2d = x.reshape(-1, self.in_features)  # [..., in] -> [M, in]
+        if self.backend == "triton":
+            from runtime.kernels import autotune
+
+            y = autotune.run(x2d.contiguous(), self._w)
+        elif self.backend == "int4pack":
+            y = cpu_kernels.int4_matmul(x2d, self._w)
+        elif self.backend == "int8pack":
+            y = cpu_kernels.int8_matmul(x2d, self._w)
+        else:
+            y = cpu_kernels.dequant_matmul(x2d, self._w)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)  # [M, out] -> [..., out]

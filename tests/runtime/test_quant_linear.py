@@ -1,0 +1,95 @@
+"""CPU kernels and QuantLinear vs a float64 dequantized reference, every layout option."""
+
+import zlib
+
+import pytest
+import torch
+
+from quantpipe.qformat import QuantSpec
+from runtime.kernels import cpu as cpu_kernels
+from runtime.kernels.layout import dequantize_reference, repack_for_triton
+from runtime.quant_linear import QuantLinear
+from tests.runtime._quant_helpers import random_packed
+
+OUT, IN = 96, 256
+LAYOUTS = [
+    QuantSpec(bits, gs, sym, act)
+    for bits in (4, 8) for gs in (32, 64, 128, -1) for sym in (True, False)
+    for act in (False, True) if not (act and gs == -1)
+]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: s.label())
+@pytest.mark.parametrize("m", [1, 3, 33])
+def test_quant_linear_cpu_all_layouts(spec, m):
+    p = random_packed(OUT, IN, spec, seed=zlib.crc32(f"{spec.label()}{m}".encode()), bias=True)
+    ql = QuantLinear(p, "cpu")
+    x = torch.randn(2, m, IN)  # [batch, seq, in]
+    w64 = dequantize_reference(p)  # [out, in] float64
+    want = x.double() @ w64.T + p.bias.double()
+    got = ql(x)
+    assert got.shape == (2, m, OUT) and got.dtype == torch.float32
+    expected = {4: "int4pack", 8: "int8pack"}[spec.bits]
+    # per-channel int4 at in=256 is one group of 256: a size int4pack takes
+    fast = (spec.bits == 4 and spec.group_size_for(IN) in (32, 64, 128, 256)) or (
+        spec.bits == 8 and spec.group_size == -1 and spec.sym)
+    assert ql.backend == (expected if fast else "dequant"), ql.reason
+    # bf16 activations/scales in the fast kernels: relative error ~2**-8; fallback is fp32
+    assert _rel(got, want) < (1e-2 if fast else 1e-6)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32, False), QuantSpec(4, 64, True),
+                                  QuantSpec(4, 128, False, True)], ids=lambda s: s.label())
+def test_int4pack_packing_and_zero_point_exact_in_fp32(spec):
+    """With fp32 activations and scales the int4pack op reproduces (q - z) * s exactly:
+    checks the packing, the [G, out, 2] layout and zero_fp = (8 - z) * scale."""
+    p = random_packed(OUT, IN, spec, seed=3)
+    w = cpu_kernels.repack_int4(p, act_dtype=torch.float32)
+    x = torch.randn(5, IN)
+    want = x.double() @ dequantize_reference(p).T
+    got = cpu_kernels.int4_matmul(x, w)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+def test_backend_dispatch_reasons():
+    uneven = random_packed(OUT, IN, QuantSpec(4, 32, True, True), 1, act_group_sizes_equal=False)
+    assert cpu_kernels.cpu_backend_for(uneven)[0] == "dequant"
+    assert cpu_kernels.cpu_backend_for(random_packed(24, IN, QuantSpec(4, 32, True), 1))[0] == \
+        "dequant"  # out % 16 != 0
+    assert cpu_kernels.cpu_backend_for(random_packed(OUT, IN, QuantSpec(8, 32, True), 1))[0] == \
+        "dequant"  # int8 groupwise
+    with pytest.raises(ValueError, match="backend"):
+        QuantLinear(random_packed(OUT, IN, QuantSpec(4, 32, True), 1), "cpu", backend="marlin")
+
+
+def test_uneven_act_order_fallback_is_correct():
+    p = random_packed(OUT, IN, QuantSpec(4, 32, False, True), 2, act_group_sizes_equal=False)
+    ql = QuantLinear(p, "cpu")
+    x = torch.randn(4, IN)
+    assert ql.backend == "dequant"
+    assert _rel(ql(x), x.double() @ dequantize_reference(p).T) < 1e-6
+
+
+def test_triton_repack_is_a_transpose_of_the_native_words():
+    p = random_packed(OUT, IN, QuantSpec(4, 64, False, True), 4)
+    tw = repack_for_triton(p, "cpu")
+    assert torch.equal(tw.qweight_t, p.qweight.T)  # [in/8, out] int32
+    assert torch.equal(tw.scales_t, p.scales.T) and torch.equal(tw.zeros_t, p.qzeros.T)
+    assert torch.equal(tw.g_idx, p.g_idx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", [QuantSpec(4, 128, True), QuantSpec(8, -1, True),
+                                  QuantSpec(4, 64, False, True)], ids=lambda s: s.label())
+def test_quant_linear_cuda_triton(spec):
+    p = random_packed(256, 256, spec, seed=5, bias=True)
+    ql = QuantLinear(p, "cuda", bias_dtype=torch.float16)
+    assert ql.backend == "triton"
+    for m in (1, 16, 64, 200):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.float16)
+        want = x.double().cpu() @ dequantize_reference(p).T + p.bias.double()
+        assert _rel(ql(x).cpu(), want) < 2e-3
