@@ -215,26 +215,32 @@ def read_native(folder: str | Path) -> NativeCheckpoint:
     return NativeCheckpoint(folder, config, manifest, layers, read_fp_state(folder))
 
 
-def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float32):
-    """Reference loader: a plain transformers model with the dequantized weights."""
+def model_from_state_dict(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                          where: str | Path = "checkpoint"):
+    """A plain transformers model built from ``config`` (quantization_config dropped) and FP
+    tensors, without random initialisation of weights that are overwritten right away."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    ckpt = read_native(folder)
-    cfg_dict = dict(ckpt.config)
-    cfg_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**cfg_dict)
-    try:  # skip random init of weights that are overwritten right away
+    cfg_dict = {k: v for k, v in config.items() if k != "quantization_config"}
+    hf_config = AutoConfig.for_model(**cfg_dict)
+    try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers < 5
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = ckpt.dequantized_state_dict(dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    tied = hf_config.tie_word_embeddings
+    missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
     if missing or unexpected:
-        raise ValueError(f"{folder}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
-    if config.tie_word_embeddings:
+        raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    if tied:
         model.tie_weights()  # no_init_weights() skips the tying done at construction
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return model.eval()
+    return model.to(dtype).eval()
+
+
+def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """Reference loader: a plain transformers model with the dequantized weights."""
+    ckpt = read_native(folder)
+    return model_from_state_dict(ckpt.config, ckpt.dequantized_state_dict(dtype), dtype, folder)

@@ -144,14 +144,10 @@ def load_eval_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     method = (cfg.get("quantization_config") or {}).get("quant_method")
-    if method == "quantpipe":
-        from quantpipe.native import load_dequantized_model
+    if method is not None:  # native, GPTQ or compressed-tensors: verified, then dequantized
+        from quantpipe.formats.loader import load_dequantized_model
 
         return load_dequantized_model(folder, dtype)
-    if method is not None:
-        from quantpipe.formats.loader import load_dequantized_model as load_other
-
-        return load_other(folder, dtype)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True).eval()
 
 

@@ -1,8 +1,8 @@
 """Build a runnable transformers model from a quantized folder, with ``QuantLinear`` layers.
 
 ``load_quantized_model(qdir, device, dtype)``:
-1. read the checkpoint into :class:`PackedCheckpoint` (the seam: native today; GPTQ and
-   compressed-tensors readers only need to produce the same ``PackedLinear`` inputs);
+1. verify and read the checkpoint (native, GPTQ or compressed-tensors, also made by other
+   tools) into :class:`PackedCheckpoint`;
 2. build the model from its config with parameters on the meta device (accelerate's
    ``init_empty_weights``; buffers such as rotary ``inv_freq`` stay real), so no FP16 copy of a
    quantized weight is ever allocated;
@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -20,14 +19,13 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.io import MANIFEST_NAME
-from quantpipe.native import read_native
-from runtime.kernels.layout import PackedLinear, packed_from_native
+from quantpipe.formats.loader import load_quantized
+from quantpipe.native import quantized_tensors
+from runtime.kernels.layout import PackedLinear
 from runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
-_PACKED_SUFFIXES = (".qweight", ".scales", ".qzeros", ".g_idx", ".bias")
 
 
 @dataclass
@@ -40,23 +38,27 @@ class PackedCheckpoint:
 
 
 def read_packed(qdir: str | Path) -> PackedCheckpoint:
-    """Dispatch on the folder's manifest format (only ``native`` so far)."""
-    qdir = Path(qdir)
-    manifest_path = qdir / MANIFEST_NAME
-    fmt = (json.loads(manifest_path.read_text()).get("checkpoint_format")
-           if manifest_path.is_file() else None)
-    if fmt == "native":
-        ckpt = read_native(qdir)
-        layers = {name: packed_from_native(ckpt, name) for name in ckpt.layers}
-        fp = {k: v for k, v in ckpt.tensors.items()
-              if not any(k.endswith(s) and k[: -len(s)] in layers for s in _PACKED_SUFFIXES)}
-        config = dict(ckpt.config)
-        config.pop("quantization_config", None)
-        return PackedCheckpoint(config, layers, fp)
-    raise ValueError(
-        f"{qdir}: checkpoint format {fmt!r} is not readable by the runtime yet; export it with "
-        "`quantpipe export --format native` (or load it with vLLM)"
-    )
+    """Any quantized folder (native, GPTQ, compressed-tensors) as the runtime's packed inputs.
+
+    ``quantpipe.formats.loader.load_quantized`` verifies the folder first (manifest and shard
+    hashes, tensor shapes and dtypes, finite positive scales, zeros in range) and unpacks it
+    to quantpipe's convention; each layer is then packed in the native layout the kernels take.
+    """
+    ckpt = load_quantized(qdir)
+    fp = dict(ckpt.fp_tensors)
+    layers: dict[str, PackedLinear] = {}
+    for name, qw in ckpt.layers.items():
+        t = quantized_tensors(name, qw)  # native layout: qweight [out, in*bits/32] int32 ...
+        layers[name] = PackedLinear(
+            spec=qw.spec,
+            qweight=t[f"{name}.qweight"],
+            scales=t[f"{name}.scales"],
+            qzeros=t.get(f"{name}.qzeros"),
+            g_idx=t.get(f"{name}.g_idx"),
+            bias=fp.pop(f"{name}.bias", None),
+            in_features=qw.shape[1],
+        )
+    return PackedCheckpoint(ckpt.model_config(), layers, fp)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

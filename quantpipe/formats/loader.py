@@ -56,3 +56,12 @@ def load_quantized(folder: str | Path) -> QuantizedCheckpoint:
         manifest=ins.manifest,
         report=ins.report,
     )
+
+
+def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """Verify any quantized folder, then build a transformers model with dequantized weights
+    (the reference model of `eval` and `report`)."""
+    from quantpipe.native import model_from_state_dict
+
+    ckpt = load_quantized(folder)
+    return model_from_state_dict(ckpt.config, ckpt.dequantized_state_dict(dtype), dtype, folder)
