@@ -3,11 +3,25 @@
 Precedence (highest first):
 1. ``--override PATTERN=VALUE`` rules, in the order given; the first rule whose pattern matches
    a layer decides it (PATTERN is an exact layer name or ``re:REGEX`` matched with fullmatch;
-   VALUE is 4, 8 or fp16). Overridden layers are fixed before anything else is decided.
+   VALUE is 4, 8 or fp16). Overridden layers are fixed before anything else is decided, and
+   their bits count against the budget.
 2. ``--budget-bits B``: the remaining layers start at INT4 and are upgraded (INT4 -> INT8 ->
    FP16) where that buys the most predicted damage reduction per extra bit, while the average
-   bits per weight over all calibrated linears stays <= B.
+   bits per weight over all calibrated linears stays <= B (see :func:`greedy_budget_plan`).
 3. Otherwise every remaining layer gets ``--bits``.
+
+Damage the budget planner minimises (``--damage``):
+- ``kld``: the measured mean KL divergence of each layer quantized alone
+  (CALIB_DIR/sensitivity.json from ``quantpipe sensitivity``); per-layer damages are summed,
+  i.e. assumed additive (first order; measured plans confirm the ranking, not the sum).
+- ``proxy``: the calibration's per-layer loss tr(dW H dW^T). It is used only where it is known
+  to rank layers like the measurement: if sensitivity.json exists and its Spearman rank
+  correlation of proxy vs measured KLD (INT4) is below ``PROXY_MIN_SPEARMAN`` (0.8), the proxy
+  is refused. Without sensitivity.json the proxy is unvalidated and a warning is logged.
+- ``auto`` (default): ``kld`` when sensitivity.json exists; otherwise an error asking to run
+  ``quantpipe sensitivity`` (or to choose ``--damage proxy`` knowingly). Layer losses of
+  different layers are not comparable in general (they are squared output errors in each
+  layer's own units), so the budget planner does not silently fall back to them.
 
 Bits per weight are counted as stored in the native format: ``bits`` for the integer, plus
 16 / group_size for the fp16 scale, plus 8 / group_size for a uint8 zero (asymmetric only),
@@ -22,12 +36,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from calibration.sensitivity import SENSITIVITY_FILE
 from quantpipe.qformat import QuantSpec
 
 log = logging.getLogger(__name__)
 
 FP16 = None  # the plan's value for "keep this layer in FP16"
-SENSITIVITY_FILE = "sensitivity.json"
+PROXY_MIN_SPEARMAN = 0.8  # the proxy may drive a plan only if it ranks layers at least this well
 
 
 def bits_per_weight(spec: QuantSpec | None, shape: tuple[int, int]) -> float:
@@ -76,7 +91,7 @@ class PlanSpec:
     bits: int = 4  # default precision
     budget_bits: float | None = None  # average bits per weight (automatic plan)
     overrides: tuple[str, ...] = field(default_factory=tuple)  # parsed with Override.parse
-    damage: str = "auto"  # "auto" (measured KLD if present, else proxy), "kld" or "proxy"
+    damage: str = "auto"  # "auto" (= kld; needs sensitivity.json), "kld" or "proxy"
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -140,22 +155,48 @@ class Plan:
         c = self.counts()
         rows.append(f"effective bits per weight: {self.effective_bits():.4f} "
                     f"(int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
+        if self.budget_bits is not None:
+            rows.append(f"budget {self.budget_bits} bits per weight; minimised "
+                        f"{self.damage_source}: predicted sum {self.predicted_damage:.4g}")
         return "\n".join(rows)
 
 
 def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
-    """layer -> {4: damage, 8: damage, None: 0.0} and the name of the source used."""
+    """layer -> {4: damage, 8: damage, None: 0.0} and the name of the source used.
+
+    The dispatch implements the rule in the module docstring (auto / kld / proxy).
+    """
     path = Path(calib.folder) / SENSITIVITY_FILE
-    if source in ("auto", "kld") and path.is_file():
-        sens = json.loads(path.read_text())
-        table = {n: {4: v["kld_w4"], 8: v["kld_w8"], None: 0.0}
-                 for n, v in sens["layers"].items()}
+    sens = json.loads(path.read_text()) if path.is_file() else None
+    run_it = f"run `quantpipe sensitivity {calib.folder}` first"
+    if source in ("auto", "kld"):
+        if sens is None:
+            raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}: the budget planner needs "
+                             f"measured layer sensitivity; {run_it} (minutes on CPU), or plan "
+                             "on the unvalidated proxy loss with `quantpipe plan --damage proxy`")
+        layers = sens["layers"]
+        lacking = [n for n in layer_infos
+                   if n not in layers or "kld_w4" not in layers[n] or "kld_w8" not in layers[n]]
+        if lacking:
+            raise ValueError(f"{path} lacks INT4/INT8 KLD for {len(lacking)} layers (e.g. "
+                             f"{lacking[0]}); re-run `quantpipe sensitivity --bits 4,8 --force`")
+        table = {n: {4: layers[n]["kld_w4"], 8: layers[n]["kld_w8"], None: 0.0}
+                 for n in layer_infos}
         return table, "measured KL divergence (sensitivity.json)"
-    if source == "kld":
-        raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}; run `quantpipe sensitivity` "
-                         "first or use --damage proxy")
-    return ({n: {4: v["w4"]["loss"], 8: v["w8"]["loss"], None: 0.0}
-             for n, v in layer_infos.items()}, "proxy loss tr(dW H dW^T)")
+    if source == "proxy":
+        if sens is None:
+            log.warning("planning on the proxy loss without a measurement of how well it ranks "
+                        "layers; %s to check (or to plan on measured KLD)", run_it)
+        else:
+            rho = sens.get("spearman", {}).get("proxy_w4")
+            if rho is None or rho < PROXY_MIN_SPEARMAN:
+                raise ValueError(
+                    f"the proxy loss ranks layers poorly on this model (Spearman vs measured KLD "
+                    f"{rho} < {PROXY_MIN_SPEARMAN}); use --damage kld (the measurement in {path})"
+                )
+        return ({n: {4: v["w4"]["loss"], 8: v["w8"]["loss"], None: 0.0}
+                 for n, v in layer_infos.items()}, "proxy loss tr(dW H dW^T)")
+    raise ValueError(f"damage {source!r}: use auto, kld or proxy")
 
 
 def make_plan(calib, spec: PlanSpec) -> Plan:
@@ -185,8 +226,7 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
             reasons[n] = "default"
     else:
         damage, damage_source = _damage_table(calib, infos, spec.damage)
-        chosen = _budget_plan(free, {n: shapes[n] for n in names}, specs_of, damage, bits,
-                              spec.budget_bits)
+        chosen = greedy_budget_plan(free, shapes, specs_of, damage, bits, spec.budget_bits)
         for n in free:
             bits[n] = chosen[n]
             reasons[n] = "budget"
@@ -196,16 +236,34 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
                 {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted)
 
 
-def _budget_plan(free, shapes, specs_of, damage, fixed, budget) -> dict[str, int | None]:
-    """Greedy multiple-choice knapsack.
+def greedy_budget_plan(
+    free: list[str],
+    shapes: dict[str, tuple[int, int]],
+    specs_of: dict[str, dict[int | None, QuantSpec | None]],
+    damage: dict[str, dict[int | None, float]],
+    fixed: dict[str, int | None],
+    budget: float,
+) -> dict[str, int | None]:
+    """Greedy multiple-choice knapsack: one precision per free layer, average bits <= budget.
 
     Each layer moves along INT4 -> INT8 -> FP16. A move costs extra stored bits
-    (params x delta bits-per-weight) and buys a drop in predicted damage. Taking moves in order
-    of damage drop per bit is the classic greedy for the LP relaxation of the multiple-choice
-    knapsack: it is optimal when each layer's (bits, damage) points are convex, which we enforce
-    by merging a non-convex middle step into the jump 4 -> 16 (its ratio is then the average).
-    The greedy stops at the first move that does not fit, then tries the smaller remaining
-    moves, so the budget is used as fully as the granularity of layers allows.
+    (params x delta bits-per-weight) and buys a drop in predicted damage.
+
+    Why greedy by ratio is (nearly) right: relax "one precision per layer" to fractions of a
+    layer. That LP's optimum lies on each layer's lower convex hull of (bits, damage) points,
+    and is found by taking hull moves in decreasing order of damage drop per bit until the
+    budget is reached, the last move taken fractionally (Sinha & Zoltners 1979, the
+    multiple-choice knapsack LP). So:
+    - a layer whose INT8 point is above the chord INT4 -> FP16 (``r816 > r48``) is not on the
+      hull; its two moves are merged into the jump 4 -> 16 at the average ratio (the greedy
+      never takes 8 -> 16 before 4 -> 8, which is what makes the sorted order a valid plan);
+    - the LP optimum is a lower bound on the integer optimum, and the greedy prefix (every move
+      before the first one that does not fit) is at most the gain of that one move above the
+      LP optimum: greedy damage <= exact optimum + the largest single-move gain.
+    - after that move, smaller moves later in the order are still tried, so the leftover
+      budget is used as fully as the granularity of layers allows (this only lowers damage).
+    The exact dynamic programme is tested against it on small instances
+    (tests/calibration/test_plan.py). Moves with no gain (ratio <= 0) are never bought.
     """
     params = {n: shapes[n][0] * shapes[n][1] for n in shapes}
     total_params = sum(params.values())
@@ -216,31 +274,32 @@ def _budget_plan(free, shapes, specs_of, damage, fixed, budget) -> dict[str, int
     used = sum(cost(n, b) for n, b in fixed.items()) + sum(cost(n, 4) for n in free)
     limit = budget * total_params
     min_bits = used / total_params
-    if used > limit + 1e-6:
+    if used > limit * (1 + 1e-12):
         raise ValueError(
-            f"--budget-bits {budget} is below the minimum {min_bits:.3f} bits per weight "
-            "(every free layer at INT4, with scale and zero overhead, plus overrides); raise "
-            "the budget or use a larger group size"
+            f"--budget-bits {budget} is below the minimum {min_bits:.4f} bits per weight "
+            "(every free layer at INT4, with scale and zero overhead, plus overrides); use "
+            f"--budget-bits >= {min_bits:.4f}, fewer INT8/FP16 overrides or a larger group size"
         )
-    moves = []  # (ratio, layer, from, to, extra_bits, gain)
+    moves = []  # (ratio, layer, from, to, extra_bits)
     for n in free:
         d4, d8, d16 = damage[n][4], damage[n][8], damage[n][None]
         c4, c8, c16 = cost(n, 4), cost(n, 8), cost(n, None)
-        r48 = (d4 - d8) / max(c8 - c4, 1e-9)
-        r816 = (d8 - d16) / max(c16 - c8, 1e-9)
-        if r816 > r48:  # non-convex: going to FP16 at once is the better rate
+        r48 = (d4 - d8) / (c8 - c4)
+        r816 = (d8 - d16) / (c16 - c8)
+        if r816 > r48:  # INT8 not on the lower hull: FP16 at once is the better rate
             moves.append(((d4 - d16) / (c16 - c4), n, 4, None, c16 - c4))
         else:
             moves.append((r48, n, 4, 8, c8 - c4))
             moves.append((r816, n, 8, None, c16 - c8))
+    # stable order: ties broken by layer order, so equal inputs give equal plans
     moves.sort(key=lambda m: -m[0])
-    state = {n: 4 for n in free}
+    state: dict[str, int | None] = {n: 4 for n in free}
     for ratio, n, frm, to, extra in moves:
         if ratio <= 0:
             break
         if state[n] != frm:  # its previous step was not taken: this one is not reachable
             continue
-        if used + extra <= limit + 1e-6:
+        if used + extra <= limit * (1 + 1e-12):
             state[n] = to
             used += extra
     return state
