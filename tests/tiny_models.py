@@ -11,7 +11,7 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_CORPUS = [
+CORPUS = [
     "Please summarise the attached contract and list the termination clauses.",
     "The customer reports that the invoice total does not match the purchase order.",
     "Extract the fields name, date and amount from the following receipt as JSON.",
@@ -36,7 +36,7 @@ def make_tokenizer(vocab_size: int = 384):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer)
+    tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
         pad_token="<|im_end|>",

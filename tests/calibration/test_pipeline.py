@@ -15,17 +15,9 @@ from quantpipe.export import ExportSpec, export_quantized
 from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
 from quantpipe.native import load_dequantized_model, read_native
 from reports.eval import EvalSpec, evaluate_models
+from tests.tiny_models import CORPUS
 
-PROMPTS = [
-    "Please summarise the attached contract and list the termination clauses.",
-    "The customer reports that the invoice total does not match the purchase order.",
-    "Extract the fields name, date and amount from the following receipt as JSON.",
-    "SELECT customer_id, SUM(amount) FROM orders GROUP BY customer_id;",
-    "Dear team, the quarterly revenue grew by 12 percent compared with last year.",
-    "请总结以下合同的主要条款，并列出付款条件。",
-    "def total(items): return sum(item.price for item in items)",
-    "Our refund policy allows returns within 30 days of delivery.",
-]
+PROMPTS = CORPUS[:8]  # eight distinct business sentences
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,10 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from calibration.grid import quantize_to_grid, scale_zero_from_range
 from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
 from quantpipe.native import load_dequantized_model, read_native, write_native
-from quantpipe.qformat import QuantizedWeight, QuantSpec
-
-
-def _rtn(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
-    out_f, in_f = w.shape
-    gs = spec.group_size_for(in_f)
-    wg = w.float().reshape(out_f, in_f // gs, gs)  # [out, G, gs]
-    scale, zero = scale_zero_from_range(wg.amin(-1), wg.amax(-1), spec)  # [out, G]
-    q = quantize_to_grid(wg, scale[..., None], zero[..., None], spec.maxq)
-    return QuantizedWeight(spec, q.reshape(out_f, in_f).to(torch.uint8), scale.half(),
-                           zero.to(torch.uint8))
+from quantpipe.qformat import QuantSpec
+from tests.runtime._quant_helpers import rtn
 
 
 def test_native_round_trip(tiny_llama_dir, tmp_path):
@@ -25,7 +15,7 @@ def test_native_round_trip(tiny_llama_dir, tmp_path):
     weights = {}
     for i, (name, mod) in enumerate(ref.named_modules()):
         if isinstance(mod, torch.nn.Linear) and name != "lm_head":
-            weights[name] = _rtn(mod.weight.data, specs[i % len(specs)])
+            weights[name] = rtn(mod.weight.data, specs[i % len(specs)])
     write_native(tmp_path / "q", fp16, weights)
     ckpt = read_native(tmp_path / "q")
     for name, qw in weights.items():

@@ -1,0 +1,150 @@
+"""Measured layer sensitivity on a tiny model: ranking, exactness, the file, reuse, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from calibration.artifact import read_calibration
+from calibration.pipeline import CalibrateSpec, calibrate
+from calibration.plan import PlanSpec, make_plan
+from calibration.sensitivity import (
+    SENSITIVITY_FILE,
+    SensitivitySpec,
+    _calibration_ids,
+    measure_sensitivity,
+    spearman,
+    token_kld,
+)
+from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+from tests.tiny_models import make_model, save_model
+
+BAD = "model.layers.0.mlp.down_proj"  # the layer made hard to quantize
+
+
+@pytest.fixture(scope="module")
+def calib_dir(tmp_path_factory):
+    """Tiny Llama whose BAD layer has one 40x outlier per 32-column group, RTN g32."""
+    model, tok = make_model("llama")
+    with torch.no_grad():
+        w = model.get_submodule(BAD).weight  # [64, 128]
+        w[:, ::32] *= 40.0  # the outlier sets each group's scale: the rest rounds to ~0
+    root = tmp_path_factory.mktemp("sens")
+    src = save_model(model, tok, root / "src")
+    fp16 = root / "fp16"
+    export_fp16(Fp16ExportSpec(str(src), fp16))
+    prompts = root / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Invoice {i}: the total of order {i} "
+                                                        "does not match the purchase order."})
+                                 for i in range(40)) + "\n")
+    out = root / "calib"
+    calibrate(CalibrateSpec(fp16, out, str(prompts), algo="rtn", group_size=32, samples=8,
+                            seq_len=32, min_tokens=4, batch_size=4))
+    return out
+
+
+SPEC = dict(tokens=128, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def measured(calib_dir):
+    return measure_sensitivity(SensitivitySpec(calib_dir, **SPEC))
+
+
+def test_spearman_by_hand():
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # ties get average ranks: y ranks [0.5, 0.5, 2, 3] -> 4.5 / sqrt(5 * 4.5)
+    assert spearman([1, 2, 3, 4], [1, 1, 2, 3]) == pytest.approx(4.5 / (5 * 4.5) ** 0.5)
+    with pytest.raises(ValueError, match="equal-length"):
+        spearman([1.0], [1.0])
+
+
+@pytest.mark.parametrize("eps", [1e-1, 1e-3, 1e-5])
+def test_token_kld_matches_float64_reference(eps):
+    """Float32 dz-form KL == float64 log-softmax KL, down to tiny (INT8-size) differences."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 4000, generator=g) * 4 + 10  # [T, V] logits of a realistic size
+    b = a + eps * torch.randn(6, 4000, generator=g)
+    lp, lq = torch.log_softmax(a.double(), -1), torch.log_softmax(b.double(), -1)
+    want = (lp.exp() * (lp - lq)).sum(-1)  # [T] fp64, ~eps**2 / 2 * Var(dz)
+    got = token_kld(a, torch.softmax(a.double(), -1).float(), b)
+    torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-12)
+    assert float(token_kld(a, torch.softmax(a.double(), -1).float(), a).abs().max()) == 0.0
+
+
+def test_bad_layer_ranked_most_sensitive(measured, calib_dir):
+    layers = measured.data["layers"]
+    assert set(layers) == set(read_calibration(calib_dir).layer_infos())
+    assert all(v["kld_w4"] >= 0 and v["kld_w8"] >= 0 for v in layers.values())
+    ranked = sorted(layers, key=lambda n: -layers[n]["kld_w4"])
+    assert ranked[0] == BAD
+    assert layers[BAD]["kld_w4"] > 1.2 * layers[ranked[1]]["kld_w4"]
+    assert layers[BAD]["kld_w4"] > 20 * sorted(v["kld_w4"] for v in layers.values())[7]
+    # INT8 per channel is far better than INT4 for most layers
+    assert sum(v["kld_w8"] < v["kld_w4"] for v in layers.values()) >= 0.8 * len(layers)
+    assert measured.data["tokens_scored"] == 128
+    assert set(measured.data["spearman"]) == {"proxy_w4", "proxy_norm_w4", "proxy_w8",
+                                              "proxy_norm_w8"}
+    assert all(-1 <= r <= 1 for r in measured.data["spearman"].values())
+
+
+def test_cached_path_equals_full_model_forward(measured, calib_dir):
+    """KLD from the block cache == full model forward with the one layer replaced (fp64 KL)."""
+    from transformers import AutoModelForCausalLM
+
+    calib = read_calibration(calib_dir)
+    ids = _calibration_ids(calib.fp16_dir, SensitivitySpec(calib_dir, **SPEC))
+    model = AutoModelForCausalLM.from_pretrained(calib.fp16_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(ids).logits.reshape(-1, model.config.vocab_size)  # [T, V]
+        for name in (BAD, "model.layers.1.self_attn.v_proj"):
+            lin = model.get_submodule(name)
+            orig = lin.weight.data
+            lin.weight.data = calib.weights({name: 4})[name].dequantize()
+            cand = model(ids).logits.reshape(-1, model.config.vocab_size)
+            lin.weight.data = orig
+            lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(cand.double(), -1)
+            want = float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean())
+            assert measured.data["layers"][name]["kld_w4"] == pytest.approx(want, rel=1e-4)
+
+
+def test_file_atomic_reuse_and_force(measured, calib_dir):
+    path = calib_dir / SENSITIVITY_FILE
+    assert measured.path == path and not measured.reused
+    assert json.loads(path.read_text())["layers"] == measured.data["layers"]
+    assert not [p for p in calib_dir.iterdir() if p.name.endswith(".tmp")]
+    stamp = path.stat().st_mtime_ns
+    again = measure_sensitivity(SensitivitySpec(calib_dir, **SPEC))
+    assert again.reused and path.stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="--force"):
+        measure_sensitivity(SensitivitySpec(calib_dir, tokens=192, seq_len=64))
+
+
+def test_spec_errors(tmp_path):
+    with pytest.raises(ValueError, match="--bits"):
+        SensitivitySpec(tmp_path, bits=(3,))
+    with pytest.raises(ValueError, match="--tokens"):
+        SensitivitySpec(tmp_path, tokens=10, seq_len=64)
+
+
+def test_plan_uses_measurement_and_cli(measured, calib_dir):
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    calib = read_calibration(calib_dir)
+    plan = make_plan(calib, PlanSpec(budget_bits=6.0))
+    assert plan.damage_source.startswith("measured")
+    assert plan.bits[BAD] in (8, None)  # the most damaging layer is upgraded
+    assert plan.effective_bits() <= 6.0
+    layers = measured.data["layers"]
+    assert plan.predicted_damage < 0.5 * sum(v["kld_w4"] for v in layers.values())
+    runner = CliRunner()
+    res = runner.invoke(main, ["sensitivity", str(calib_dir), "--tokens", "128",
+                               "--seq-len", "64"])
+    assert res.exit_code == 0, res.output
+    assert "reused" in res.output and BAD in res.output
+    res = runner.invoke(main, ["sensitivity", str(calib_dir), "--bits", "4,x"])
+    assert res.exit_code != 0 and "--bits" in res.output
+    res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "4.0"])
+    assert res.exit_code != 0 and "below the minimum" in res.output
