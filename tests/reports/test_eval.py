@@ -23,7 +23,7 @@ def test_accumulator_matches_float64_reference():
     same = sum(int(pa[i].argmax() == pb[i].argmax()) for i in range(40))
     assert s["same_top_rate"] == same / 40
     nll = -sum(math.log(pa[i, t[i]]) for i in range(40)) / 40
-    assert math.isclose(s["ppl_reference"], math.exp(nll), rel_tol=1e-9)
+    assert math.isclose(s["ppl_reference"], math.exp(nll), rel_tol=1e-6)  # fp32 log-softmax
     dp = [float(pb[i, t[i]] - pa[i, t[i]]) for i in range(40)]
     rms = math.sqrt(sum(x * x for x in dp) / 40)
     assert math.isclose(s["top_prob_delta"]["rms"], rms, rel_tol=1e-5)
