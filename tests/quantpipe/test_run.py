@@ -1,0 +1,26 @@
+"""`quantpipe run` on a tiny model: every stage, then a resumed run that reuses them all."""
+
+import json
+
+from click.testing import CliRunner
+
+from quantpipe.cli import main
+
+
+def test_run_end_to_end_and_resume(tiny_llama_dir, tmp_path):
+    out = tmp_path / "work"
+    args = ["run", str(tiny_llama_dir), "--out", str(out), "--samples", "4", "--seq-len", "64",
+            "--group-size", "32"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    for stage in ("fp16", "calib", "int4"):
+        assert (out / stage / "quantpipe.json").is_file()
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["tokens"] > 1000 and ev["kld"]["mean"] > 0
+    report = json.loads((out / "report.json").read_text())
+    # the report reuses the eval numbers instead of measuring again
+    assert report["candidates"][0]["distribution"]["kld"]["mean"] == ev["kld"]["mean"]
+    assert "<svg" in (out / "report.html").read_text()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0, again.output
+    assert "export-fp16 0s, calibrate 0s, export 0s, eval 0s, report 0s" in again.output
