@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from calibration.artifact import save_block
+from calibration.artifact import block_file, save_block
 from calibration.awq import awq_clip_search, awq_search_scales, fold_scales
 from calibration.capture import (
     BlockContext,
@@ -276,6 +276,7 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
     blocks = get_blocks(model, family)
     prefix = family.blocks
     data_summary = {}
+    earlier_seconds = 0.0
     state_file = spec.out / "state" / "hidden.safetensors"
     if start == 0:
         records = load_prompt_records(spec.prompts, column=spec.column)
@@ -296,7 +297,9 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
         saved = load_file(str(state_file))
         hidden, input_ids = saved["hidden"], saved["input_ids"]
         _, ctx = embed_inputs(model, input_ids[:1])
-        data_summary = json.loads((spec.out / "progress.json").read_text()).get("data", {})
+        progress = json.loads((spec.out / "progress.json").read_text())
+        data_summary = progress.get("data", {})
+        earlier_seconds = float(progress.get("seconds", 0.0))  # time spent before the kill
     fallbacks: dict[str, int] = {}
     total_raises = 0
     for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
@@ -342,14 +345,24 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
             "damp_raises": block_raises,
         })
         save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
-        _save_progress(spec, i + 1, {"data": data_summary})
+        _save_progress(spec, i + 1, {"data": data_summary,
+                                     "seconds": earlier_seconds + time.perf_counter() - t0})
     # finished: the manifest marks the folder valid; the resume state is no longer needed
+    seconds = earlier_seconds + time.perf_counter() - t0
+    peak = _peak_rss_mb()
+    # after a resume, this process saw only some blocks: the block files are the record
+    fallbacks, total_raises = {}, 0
+    for j in range(len(blocks)):
+        info = json.loads(block_file(spec.out, j, "json").read_text())
+        total_raises += int(info.get("damp_raises", 0))
+        for name, layer in info["layers"].items():
+            gs = layer["w4"]["spec"]["group_size"]
+            if gs != spec.group_size:
+                fallbacks[name] = gs
     if fallbacks:
         sizes = sorted(set(fallbacks.values()))
         log.warning("group size %d does not divide %d layer(s); used %s there "
                     "(recorded per layer)", spec.group_size, len(fallbacks), sizes)
-    seconds = time.perf_counter() - t0
-    peak = _peak_rss_mb()
     write_manifest(
         spec.out,
         stage="calibration",

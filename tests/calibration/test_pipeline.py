@@ -128,3 +128,32 @@ def test_errors(fp16_dir, prompt_file, tmp_path):
     with pytest.raises(ValueError, match="does not divide"):
         calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="rtn", group_size=128,
                         strict_group_size=True))
+
+
+def test_resumed_manifest_counts_every_block(fp16_dir, prompt_file, tmp_path):
+    """Group-size fallbacks and timings of blocks computed before a kill are kept."""
+    import calibration.pipeline as p
+
+    out = tmp_path / "calib"
+    spec = _spec(fp16_dir, prompt_file, out, algo="rtn", group_size=128)  # 64-wide: fallback
+    calls = []
+    orig = p._save_progress
+
+    def stop_after_first(s, nxt, extra):
+        orig(s, nxt, extra)
+        calls.append(nxt)
+        if nxt == 1:
+            raise KeyboardInterrupt  # the run dies after block 0 is saved
+
+    p._save_progress = stop_after_first
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(spec)
+    finally:
+        p._save_progress = orig
+    res = calibrate(spec)
+    assert res.resumed_from == 1
+    manifest = read_calibration(out).manifest
+    # both blocks: every linear reading the 64-wide hidden state (down_proj reads 128)
+    assert len(manifest["group_size_fallbacks"]) == 2 * 6
+    assert manifest["seconds"] >= res.seconds > 0
