@@ -160,7 +160,9 @@ def _quantize(spec: CalibrateSpec, W: torch.Tensor, H: torch.Tensor, qspec: Quan
     if spec.algo == "rtn":
         return rtn(W, qspec, mse_clip=spec.mse_clip, H=H)
     if spec.algo == "awq":
-        if clip_x is None:  # q/k: llm-awq does not clip them (attention scores are sensitive)
+        # q/k: llm-awq does not clip them (attention scores are sensitive); INT8's grid is
+        # fine enough that clipping buys nothing measurable and its search costs as much
+        if clip_x is None or qspec.bits == 8:
             return rtn(W, qspec, H=H)
         max_val = awq_clip_search(W, clip_x, qspec)
         return rtn(W, qspec, H=H, clip=max_val)
@@ -325,11 +327,12 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
                     fp_changed[f"{prefix}.{i}.{k}"] = v.detach().to(torch.float16).clone()
         results: dict[str, dict[int, QuantResult]] = {}
         block_raises = 0
-        # The algorithms run many small column operations: with several OpenMP threads each
-        # one pays thread wake-ups (and spins when cores are shared), which was measured to
-        # cost more than the work itself on 2 cores. Large forwards keep all threads.
+        # GPTQ runs many small column operations: with several OpenMP threads each one pays
+        # thread wake-ups (and spins when cores are shared), which was measured to cost 20x
+        # the work itself on 2 cores. Large forwards keep all threads.
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        if spec.algo == "gptq":  # AWQ's clip search is large matmuls: keep all threads
+            torch.set_num_threads(1)
         try:
             results, block_raises = _quantize_block(spec, block, family, collector, prefix, i,
                                                     fallbacks)

@@ -1,0 +1,318 @@
+r"""quantpipe GPTQ vs llm-compressor GPTQ on the same model, tokens and held-out prompts.
+
+For each scheme (sym, asym), INT4 with group size 64 on every linear but lm_head:
+(a) quantpipe: ``calibrate --algo gptq`` then ``export --bits 4`` (native format);
+(b) llm-compressor: ``GPTQModifier`` oneshot (sequential pipeline, no act-order, default
+    dampening and block size), run by ``bench/llmc_worker.py`` in llm-compressor's own
+    virtualenv, saved compressed (pack-quantized);
+(c) both scored by ``reports.eval`` against the FP16 reference on the held-out prompts
+    (business-eval), same windows, same token limit.
+Both tools calibrate on EXACTLY the same token ids: this script builds them with
+``calibration.prompts.build_calibration_set`` (what ``calibrate`` does with the same settings),
+writes them to WORK/calib_tokens.safetensors for the worker, and checks that quantpipe's
+calibration summarised the same data.
+
+llm-compressor's virtualenv (outside the repo; its pins differ from the project's):
+
+    python3 -m venv /work/llmc-venv
+    /work/llmc-venv/bin/pip install torch==2.13.0   # the local CPU wheel, before anything else
+    /work/llmc-venv/bin/pip install llmcompressor   # 0.14.0.1 measured
+
+Run (from the repo root, with the repo's .venv):
+
+    OMP_NUM_THREADS=2 python bench/vs_llmcompressor.py --fp16 /tmp/qp/fp16 \
+        --work /tmp/qp/vs-llmc --samples 128 --seq-len 512
+
+Finished steps found in --work are reused (delete a folder to recompute it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from calibration.artifact import read_calibration
+from calibration.pipeline import CalibrateSpec, calibrate
+from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+from quantpipe.export import ExportSpec, export_quantized
+from quantpipe.io import write_json_atomic
+from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+
+SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
+WORKER = Path(__file__).with_name("llmc_worker.py")
+DEFAULT_LLMC_PYTHON = Path("/work/llmc-venv/bin/python")
+MIN_TOKENS = CalibrateSpec.min_tokens  # calibrate's default; the token set must match it
+
+
+def calibration_tokens(fp16: Path, prompts: str, samples: int, seq_len: int, seed: int,
+                       out: Path) -> dict:
+    """Build the calibration set as ``calibrate`` does and save input_ids [n, L] int64."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fp16)
+    calib = build_calibration_set(
+        tokenizer, load_prompt_records(prompts),
+        CalibDataSpec(n_samples=samples, seq_len=seq_len, min_tokens=MIN_TOKENS, seed=seed),
+    )
+    input_ids = calib.input_ids  # [n, L] int64 (pack mode: every window full)
+    if not torch.is_tensor(input_ids) or tuple(input_ids.shape) != (samples, seq_len):
+        raise ValueError(f"the prompts {prompts!r} give fewer than {samples} x {seq_len} tokens; "
+                         "lower --samples or --seq-len")
+    save_file({"input_ids": input_ids.contiguous()}, str(out))
+    digest = hashlib.sha256(input_ids.numpy().tobytes()).hexdigest()
+    return {"path": str(out), "shape": list(input_ids.shape), "sha256": digest,
+            "summary": asdict(calib.summary)}
+
+
+def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) -> dict:
+    """A reused quantpipe calibration must have the settings (and data) of this run."""
+    m = read_calibration(calib_dir).manifest
+    s = m["settings"]
+    want = {"algo": "gptq", "group_size": args.group_size, "sym": SCHEMES[scheme],
+            "act_order": False, "samples": args.samples, "seq_len": args.seq_len,
+            "seed": args.seed, "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
+    wrong = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
+    if wrong:
+        raise ValueError(f"{calib_dir} was calibrated with other settings "
+                         f"(found, wanted): {wrong}; recalibrate or pass another folder")
+    if m.get("data") != data_summary:
+        raise ValueError(f"{calib_dir} saw other calibration data ({m.get('data')} vs "
+                         f"{data_summary}); recalibrate it")
+    return m
+
+
+def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
+                   reuse: dict[str, Path]) -> tuple[Path, dict]:
+    """Calibrate (or reuse) then export --bits 4 native; returns (QDIR, timing info)."""
+    calib_dir = reuse.get(scheme, work / f"qp-calib-{scheme}")
+    if (calib_dir / "quantpipe.json").is_file():
+        print(f"[quantpipe {scheme}] reusing calibration {calib_dir}", flush=True)
+        m = check_calibration(calib_dir, scheme, args, tokens["summary"])
+        info = {"calibrate_seconds": m["seconds"], "calibrate_wall_seconds": None,
+                "peak_rss_mb": m["peak_rss_mb"], "reused": str(calib_dir)}
+    else:
+        print(f"[quantpipe {scheme}] calibrating -> {calib_dir}", flush=True)
+        t0 = time.perf_counter()
+        res = calibrate(CalibrateSpec(
+            fp16, calib_dir, prompts=args.calib_prompts, algo="gptq",
+            group_size=args.group_size, sym=SCHEMES[scheme], act_order=False,
+            samples=args.samples, seq_len=args.seq_len, seed=args.seed,
+        ))
+        check_calibration(calib_dir, scheme, args, tokens["summary"])
+        info = {"calibrate_seconds": res.seconds,
+                "calibrate_wall_seconds": time.perf_counter() - t0,
+                "peak_rss_mb": res.peak_rss_mb, "reused": None,
+                "group_size_fallbacks": res.group_size_fallbacks,
+                "damp_raises": res.damp_raises}
+    qdir = work / f"qp-w4-{scheme}"
+    exp = export_quantized(ExportSpec(calib_dir, qdir, bits=4, fmt="native", force=True))
+    info.update(export_seconds=exp.seconds, bytes=exp.bytes_on_disk)
+    return qdir, info
+
+
+def llmc_side(fp16: Path, work: Path, scheme: str, args, tokens: dict) -> tuple[Path, dict]:
+    """Run the worker in llm-compressor's venv (or reuse its finished output)."""
+    out = work / f"llmc-w4-{scheme}"
+    report = work / f"llmc-w4-{scheme}.json"
+    if (out / "config.json").is_file() and report.is_file():
+        rep = json.loads(report.read_text())
+        if rep.get("tokens_sha256") == tokens["sha256"] and rep["group_size"] == args.group_size:
+            print(f"[llm-compressor {scheme}] reusing {out}", flush=True)
+            return out, {**rep, "wall_seconds": None, "reused": True}
+    if not Path(args.llmc_python).is_file():
+        raise ValueError(f"llm-compressor's python {args.llmc_python} does not exist; create "
+                         "the venv as shown in --help or pass --llmc-python")
+    cmd = [str(args.llmc_python), str(WORKER), "--fp16", str(fp16), "--tokens",
+           tokens["path"], "--out", str(out), "--scheme", scheme, "--group-size",
+           str(args.group_size), "--report", str(report)]
+    log = work / f"llmc-w4-{scheme}.log"
+    print(f"[llm-compressor {scheme}] oneshot -> {out} (log {log})", flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        tail = log.read_text().splitlines()[-15:]
+        raise RuntimeError(f"llm-compressor worker failed (exit {rc}); last lines of {log}:\n"
+                           + "\n".join(tail))
+    rep = json.loads(report.read_text())
+    rep["tokens_sha256"] = tokens["sha256"]
+    write_json_atomic(report, rep)
+    return out, {**rep, "wall_seconds": wall, "reused": False}
+
+
+def load_llmc_model(folder: Path, loader: str):
+    """llm-compressor's compressed-tensors folder as a float32 transformers model.
+
+    ``quantpipe``: quantpipe's compressed-tensors reader, dequantized in float32 exactly as the
+    native checkpoint is (``(q - zero) * scale`` with the fp16 scale); ``transformers``: the
+    compressed-tensors library's own decompression (it multiplies in fp16, the checkpoint's
+    dtype, so its weights differ from quantpipe's by fp16 rounding of the product).
+    """
+    if loader == "transformers":
+        from transformers import AutoModelForCausalLM
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32,
+            quantization_config=CompressedTensorsConfig(run_compressed=False),
+        ).eval()
+    if loader != "quantpipe":
+        raise ValueError(f"--llmc-loader {loader!r}: use quantpipe or transformers")
+    # reports.eval.load_eval_model sends compressed-tensors folders to
+    # quantpipe.formats.loader.load_dequantized_model, which does not exist (yet): build the
+    # model here from load_quantized(), as quantpipe.native.load_dequantized_model does
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from quantpipe.formats.loader import load_quantized
+
+    ckpt = load_quantized(folder)
+    config = AutoConfig.for_model(**ckpt.model_config())
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(ckpt.dequantized_state_dict(torch.float32),
+                                                strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def loader_agreement(model, folder: Path) -> dict:
+    """Largest weight difference between quantpipe's reader and compressed-tensors' own."""
+    ref = load_llmc_model(folder, "transformers").state_dict()
+    worst, worst_rel = 0.0, 0.0
+    for name, w in model.state_dict().items():
+        if name not in ref:
+            continue
+        d = float((w - ref[name].float()).abs().max())
+        worst = max(worst, d)
+        # relative to the tensor's largest weight: fp16 rounding of (q - z) * s is <= 2**-11
+        worst_rel = max(worst_rel, d / max(float(w.abs().max()), 1e-12))
+    if worst_rel > 2.0**-10:  # twice the fp16 rounding bound: the readers decode differently
+        raise ValueError(f"{folder}: quantpipe's compressed-tensors reader and the "
+                         f"compressed-tensors library disagree (max relative weight difference "
+                         f"{worst_rel:.3g}); evaluate with --llmc-loader transformers and report "
+                         "the folder as a quantpipe.formats reader bug")
+    return {"max_abs_diff": worst, "max_rel_diff": worst_rel}
+
+
+def row(tool: str, scheme: str, ev: dict, calib_s: float) -> str:
+    """One table line from an EvalResult.to_dict()."""
+    k = ev["kld"]
+    return (f"{tool:15s} {scheme:5s} {k['mean']:9.5f} {k['median']:9.5f} {k['p99']:8.4f} "
+            f"{100 * ev['same_top_rate']:8.2f}% {ev['ppl_candidate']:8.3f} {calib_s:8.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fp16", type=Path, default=Path("/tmp/qp/fp16"), help="FP16 reference")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qp/vs-llmc"),
+                    help="working folder (calibrations, checkpoints, logs)")
+    ap.add_argument("--llmc-python", type=Path, default=DEFAULT_LLMC_PYTHON,
+                    help="python of the llm-compressor virtualenv")
+    ap.add_argument("--schemes", default="sym,asym", help="comma list of sym, asym")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calib-prompts", default="business-calib")
+    ap.add_argument("--eval-prompts", default="business-eval")
+    ap.add_argument("--max-tokens", type=int, default=0, help="eval limit (0 = all)")
+    ap.add_argument("--ctx", type=int, default=512, help="eval window")
+    ap.add_argument("--skip-quantpipe-calib", type=Path, action="append", default=[],
+                    metavar="DIR", help="reuse a finished quantpipe calibration (repeatable; "
+                    "its manifest says which scheme it serves)")
+    ap.add_argument("--llmc-loader", choices=("quantpipe", "transformers"), default="quantpipe",
+                    help="how to load llm-compressor's output for the eval")
+    ap.add_argument("--json", type=Path, default=Path("bench/results/vs_llmcompressor.json"))
+    args = ap.parse_args()
+    schemes = [s for s in args.schemes.split(",") if s]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad or not schemes:
+        ap.error(f"--schemes {args.schemes!r}: use a comma list of {sorted(SCHEMES)}")
+    reuse: dict[str, Path] = {}
+    for d in args.skip_quantpipe_calib:
+        sym = read_calibration(d).manifest["int4"]["sym"]
+        reuse["sym" if sym else "asym"] = d
+    args.work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    tokens = calibration_tokens(args.fp16, args.calib_prompts, args.samples, args.seq_len,
+                                args.seed, args.work / "calib_tokens.safetensors")
+    print(f"calibration tokens {tokens['shape']} sha256 {tokens['sha256'][:16]}", flush=True)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.fp16)
+    texts = load_texts(args.fp16, None, args.eval_prompts)
+    ref_model = load_eval_model(args.fp16)
+    results = []
+    for scheme in schemes:
+        qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, args, tokens, reuse)
+        ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
+        spec_q = EvalSpec(args.fp16, qdir, texts, args.max_tokens, args.ctx)
+        ev_q = evaluate_models(ref_model, load_eval_model(qdir), tokenizer, spec_q)
+        llmc_model = load_llmc_model(ldir, args.llmc_loader)
+        agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
+                     else None)
+        spec_l = EvalSpec(args.fp16, ldir, texts, args.max_tokens, args.ctx)
+        ev_l = evaluate_models(ref_model, llmc_model, tokenizer, spec_l)
+        del llmc_model
+        ratio = ev_q.kld["mean"] / ev_l.kld["mean"]
+        print(f"[{scheme}] mean KLD quantpipe {ev_q.kld['mean']:.5f}  llm-compressor "
+              f"{ev_l.kld['mean']:.5f}  ratio {ratio:.3f}", flush=True)
+        results.append({
+            "scheme": scheme,
+            "quantpipe": {"dir": str(qdir), **qp_info, "eval": ev_q.to_dict()},
+            "llmcompressor": {"dir": str(ldir), **llmc_info, "eval": ev_l.to_dict(),
+                              "loader": args.llmc_loader, "loader_agreement": agreement},
+            "kld_mean_ratio_quantpipe_over_llmc": ratio,
+        })
+
+    header = (f"{'tool':15s} {'sch':5s} {'KLD mean':>9s} {'median':>9s} {'p99':>8s} "
+              f"{'same-top':>9s} {'PPL':>8s} {'calib s':>8s}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        evq, evl = r["quantpipe"]["eval"], r["llmcompressor"]["eval"]
+        lines.append(row("quantpipe", r["scheme"], evq, r["quantpipe"]["calibrate_seconds"]))
+        lines.append(row("llm-compressor", r["scheme"], evl,
+                         r["llmcompressor"]["seconds"]["load"]
+                         + r["llmcompressor"]["seconds"]["oneshot"]))
+    ev0 = results[0]["quantpipe"]["eval"]
+    lines.append(f"FP16 PPL {ev0['ppl_reference']:.3f}; {ev0['tokens']} tokens scored in "
+                 f"{ev0['windows']} windows")
+    for r in results:
+        lines.append(f"{r['scheme']}: mean KLD quantpipe / llm-compressor = "
+                     f"{r['kld_mean_ratio_quantpipe_over_llmc']:.3f}")
+    table = "\n".join(lines)
+    print(table, flush=True)
+    write_json_atomic(args.json, {
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+                    "argv": sys.argv},
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "calibration_tokens": tokens,
+        "results": results, "table": table, "seconds": time.time() - t_start,
+    })
+    print(f"saved {args.json}")
+
+
+if __name__ == "__main__":
+    main()
