@@ -188,11 +188,12 @@ def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
             log.warning("planning on the proxy loss without a measurement of how well it ranks "
                         "layers; %s to check (or to plan on measured KLD)", run_it)
         else:
-            rho = sens.get("spearman", {}).get("proxy_w4")
-            if rho is None or rho < PROXY_MIN_SPEARMAN:
+            rho = sens.get("spearman", {}).get("proxy_w4", float("nan"))
+            if not rho >= PROXY_MIN_SPEARMAN:  # also refuses NaN (no INT4 correlation stored)
                 raise ValueError(
                     f"the proxy loss ranks layers poorly on this model (Spearman vs measured KLD "
-                    f"{rho} < {PROXY_MIN_SPEARMAN}); use --damage kld (the measurement in {path})"
+                    f"{rho:.3f}, needs >= {PROXY_MIN_SPEARMAN}); use --damage kld (the "
+                    f"measurement in {path})"
                 )
         return ({n: {4: v["w4"]["loss"], 8: v["w8"]["loss"], None: 0.0}
                  for n, v in layer_infos.items()}, "proxy loss tr(dW H dW^T)")

@@ -71,11 +71,11 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
 
         write_native(spec.out, calib.fp16_dir, weights, **args)
     elif spec.fmt == "gptq":
-        from quantpipe.formats.gptq import write_gptq
+        from quantpipe.formats.writers import write_gptq
 
         write_gptq(spec.out, calib.fp16_dir, weights, **args)
     elif spec.fmt == "compressed-tensors":
-        from quantpipe.formats.compressed_tensors import write_compressed_tensors
+        from quantpipe.formats.writers import write_compressed_tensors
 
         write_compressed_tensors(spec.out, calib.fp16_dir, weights, **args)
     else:

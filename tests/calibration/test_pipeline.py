@@ -53,6 +53,16 @@ def test_calibrate_export_eval(fp16_dir, prompt_file, tmp_path, algo):
         export_quantized(ExportSpec(res.out, q, bits=bits))
         ckpt = read_native(q)
         assert {s.bits for s in ckpt.layers.values()} == {bits}
+    # the same calibration exports to the other formats, with identical weights
+    from quantpipe.formats.loader import load_quantized
+
+    native = load_quantized(tmp_path / "q4")
+    for fmt in ("gptq", "compressed-tensors"):
+        export_quantized(ExportSpec(res.out, tmp_path / fmt, bits=4, fmt=fmt))
+        other = load_quantized(tmp_path / fmt)
+        assert other.checkpoint_format == fmt
+        for name, qw in native.layers.items():
+            assert torch.equal(other.layers[name].dequantize(), qw.dequantize())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)

@@ -148,3 +148,17 @@ def test_plan_uses_measurement_and_cli(measured, calib_dir):
     assert res.exit_code != 0 and "--bits" in res.output
     res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "4.0"])
     assert res.exit_code != 0 and "below the minimum" in res.output
+
+
+def test_awq_calibration_measured_against_folded_model(calib_dir, tmp_path):
+    """AWQ stores weights of *scaled* linears: the measurement must apply the folded FP
+    tensors first, or even INT8 would look catastrophic."""
+    calib = read_calibration(calib_dir)
+    prompts = calib_dir.parent / "p.jsonl"
+    out = tmp_path / "awq"
+    calibrate(CalibrateSpec(calib.fp16_dir, out, str(prompts), algo="awq", group_size=32,
+                            samples=8, seq_len=32, min_tokens=4, batch_size=4, awq_samples=4))
+    assert read_calibration(out).fp_tensors()  # AWQ changed FP tensors
+    layers = measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=64)).data["layers"]
+    assert max(v["kld_w8"] for v in layers.values()) < 1e-3
+    assert layers[BAD]["kld_w4"] == max(v["kld_w4"] for v in layers.values())

@@ -1,0 +1,150 @@
+"""Mixed precision on one model: measured sensitivity, then plans compared on held-out prompts.
+
+Given a finished calibration (e.g. GPTQ sym g128), this script
+1. measures every linear's sensitivity (`quantpipe sensitivity`; reused when present),
+2. exports and evaluates (`quantpipe eval` on business-eval, against FP16):
+   - ``uniform-w4``: every linear INT4;
+   - ``auto``: the automatic plan at ``--budget`` average bits per weight (measured KLD);
+   - ``edges-2x2-int8``: the common heuristic "first and last two blocks in INT8";
+   - ``edges-matched``: the same heuristic shrunk to the budget: blocks taken from the
+     edges inwards (0, last, 1, last-1, ...), whole blocks while they fit, so its bits are
+     the closest from below that whole edge blocks allow;
+3. writes every number to ``--json``.
+
+    python bench/mixed_precision.py --fp16 /tmp/qp/fp16 --calib /tmp/qp/bench/calib-gptq-sym \
+        --work /tmp/qp/mp-work --json bench/results/mixed_precision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from calibration.artifact import read_calibration
+from calibration.plan import PlanSpec, make_plan
+from calibration.sensitivity import SensitivitySpec, measure_sensitivity
+from quantpipe.export import ExportSpec, export_quantized
+from quantpipe.io import write_json_atomic
+from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+
+
+def _block_rule(prefix: str, blocks: list[int], value: str) -> str:
+    alt = "|".join(str(b) for b in blocks)
+    return f"re:{re.escape(prefix)}\\.({alt})\\..*={value}"
+
+
+def _edge_order(n_blocks: int) -> list[int]:
+    order = []
+    lo, hi = 0, n_blocks - 1
+    while lo <= hi:
+        order.append(lo)
+        if hi != lo:
+            order.append(hi)
+        lo, hi = lo + 1, hi - 1
+    return order
+
+
+def heuristic_overrides(calib, budget: float) -> dict[str, tuple[str, ...]]:
+    """The "edges in INT8" heuristics as override rules (see the module docstring)."""
+    n, prefix = calib.num_blocks, calib.manifest["block_prefix"]
+    out = {"edges-2x2-int8": (_block_rule(prefix, [0, 1, n - 2, n - 1], "8"),)}
+    taken: list[int] = []
+    for b in _edge_order(n):
+        trial = (_block_rule(prefix, taken + [b], "8"),)
+        if make_plan(calib, PlanSpec(overrides=trial)).effective_bits() > budget + 1e-12:
+            break
+        taken.append(b)
+    if taken:
+        out["edges-matched"] = (_block_rule(prefix, taken, "8"),)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fp16", type=Path, required=True)
+    ap.add_argument("--calib", type=Path, required=True, help="A finished CALIB_DIR.")
+    ap.add_argument("--work", type=Path, required=True, help="Exports go here.")
+    ap.add_argument("--budget", type=float, default=4.5)
+    ap.add_argument("--sens-tokens", type=int, default=512)
+    ap.add_argument("--sens-seq-len", type=int, default=128)
+    ap.add_argument("--prompts", default="business-eval")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="Scored eval tokens (0: all).")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--json", type=Path, default=Path("bench/results/mixed_precision.json"))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_grad_enabled(False)
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    sens = measure_sensitivity(SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len))
+    print(sens.table(), flush=True)
+    calib = read_calibration(args.calib)
+    configs: dict[str, dict] = {"uniform-w4": {"bits": 4},
+                                "auto": {"budget_bits": args.budget}}
+    for name, rules in heuristic_overrides(calib, args.budget).items():
+        configs[name] = {"overrides": rules}
+
+    from transformers import AutoTokenizer
+
+    texts = load_texts(args.fp16, None, args.prompts)
+    tok = AutoTokenizer.from_pretrained(args.fp16)
+    ref = load_eval_model(args.fp16)
+    results = {}
+    for name, cfg in configs.items():
+        qdir = args.work / f"q-{name}"
+        exp = export_quantized(ExportSpec(args.calib, qdir, bits=cfg.get("bits", 4),
+                                          budget_bits=cfg.get("budget_bits"),
+                                          overrides=cfg.get("overrides", ()), force=True))
+        cand = load_eval_model(qdir)
+        ev = evaluate_models(ref, cand, tok, EvalSpec(args.fp16, qdir, texts, args.max_tokens,
+                                                      args.ctx))
+        del cand
+        results[name] = {
+            "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+            "effective_bits_per_weight": exp.plan.effective_bits(),
+            "counts": exp.plan.counts(),
+            "bytes": exp.bytes_on_disk,
+            "plan_layers": {n: b for n, b in exp.plan.bits.items() if b != 4},
+            "eval": ev.to_dict(),
+        }
+        print(f"{name:16s} {exp.plan.effective_bits():.4f} bpw  KLD mean {ev.kld['mean']:.5f}  "
+              f"p99 {ev.kld['p99']:.4f}  same-top {100 * ev.same_top_rate:.2f}%  "
+              f"PPL {ev.ppl_candidate:.3f} (FP16 {ev.ppl_reference:.3f})", flush=True)
+
+    kld = {k: v["eval"]["kld"]["mean"] for k, v in results.items()}
+    targets = {
+        "auto_over_uniform_ratio": kld["auto"] / kld["uniform-w4"],
+        "auto_le_0.6x_uniform": kld["auto"] <= 0.6 * kld["uniform-w4"],
+        "auto_better_than_heuristics": all(kld["auto"] < v for k, v in kld.items()
+                                           if k.startswith("edges")),
+    }
+    summary = {
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "calibration": {"path": str(args.calib), "algo": calib.manifest["algo"],
+                        "int4": calib.manifest["int4"],
+                        "samples": calib.manifest["settings"]["samples"],
+                        "seq_len": calib.manifest["settings"]["seq_len"]},
+        "sensitivity": {k: sens.data[k] for k in ("settings", "tokens_scored", "seconds",
+                                                  "spearman")},
+        "results": results,
+        "kld_mean": kld,
+        "targets": targets,
+        "seconds": time.time() - t0,
+    }
+    write_json_atomic(args.json, summary)
+    print(json.dumps({"kld_mean": kld, "targets": targets,
+                      "spearman": sens.data["spearman"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""`quantpipe sensitivity`: the measured damage of quantizing each linear alone.
+
+For every calibrated linear and each precision b in ``--bits`` (INT4, INT8), the FP16 model gets
+only that layer replaced by its dequantized calibrated weight (the one stored in CALIB_DIR, so
+exactly what `export` would write), and the damage is the mean over tokens of
+
+    KL(P_fp16 || P_layer@b) = sum_v p_ref(v) (log p_ref(v) - log p_cand(v))
+
+on calibration-style data (the shipped business-calib prompts, packed, seeded; never the
+held-out eval prompts). This is the "leave-one-in" sensitivity that mixed-precision planners
+(e.g. HAWQ's validation, llama.cpp's per-tensor KLD sweeps) treat as ground truth.
+
+Cost control (the model is small, the number of runs is 2 x layers):
+- the FP hidden states entering every block are computed once and cached, so a run for a layer
+  of block i starts at block i (layers are never re-run upstream of the change);
+- the FP16 reference logits and probabilities are computed once; per run only the
+  candidate's final norm, LM head and a few float32 passes over the logit difference (see
+  :func:`token_kld`) are computed, in row chunks (memory O(chunk x vocab));
+- all sequences of a block go through in one batch.
+
+Cheap proxies, stored beside the measurement for comparison:
+- ``proxy``: the calibration's per-layer loss tr(dW H dW^T) (squared output error of the
+  layer on the calibration tokens);
+- ``proxy_norm``: that loss divided by the layer's output energy tr(W H W^T) = 2 mean ||W x||^2
+  (an inverse SQNR; scale free, so layers of different magnitude compare).
+Their Spearman rank correlation with the measured KLD is reported and stored; the planner
+uses a proxy only when it ranks well (see ``calibration.plan``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from calibration.artifact import Calibration, read_calibration
+from calibration.capture import BlockContext, embed_inputs, run_block
+from calibration.families import family_for, get_blocks
+from quantpipe.io import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+SENSITIVITY_FILE = "sensitivity.json"
+SENSITIVITY_VERSION = 1
+PROMPT_SET = "business-calib"  # calibration-style data; business-eval stays held out
+
+
+@dataclass(frozen=True)
+class SensitivitySpec:
+    calib_dir: Path  # a finished CALIB_DIR
+    tokens: int = 1024  # scored tokens (sequences x seq_len)
+    seq_len: int = 256  # tokens per packed sequence
+    bits: tuple[int, ...] = (4, 8)  # precisions measured; the planner needs both
+    seed: int = 1  # prompt shuffle seed (calibration used 0 by default: different windows)
+    batch_size: int = 8  # sequences per block forward
+    chunk_rows: int = 256  # token rows per LM-head / KL chunk (memory: rows x vocab floats)
+    force: bool = False  # recompute even if a matching sensitivity.json exists
+
+    def __post_init__(self) -> None:
+        if not self.bits or any(b not in (4, 8) for b in self.bits) or len(set(self.bits)) != len(
+            self.bits
+        ):
+            raise ValueError(f"--bits {self.bits}: give 4, 8 or 4,8 (each once)")
+        if self.seq_len < 16:
+            raise ValueError(f"seq_len {self.seq_len} is too short; use 128 or more")
+        if self.tokens < self.seq_len:
+            raise ValueError(f"--tokens {self.tokens} is below one sequence of {self.seq_len}; "
+                             "use 1024 or more")
+        for name in ("batch_size", "chunk_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def n_sequences(self) -> int:
+        return -(-self.tokens // self.seq_len)  # ceil
+
+    def settings(self) -> dict:
+        """What makes two measurements comparable (reuse needs equal settings)."""
+        return {"tokens": self.tokens, "seq_len": self.seq_len, "bits": list(self.bits),
+                "seed": self.seed, "prompts": PROMPT_SET}
+
+
+@dataclass(frozen=True)
+class SensitivityResult:
+    path: Path
+    data: dict  # the content of sensitivity.json
+    reused: bool  # True: an existing file with equal settings was returned
+
+    def table(self, top: int = 15) -> str:
+        layers = self.data["layers"]
+        order = sorted(layers, key=lambda n: -layers[n].get("kld_w4", 0.0))
+        rows = [f"{'layer':<40} {'kld_w4':>10} {'kld_w8':>10} {'proxy_w4':>10}"]
+        for n in order[:top]:
+            v = layers[n]
+            rows.append(f"{n:<40} {v.get('kld_w4', float('nan')):>10.3e} "
+                        f"{v.get('kld_w8', float('nan')):>10.3e} {v['proxy_w4']:>10.3e}")
+        rho = self.data["spearman"]
+        rows.append("Spearman(proxy, measured KLD): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in rho.items()))
+        rows.append(f"{self.data['tokens_scored']} tokens, {self.data['seconds']:.0f}s"
+                    f"{' (reused)' if self.reused else ''}")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------
+# maths (pure)
+
+
+def token_kld(logits_ref: torch.Tensor, p_ref: torch.Tensor,
+              logits_cand: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(P_ref || P_cand) [T] fp32 from the logit difference, in float32.
+
+    logits_ref, logits_cand [T, V] fp32, p_ref [T, V] fp32 = softmax(logits_ref).
+    With dz = z_ref - z_cand, log q = log p - dz - log sum_v p_v exp(-dz_v), so
+
+        KL = sum_v p_v dz_v + log1p(sum_v p_v expm1(-dz_v)).
+
+    Both terms are first order in dz and cancel to second order; written this way every
+    rounding error is relative to dz (1e-3), not to a log-probability (~20), so float32 is
+    enough for per-layer INT8 KLDs of 1e-7 (a float32 log-softmax is not: its logsumexp alone
+    is off by ~1e-6) and several times cheaper than a float64 log-softmax over the vocabulary.
+    Clamped at 0: the true value is >= 0, rounding may leave -1e-12.
+    """
+    dz = logits_ref - logits_cand  # [T, V] fp32
+    first = (p_ref * dz).sum(-1)  # [T]
+    return (first + torch.log1p((p_ref * torch.expm1(-dz)).sum(-1))).clamp_min(0.0)
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman rank correlation with average ranks for ties (Pearson on the ranks)."""
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"need two equal-length lists of >= 2 values (got {len(x)}, {len(y)})")
+
+    def ranks(v: list[float]) -> torch.Tensor:
+        t = torch.tensor(v, dtype=torch.float64)
+        order = torch.argsort(t, stable=True)
+        r = torch.empty_like(t)
+        r[order] = torch.arange(len(v), dtype=torch.float64)
+        for value in torch.unique(t):  # ties share the mean of their ranks
+            tie = t == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = float((rx.pow(2).sum() * ry.pow(2).sum()).sqrt())
+    return float((rx * ry).sum()) / den if den > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# orchestration
+
+
+def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm + LM head: hidden [T, d] -> logits [T, V] fp32."""
+    logits = model.lm_head(model.model.norm(hidden)).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # Gemma-2 squashes logits with cap * tanh(logits / cap)
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+class _Scorer:
+    """Mean KLD of a final hidden state against the cached FP reference, chunked by rows."""
+
+    def __init__(self, model, final_fp: torch.Tensor, chunk_rows: int):
+        self.model, self.chunk = model, chunk_rows
+        h = final_fp.reshape(-1, final_fp.shape[-1])  # [n, L, d] -> [T, d]
+        self.logits_ref = [_head_logits(model, h[s : s + chunk_rows])
+                           for s in range(0, h.shape[0], chunk_rows)]  # chunks of [rows, V]
+        # softmax in float64 then stored in float32: exact to float32 rounding
+        self.p_ref = [torch.softmax(z.double(), dim=-1).float() for z in self.logits_ref]
+        self.tokens = h.shape[0]
+
+    @torch.no_grad()
+    def mean_kld(self, final: torch.Tensor) -> float:
+        h = final.reshape(-1, final.shape[-1])  # [T, d]
+        total = 0.0
+        for k, s in enumerate(range(0, h.shape[0], self.chunk)):
+            logits = _head_logits(self.model, h[s : s + self.chunk])  # [rows, V] fp32
+            total += float(token_kld(self.logits_ref[k], self.p_ref[k], logits).double().sum())
+        return total / self.tokens
+
+
+def _existing(path: Path, spec: SensitivitySpec) -> dict | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if spec.force:
+        return None
+    if data.get("settings") != spec.settings():
+        raise ValueError(
+            f"{path} was measured with other settings ({data.get('settings')}); pass --force "
+            "to measure again with these"
+        )
+    return data
+
+
+def _load_model(calib: Calibration):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        calib.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa"
+    ).eval()
+    # AWQ folds scales into norms and linears: the stored weights quantize the *scaled*
+    # linears, so the reference is the folded FP model (the same function up to fp16 rounding).
+    fp = calib.fp_tensors()
+    if fp:
+        state = model.state_dict()
+        unknown = [k for k in fp if k not in state]
+        if unknown:
+            raise ValueError(f"{calib.folder} changes tensors the model lacks: {unknown[:3]}; "
+                             "was it calibrated from another FP16 folder?")
+        with torch.no_grad():
+            for k, v in fp.items():
+                state[k].copy_(v.float())
+    return model
+
+
+def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+
+    tok = AutoTokenizer.from_pretrained(fp16_dir)
+    data = build_calibration_set(
+        tok, load_prompt_records(PROMPT_SET),
+        CalibDataSpec(n_samples=spec.n_sequences, seq_len=spec.seq_len, min_tokens=16,
+                      seed=spec.seed, mode="pack"),
+    )
+    return data.input_ids  # [n, seq_len] int64
+
+
+def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[float, int]]):
+    """Forward hooks adding sum_t ||y_t||^2 and the token count of each linear.
+
+    names: name inside the block -> full model name (the key of ``energy``).
+    """
+
+    def make(name):
+        def hook(_m, _args, out):
+            y = out.detach().reshape(-1, out.shape[-1]).double()  # [tokens, out]
+            e, t = energy.get(name, (0.0, 0))
+            energy[name] = (e + float(y.pow(2).sum()), t + y.shape[0])
+
+        return hook
+
+    return [block.get_submodule(short).register_forward_hook(make(full))
+            for short, full in names.items()]
+
+
+@torch.no_grad()
+def measure_sensitivity(spec: SensitivitySpec, model=None,
+                        input_ids: torch.Tensor | None = None) -> SensitivityResult:
+    """Measure every linear of ``spec.calib_dir`` alone; write CALIB_DIR/sensitivity.json.
+
+    ``model`` / ``input_ids`` may be passed to skip loading (tests); by default the FP16 model
+    is loaded from the calibration's ``fp16_dir`` and the business-calib prompts are packed.
+    """
+    t0 = time.perf_counter()
+    calib = read_calibration(spec.calib_dir)
+    path = Path(spec.calib_dir) / SENSITIVITY_FILE
+    old = _existing(path, spec)
+    if old is not None:
+        log.info("reusing %s (same settings); pass --force to measure again", path)
+        return SensitivityResult(path, old, reused=True)
+    infos = calib.layer_infos()
+    model = _load_model(calib) if model is None else model
+    if input_ids is None:
+        input_ids = _calibration_ids(calib.fp16_dir, spec)
+    family = family_for(model.config.model_type)
+    blocks = get_blocks(model, family)
+    prefix = family.blocks
+    if len(blocks) != calib.num_blocks:
+        raise ValueError(f"the model has {len(blocks)} blocks, the calibration "
+                         f"{calib.num_blocks}; use the FP16 folder it was calibrated from")
+
+    # 1. FP pass: cache every block's input, the output energy of every linear
+    hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d] fp32
+    block_in: list[torch.Tensor] = []
+    energy: dict[str, tuple[float, int]] = {}
+    by_block: list[list[str]] = []
+    for i, block in enumerate(blocks):
+        names = [n for n in infos if n.startswith(f"{prefix}.{i}.")]
+        by_block.append(names)
+        handles = _output_energy_hooks(
+            block, {n[len(f"{prefix}.{i}.") :]: n for n in names}, energy)
+        block_in.append(hidden)
+        hidden = run_block(block, hidden, ctx, spec.batch_size)
+        for h in handles:
+            h.remove()
+    scorer = _Scorer(model, hidden, spec.chunk_rows)
+
+    # 2. one run per (layer, bits), from the layer's block onwards
+    layers: dict[str, dict] = {}
+    for i, names in enumerate(by_block):
+        if not names:
+            continue
+        qweights = {b: calib.weights(dict.fromkeys(names, b)) for b in spec.bits}
+        for name in names:
+            lin = blocks[i].get_submodule(name[len(f"{prefix}.{i}.") :])
+            entry = _proxies(infos[name], energy[name])
+            original = lin.weight.data
+            for b in spec.bits:
+                lin.weight.data = qweights[b][name].dequantize(original.dtype)  # [out, in]
+                try:
+                    entry[f"kld_w{b}"] = scorer.mean_kld(
+                        _run_from(blocks, i, block_in[i], ctx, spec.batch_size))
+                finally:
+                    lin.weight.data = original
+            layers[name] = entry
+        log.info("block %d/%d measured (%.0fs)", i + 1, len(blocks), time.perf_counter() - t0)
+
+    missing = sorted(set(infos) - set(layers))
+    if missing:  # fail loudly: a plan over unmeasured layers would be silently wrong
+        raise ValueError(f"{len(missing)} calibrated layers were not measured, e.g. "
+                         f"{missing[:3]}: their names do not match the model's blocks")
+    data = {
+        "version": SENSITIVITY_VERSION,
+        "settings": spec.settings(),
+        "tokens_scored": scorer.tokens,
+        "seconds": time.perf_counter() - t0,
+        "spearman": _correlations(layers, spec.bits),
+        "layers": layers,
+    }
+    write_json_atomic(path, data)
+    return SensitivityResult(path, data, reused=False)
+
+
+def _run_from(blocks, i: int, hidden: torch.Tensor, ctx: BlockContext,
+              batch_size: int) -> torch.Tensor:
+    """Blocks i..end on the cached FP input of block i -> final hidden [n, L, d]."""
+    for block in blocks[i:]:
+        hidden = run_block(block, hidden, ctx, batch_size)
+    return hidden
+
+
+def _proxies(info: dict, energy: tuple[float, int]) -> dict:
+    e_sum, tokens = energy
+    # tr(W H W^T) with H = 2 X^T X / tokens (calibration's convention) = 2 mean_t ||W x_t||^2
+    out_energy = 2.0 * e_sum / max(tokens, 1)
+    entry = {"out_energy": out_energy}
+    for tag in ("w4", "w8"):
+        loss = float(info[tag]["loss"])
+        entry[f"proxy_{tag}"] = loss
+        entry[f"proxy_norm_{tag}"] = loss / out_energy if out_energy > 0 else float("inf")
+    return entry
+
+
+def _correlations(layers: dict[str, dict], bits: tuple[int, ...]) -> dict[str, float]:
+    """Spearman rho of each proxy against the measured KLD, per measured precision."""
+    if len(layers) < 2:
+        return {}
+    out = {}
+    for b in bits:
+        kld = [v[f"kld_w{b}"] for v in layers.values()]
+        for proxy in ("proxy", "proxy_norm"):
+            out[f"{proxy}_w{b}"] = spearman([v[f"{proxy}_w{b}"] for v in layers.values()], kld)
+    return out
+
