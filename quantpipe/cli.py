@@ -354,17 +354,20 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
 @click.option("--max-new-tokens", default=96, show_default=True, help="Greedy tokens each.")
 @click.option("--eval-max-tokens", default=0, show_default=True, help="KLD token limit.")
 @click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="Speed-record JSON from bench/ or bench-serve (repeatable).")
+              help="Speed JSON from bench/decode.py, bench/kernels.py or bench-serve "
+                   "(repeatable).")
+@click.option("--speed-bench", is_flag=True,
+              help="Also time greedy decode of FP16 and each candidate (short).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="reports/NAME.html")
 def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
-               eval_max_tokens, speed, out):
+               eval_max_tokens, speed, speed_bench, out):
     """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
     from reports.build import ReportSpec, build_report
 
     try:
         html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
                                            max_prompts, max_new_tokens, eval_max_tokens,
-                                           tuple(speed)))
+                                           tuple(speed), speed_bench=speed_bench))
     except ValueError as exc:
         _fail(exc)
     click.echo(f"wrote {html} and {js}")

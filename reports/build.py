@@ -23,10 +23,10 @@ from reports.data import (
     DistributionMetrics,
     ReportData,
     detect_machine,
-    load_speed_records,
 )
 from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
 from reports.html import write_report
+from reports.speed import measure_decode, read_speed_file
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class ReportSpec:
     eval_max_tokens: int = 0  # KLD token limit (0 = all)
     speed: tuple[Path, ...] = field(default_factory=tuple)  # speed-record JSON files
     evals: tuple[Path, ...] = field(default_factory=tuple)  # `eval --json` results to reuse
+    speed_bench: bool = False  # measure decode speed of FP16 and the candidates briefly
     title: str = ""
 
     def __post_init__(self) -> None:
@@ -137,7 +138,10 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
             calibration=calibration_facts(qdir),
         ))
         del cand
-    speed = tuple(r for p in spec.speed for r in load_speed_records(p))
+    speed = tuple(r for p in spec.speed for r in read_speed_file(p))
+    if spec.speed_bench:
+        texts_for_speed = [r.chat()[-1]["content"] for r in chosen[:3]]
+        speed += measure_decode(spec.reference, spec.candidates, texts_for_speed)
     data = ReportData(
         title=spec.title or f"{Path(spec.reference).name}: quantized vs FP16",
         reference=str(spec.reference),

@@ -24,7 +24,7 @@ def test_report_cli(tiny_llama_dir, tmp_path):
     r = CliRunner().invoke(main, [
         "report", "--reference", str(fp16), "--candidate", str(tmp_path / "int4"),
         "--prompts", str(prompts), "--max-prompts", "4", "--max-new-tokens", "8",
-        "--out", str(out)])
+        "--speed-bench", "--out", str(out)])
     assert r.exit_code == 0, r.output
     page = out.read_text()
     data = json.loads(out.with_suffix(".json").read_text())
@@ -34,3 +34,6 @@ def test_report_cli(tiny_llama_dir, tmp_path):
     assert cand["calibration"]["algorithm"] == "rtn"
     assert len(data["outputs"]["reference"]) == 4
     assert "<script>alert" not in page and "&lt;script&gt;alert" in page
+    speed = {r["name"]: r for r in data["speed"]}
+    assert speed["int4 decode"]["value"] > 0 and "FP16 (HF, fp32 compute) decode" in speed
+    assert data["machine"]["cpu"]
