@@ -107,6 +107,16 @@ def calibration_facts(qdir: Path) -> CalibrationFacts | None:
     return None
 
 
+def _model_name(fp16_dir: Path) -> str:
+    """The source name recorded by export-fp16 (e.g. smollm2-135m), else the folder name."""
+    manifest = Path(fp16_dir) / "quantpipe.json"
+    if manifest.is_file():
+        name = (json.loads(manifest.read_text()).get("source") or {}).get("name")
+        if name:
+            return Path(name).name
+    return Path(fp16_dir).name
+
+
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
@@ -143,7 +153,7 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
         texts_for_speed = [r.chat()[-1]["content"] for r in chosen[:3]]
         speed += measure_decode(spec.reference, spec.candidates, texts_for_speed)
     data = ReportData(
-        title=spec.title or f"{Path(spec.reference).name}: quantized vs FP16",
+        title=spec.title or f"{_model_name(spec.reference)}: quantized vs FP16",
         reference=str(spec.reference),
         prompts=tuple(chosen),
         reference_outputs=tuple(ref_outputs),
