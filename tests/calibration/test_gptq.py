@@ -171,3 +171,17 @@ def test_gptq_rejects_bad_input():
     H[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         gptq(weight(), H, QuantSpec(4, 32, True))
+
+
+def test_per_channel_act_order_needs_no_g_idx_and_helps():
+    """One group per row: act-order changes only GPTQ's column order (no g_idx to store)."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-1, 1, 256)[torch.randperm(256, generator=g)]  # uneven inputs
+    X = torch.randn(2048, 256, generator=g) * scale  # [tokens, in]
+    X = X @ (torch.eye(256) + 0.3 * torch.randn(256, 256, generator=g) / 16)  # correlated
+    H = 2 * X.T @ X / 2048  # [in, in]
+    W = torch.randn(192, 256, generator=g)  # [out, in]
+    plain = gptq(W, H, QuantSpec(8, -1, True))
+    ordered = gptq(W, H, QuantSpec(8, -1, True, act_order=True))
+    assert ordered.weight.g_idx is None
+    assert ordered.loss < 0.7 * plain.loss
