@@ -24,3 +24,15 @@ def test_run_end_to_end_and_resume(tiny_llama_dir, tmp_path):
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0, again.output
     assert "export-fp16 0s, calibrate 0s, export 0s, eval 0s, report 0s" in again.output
+
+
+def test_run_with_budget_measures_sensitivity(tiny_llama_dir, tmp_path):
+    out = tmp_path / "work"
+    r = CliRunner().invoke(main, ["run", str(tiny_llama_dir), "--out", str(out), "--samples", "4",
+                                  "--seq-len", "64", "--group-size", "32", "--budget-bits", "6",
+                                  "--eval-tokens", "512"])
+    assert r.exit_code == 0, r.output
+    assert (out / "calib" / "sensitivity.json").is_file()
+    plan = json.loads((out / "mixed-6.0" / "quantpipe.json").read_text())["plan"]
+    assert 4.5 < plan["effective_bits_per_weight"] <= 6.0
+    assert plan["counts"]["int8"] + plan["counts"]["fp16"] > 0
