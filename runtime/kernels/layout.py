@@ -84,23 +84,6 @@ class PackedLinear:
         return torch.arange(self.in_features, device=self.qweight.device) // self.group_size
 
 
-def packed_from_native(ckpt, name: str) -> PackedLinear:
-    """The :class:`PackedLinear` of layer ``name`` of a ``quantpipe.native.NativeCheckpoint``."""
-    spec = ckpt.layers[name]
-    t = ckpt.tensors
-    qweight = t[f"{name}.qweight"]  # int32 [out, in*bits/32]
-    in_f = qweight.shape[1] * 32 // spec.bits
-    return PackedLinear(
-        spec=spec.with_group_size(spec.group_size),
-        qweight=qweight,
-        scales=t[f"{name}.scales"],
-        qzeros=t.get(f"{name}.qzeros"),
-        g_idx=t.get(f"{name}.g_idx"),
-        bias=t.get(f"{name}.bias"),
-        in_features=in_f,
-    )
-
-
 def dequantize_reference(p: PackedLinear, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """W [out, in] in ``dtype``: the exact reference (q - zero) * scale computed in float64."""
     g = p.group_index()
