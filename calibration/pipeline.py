@@ -279,6 +279,8 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
 
     t0 = time.perf_counter()
     fp16_manifest = read_manifest(spec.fp16_dir, "fp16")
+    # read the prompts first: a bad file fails before CALIB_DIR exists or the model loads
+    records = load_prompt_records(spec.prompts, column=spec.column)
     start = _prepare_out(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec.fp16_dir)
     model = AutoModelForCausalLM.from_pretrained(
@@ -292,7 +294,6 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
     earlier_seconds = 0.0
     state_file = spec.out / "state" / "hidden.safetensors"
     if start == 0:
-        records = load_prompt_records(spec.prompts, column=spec.column)
         calib = build_calibration_set(
             tokenizer, records,
             CalibDataSpec(n_samples=spec.samples, seq_len=spec.seq_len,

@@ -167,3 +167,9 @@ def test_resumed_manifest_counts_every_block(fp16_dir, prompt_file, tmp_path):
     # both blocks: every linear reading the 64-wide hidden state (down_proj reads 128)
     assert len(manifest["group_size_fallbacks"]) == 2 * 6
     assert manifest["seconds"] >= res.seconds > 0
+
+
+def test_bad_prompt_file_creates_nothing(fp16_dir, tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(tmp_path / "nope.jsonl")))
+    assert not (tmp_path / "calib").exists()
