@@ -1,4 +1,13 @@
-"""Greedy decode tokens/s side by side: HF FP16 / FP32, dequantized, INT4 / INT8 runtime.
+"""Greedy decode tokens/s side by side: HF FP16 / FP32, dequantized, the INT4 / INT8 runtime.
+
+Rows (same prompts, same number of new tokens, one process, one after the other):
+- ``hf_fp16`` / ``hf_fp32``: the Hugging Face model's own forward with a ``DynamicCache``;
+- ``dequant_int4`` / ``dequant_int8``: the checkpoint dequantized into an HF fp32 model (the
+  numerical reference of the runtime);
+- ``engine_fp``: the FP model (fp32 on CPU) through quantpipe's engine (our decoder loop, paged
+  KV) with the same fp16 head as the runtime rows, so the gain of the engine alone is visible;
+- ``runtime_int4`` / ``runtime_int8``: what ``quantpipe generate`` runs: the engine, QuantLinear
+  kernels and the fp16 output head (``--head-dtype``).
 
 Also reports greedy agreement: first --tokens tokens of the INT4 (and INT8) runtime vs the
 dequantized reference model of the same checkpoint, per prompt.
@@ -28,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from quantpipe.native import load_dequantized_model  # noqa: E402
 from quantpipe.qformat import QuantSpec  # noqa: E402
-from runtime.generate import greedy_decode  # noqa: E402
-from runtime.loader import load_quantized_model  # noqa: E402
+from runtime.engine import load_model_for_serving  # noqa: E402
+from runtime.generate import engine_decode, greedy_decode  # noqa: E402
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -81,17 +90,24 @@ def random_smollm2_shaped(out: Path) -> Path:
     return out / "fp16"
 
 
-def chat_ids(tok, prompt: str) -> torch.Tensor:
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, return_dict=False)
-    return torch.tensor([list(ids)])
+def chat_ids(tok, prompt: str) -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, return_dict=False))
 
 
-def run_model(model, tok, prompts: list[str], tokens: int) -> dict:
+def hf_decode(model, tok, ids: list[int], tokens: int):
+    return greedy_decode(model, torch.tensor([ids]), tokens, set())  # no early EOS
+
+
+def our_decode(model, tok, ids: list[int], tokens: int):
+    return engine_decode(model, tok, ids, tokens, stop_at_eos=False)
+
+
+def run_model(model, tok, decode, prompts: list[str], tokens: int) -> dict:
     outs, prefill, decode_s, decode_n = [], 0.0, 0.0, 0
-    greedy_decode(model, chat_ids(tok, prompts[0]), 4, set())  # warm-up (autotune, allocs)
+    decode(model, tok, chat_ids(tok, prompts[0]), 4)  # warm-up (autotune, allocs)
     for p in prompts:
-        new, pf, dc = greedy_decode(model, chat_ids(tok, p), tokens, set())  # no early EOS
+        new, pf, dc = decode(model, tok, chat_ids(tok, p), tokens)
         outs.append(new)
         prefill += pf
         decode_s += dc
@@ -121,6 +137,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
     ap.add_argument("--quick", action="store_true", help="3 prompts, skip the INT8 model")
+    ap.add_argument("--head-dtype", default="fp16", choices=["fp32", "fp16", "bf16", "auto"],
+                    help="output head of the engine rows on CPU (runtime.fp_head)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     if args.threads:
@@ -146,24 +164,32 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         args.int8 or rtn_quantize(args.fp16, tmp / "int8", QuantSpec(8, -1, True)))
     tok = AutoTokenizer.from_pretrained(args.fp16)
     fp_dtype = torch.float32 if dev.type == "cpu" else torch.float16
+    head = args.head_dtype if dev.type == "cpu" else "fp32"
+
+    def ours(folder):
+        return lambda: load_model_for_serving(folder, args.device, head_dtype=head)[0]
+
+    # name -> (build the model, decode function)
     builders = {
-        "hf_fp16": lambda: AutoModelForCausalLM.from_pretrained(args.fp16,
-                                                                dtype=torch.float16).to(dev),
-        "dequant_int4": lambda: load_dequantized_model(int4, dtype=fp_dtype).to(dev),
-        "runtime_int4": lambda: load_quantized_model(int4, device=dev),
+        "hf_fp16": (lambda: AutoModelForCausalLM.from_pretrained(
+            args.fp16, dtype=torch.float16).to(dev), hf_decode),
+        "dequant_int4": (lambda: load_dequantized_model(int4, dtype=fp_dtype).to(dev), hf_decode),
+        "engine_fp": (ours(args.fp16), our_decode),
+        "runtime_int4": (ours(int4), our_decode),
     }
     if dev.type == "cpu":
-        builders["hf_fp32"] = lambda: AutoModelForCausalLM.from_pretrained(
-            args.fp16, dtype=torch.float32)
+        builders["hf_fp32"] = (lambda: AutoModelForCausalLM.from_pretrained(
+            args.fp16, dtype=torch.float32), hf_decode)
     if int8 is not None:
-        builders["dequant_int8"] = lambda: load_dequantized_model(int8, dtype=fp_dtype).to(dev)
-        builders["runtime_int8"] = lambda: load_quantized_model(int8, device=dev)
+        builders["dequant_int8"] = (lambda: load_dequantized_model(int8, dtype=fp_dtype).to(dev),
+                                    hf_decode)
+        builders["runtime_int8"] = (ours(int8), our_decode)
     results = {}
-    for name, build in builders.items():
+    for name, (build, decode) in builders.items():
         t = time.perf_counter()
         model = build().eval()
         load_s = time.perf_counter() - t
-        results[name] = run_model(model, tok, prompts, args.tokens)
+        results[name] = run_model(model, tok, decode, prompts, args.tokens)
         results[name]["load_s"] = load_s
         results[name]["backends"] = getattr(model, "quantpipe_backends", None)
         print(f"{name:14s} prefill {results[name]['prefill_s'] * 1e3:8.1f} ms  decode "
@@ -186,6 +212,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         print(f"greedy agreement {k} runtime vs dequantized: {a['prompts_equal']}/{a['prompts']} "
               f"prompts equal over {args.tokens} tokens; first divergence {a['first_divergence']}")
     record = {"device": str(dev), "threads": torch.get_num_threads(), "tokens": args.tokens,
+              "head_dtype": head,
               "prompts": prompts, "machine": platform.processor() or platform.machine(),
               "torch": torch.__version__, "results": results, "agreement": agree,
               "int4": str(args.int4) if args.int4 else "RTN g64 sym (made by the bench)",

@@ -64,15 +64,17 @@ def gptq(
     block_size: int = 128,
     percdamp: float = 0.01,
     mse_clip: bool = False,
-    static_groups: bool = True,
+    static_groups: bool | None = None,
     max_damp_raises: int = 8,
 ) -> QuantResult:
     """Quantize W column by column, spreading each column's error over the later columns.
 
     W: [out, in] (any float dtype), H: [in, in] -> QuantResult (loss = tr(dW H dW^T), f64).
-    Group params are computed when a group is entered, on its error-updated columns; with
-    ``spec.act_order`` columns go by decreasing diag(H) and ``static_groups`` computes the
-    params up front on the original groups, so g_idx stays i // group_size.
+    With ``spec.act_order`` columns go by decreasing diag(H). Group params are either
+    *dynamic*, computed when a group is entered on its error-updated columns (IST gptq.py), or
+    *static*, computed up front from the original weights on the original groups, so g_idx
+    stays i // group_size (GPTQModel ``static_groups``; llm-compressor always does this).
+    ``static_groups=None`` means static with act-order and dynamic without.
     """
     W_in = check_weight(W, H)
     if block_size < 1 or percdamp <= 0 or max_damp_raises < 0:
@@ -113,9 +115,11 @@ def gptq(
     scales = torch.zeros(out_f, n_groups)  # [out, G] fp32 (fp16-representable)
     zeros = torch.zeros(out_f, n_groups)  # [out, G] fp32 integers
     col_group = torch.empty(n_cols, dtype=torch.long)  # group of each *permuted* column
-    # Up-front params: per output channel, or act_order + static_groups on the original
-    # (un-permuted) groups, which keeps g_idx = i // group_size (GPTQModel static_groups).
-    upfront = n_groups == 1 or (spec.act_order and static_groups)
+    # Up-front params: per output channel, or static groups on the original (un-permuted)
+    # groups, which keeps g_idx = i // group_size (GPTQModel static_groups).
+    if static_groups is None:
+        static_groups = spec.act_order
+    upfront = n_groups == 1 or static_groups
     if upfront:
         for g in range(n_groups):
             cols = slice(g * gs, (g + 1) * gs)

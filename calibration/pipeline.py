@@ -73,6 +73,9 @@ class CalibrateSpec:
     seed: int = 0
     batch_size: int = 8  # sequences per block forward
     awq_samples: int = 16  # sequences used by AWQ's scale search (block-output loss)
+    # GPTQ group params: True = up front from the original weights, False = when GPTQ enters
+    # the group (on error-updated columns), None = static with act-order, dynamic without
+    static_groups: bool | None = None
     force: bool = False  # discard an existing CALIB_DIR
 
     def __post_init__(self) -> None:
@@ -81,6 +84,9 @@ class CalibrateSpec:
         QuantSpec(4, self.group_size, self.sym, self.act_order)  # validates group size
         if self.act_order and self.algo != "gptq":
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
+        if self.static_groups is not None and self.algo != "gptq":
+            raise ValueError("--static-groups/--dynamic-groups apply to GPTQ only; drop it or "
+                             "use --algo gptq")
         for name in ("samples", "seq_len", "batch_size", "awq_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -167,7 +173,7 @@ def _quantize(spec: CalibrateSpec, W: torch.Tensor, H: torch.Tensor, qspec: Quan
             assert w.g_idx is None
             res.weight = QuantizedWeight(qspec, w.q, w.scales, w.zeros, None)
             return res
-        return gptq(W, H, qspec, mse_clip=spec.mse_clip)
+        return gptq(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups)
     if spec.algo == "rtn":
         return rtn(W, qspec, mse_clip=spec.mse_clip, H=H)
     if spec.algo == "awq":

@@ -71,6 +71,9 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
 @click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal.")
 @click.option("--mse-clip", is_flag=True, help="RTN/GPTQ: search the clipping range per group.")
+@click.option("--static-groups/--dynamic-groups", default=None,
+              help="GPTQ group scales: from the original weights up front, or when GPTQ "
+                   "reaches the group [default: static with --act-order, else dynamic].")
 @click.option("--strict-group-size", is_flag=True,
               help="Error if the group size does not divide a layer (default: fall back).")
 @click.option("--samples", default=128, show_default=True, help="Calibration sequences.")
@@ -80,14 +83,16 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per forward.")
 @click.option("--force", is_flag=True, help="Discard an existing CALIB_DIR.")
 def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
-                  strict_group_size, samples, seq_len, min_tokens, seed, batch_size, force):
+                  static_groups, strict_group_size, samples, seq_len, min_tokens, seed,
+                  batch_size, force):
     """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
     from calibration.pipeline import CalibrateSpec, calibrate
 
     try:
         spec = CalibrateSpec(
             fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
-            strict_group_size, samples, seq_len, min_tokens, seed, batch_size, force=force,
+            strict_group_size, samples, seq_len, min_tokens, seed, batch_size,
+            static_groups=static_groups, force=force,
         )
         res = calibrate(spec)
     except ValueError as exc:
@@ -300,16 +305,22 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-def generate_cmd(model_dir, prompt, chat, max_new_tokens, device):
+@click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto"]),
+              default="fp16", show_default=True,
+              help="CPU: precision of the embedding table and output head (fp16 = the "
+                   "checkpoint's; fp32 = upcast, slower).")
+def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype):
     """Greedy-generate from an FP16 or quantized MODEL_DIR; text on stdout, timings on stderr."""
     from runtime.generate import GenerateSpec, run_generate
 
     try:
-        res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device))
+        res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device,
+                                        head_dtype))
     except ValueError as exc:
         _fail(exc)
     click.echo(res.text)
-    click.echo(f"{'quantized' if res.quantized else 'fp'} model, {res.prompt_tokens} prompt "
+    click.echo(f"{'quantized' if res.quantized else 'fp'} model ({res.path} path), "
+               f"{res.prompt_tokens} prompt "
                f"tokens: prefill {res.prefill_s * 1000:.1f} ms, decode "
                f"{res.decode_tokens_per_s:.1f} tokens/s ({res.new_tokens} new), peak memory "
                f"{res.peak_memory_bytes / 2**20:.0f} MiB", err=True)

@@ -1,7 +1,11 @@
-"""Greedy/sampled text generation from an FP16 or a quantized folder, with timings.
+"""Greedy text generation from an FP16 or a quantized folder, with timings.
 
-``run_generate(GenerateSpec) -> GenerateResult``: prefill is one forward over the prompt,
-decode is a loop of single-token forwards through the KV cache (greedy), each timed apart.
+``run_generate(GenerateSpec) -> GenerateResult`` runs the prompt through the serving engine
+(:mod:`runtime.engine`: our own decoder loop over a paged KV cache, QuantLinear kernels, the
+half-precision output head of :mod:`runtime.fp_head`) as one request; model families the
+engine does not know run through Hugging Face's forward with a ``DynamicCache`` instead
+(:func:`greedy_decode`, also the baseline of ``bench/decode.py``). Prefill is the time to the
+first token; decode tokens/s counts the tokens after it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import torch
 
 from quantpipe.io import MANIFEST_NAME
+from runtime.fp_head import HEAD_DTYPES
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class GenerateSpec:
     chat: bool = False  # wrap the prompt in the tokenizer's chat template
     max_new_tokens: int = 64  # tokens generated after the prompt (stops early at EOS)
     device: str = "cpu"  # cpu or cuda
+    head_dtype: str = "fp16"  # runtime.fp_head mode on CPU (one request: M = 1, fp16 is best)
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -35,6 +41,8 @@ class GenerateSpec:
             raise ValueError("max_new_tokens must be >= 1")
         if not self.prompt:
             raise ValueError("prompt is empty; pass --prompt TEXT")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
 
 
 @dataclass(frozen=True)
@@ -46,25 +54,12 @@ class GenerateResult:
     decode_tokens_per_s: float  # new tokens after the first / decode seconds
     peak_memory_bytes: int  # CUDA: max allocated; CPU: process peak RSS
     quantized: bool
+    path: str  # "engine" or "hf" (families the engine does not run)
 
 
 def is_quantized_dir(folder: Path) -> bool:
     manifest = Path(folder) / MANIFEST_NAME
     return manifest.is_file() and json.loads(manifest.read_text()).get("stage") == "quantized"
-
-
-def load_model(folder: Path, device: str):
-    """(model, quantized) for an FP16 or quantized folder."""
-    if is_quantized_dir(folder):
-        from runtime.loader import load_quantized_model
-
-        return load_quantized_model(folder, device=device), True
-    from transformers import AutoModelForCausalLM
-
-    # FP folders run in their stored dtype on CUDA; fp32 on CPU (fp16 matmuls are slow there)
-    dtype = torch.float32 if device == "cpu" else torch.float16
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    return model.eval(), False
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -101,24 +96,64 @@ def greedy_decode(model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[in
     return new, t1 - t0, time.perf_counter() - t1
 
 
+def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
+                  stop_at_eos: bool = True, block_size: int = 16
+                  ) -> tuple[list[int], float, float]:
+    """(new token ids, prefill seconds, decode seconds): one greedy request through the engine.
+
+    The KV pool holds exactly this request (prompt + max_new_tokens, rounded up to blocks);
+    prefix caching is off so a repeated prompt is timed as a fresh one.
+    """
+    from runtime.engine import EngineConfig, LLMEngine, SamplingParams
+    from runtime.engine.model_runner import ModelRunner
+
+    block_bytes = ModelRunner(model, block_size, 1).kv_spec.bytes_per_block  # a 1-block probe
+    blocks = -(-(len(ids) + max_new_tokens) // block_size) + 1
+    engine = LLMEngine(model, tokenizer, EngineConfig(
+        block_size=block_size, max_num_seqs=1, max_num_batched_tokens=max(2048, block_size),
+        kv_cache_memory=blocks * block_bytes, enable_prefix_caching=False))
+    engine.add_request(list(ids), SamplingParams(max_tokens=max_new_tokens,
+                                                 ignore_eos=not stop_at_eos))
+    dev = engine.runner.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    new: list[int] = []
+    t0 = time.perf_counter()
+    t1 = None
+    while engine.has_work():
+        for out in engine.step():
+            new += out.new_token_ids
+        if t1 is None and new:
+            sync()
+            t1 = time.perf_counter()
+    sync()
+    return new, t1 - t0, time.perf_counter() - t1
+
+
 def eos_token_ids(model, tokenizer) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     return set(eos) if isinstance(eos, (list, tuple)) else {eos} if eos is not None else set()
 
 
 def run_generate(spec: GenerateSpec) -> GenerateResult:
-    from transformers import AutoTokenizer
+    from runtime.engine import load_model_for_serving
+    from runtime.engine.model_runner import FAMILIES
 
     if spec.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
         torch.cuda.reset_peak_memory_stats()
     folder = Path(spec.model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model, quantized = load_model(folder, spec.device)
+    head = spec.head_dtype if spec.device == "cpu" else "fp32"  # CUDA runs fp16 already
+    model, tokenizer = load_model_for_serving(folder, spec.device, head_dtype=head)
     ids = prompt_ids(tokenizer, spec.prompt, spec.chat)
-    new, prefill_s, decode_s = greedy_decode(model, ids, spec.max_new_tokens,
-                                             eos_token_ids(model, tokenizer))
+    if model.config.model_type in FAMILIES:
+        path = "engine"
+        new, prefill_s, decode_s = engine_decode(model, tokenizer, ids[0].tolist(),
+                                                 spec.max_new_tokens)
+    else:
+        path = "hf"
+        new, prefill_s, decode_s = greedy_decode(model, ids, spec.max_new_tokens,
+                                                 eos_token_ids(model, tokenizer))
     if spec.device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:  # ru_maxrss is in KiB on Linux
@@ -131,5 +166,6 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
         prefill_s=prefill_s,
         decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
         peak_memory_bytes=int(peak),
-        quantized=quantized,
+        quantized=is_quantized_dir(folder),
+        path=path,
     )

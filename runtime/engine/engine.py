@@ -23,6 +23,7 @@ from runtime.engine.kv_cache import BlockPool
 from runtime.engine.model_runner import ModelRunner, SeqChunk
 from runtime.engine.sampling import SamplingParams, sample_token
 from runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
+from runtime.fp_head import set_half_head
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +247,12 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
 
 
 def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
-                           dtype: torch.dtype | None = None):
-    """(model, tokenizer) from an FP16 export or a quantpipe quantized folder."""
+                           dtype: torch.dtype | None = None, head_dtype: str = "fp32"):
+    """(model, tokenizer) from an FP16 export or a quantpipe quantized folder.
+
+    ``head_dtype``: precision of the embedding table and output head (``runtime.fp_head``;
+    fp32 = the model's dtype, unchanged).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(model_dir)
@@ -275,6 +280,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
         ).to(device)
+    set_half_head(model, head_dtype)
     tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     return model.eval(), tok
 

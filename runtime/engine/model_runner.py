@@ -3,7 +3,8 @@
 We call the Hugging Face module's own submodules (embeddings, norms, q/k/v/o projections, rotary
 embedding, MLP, lm_head), so any ``nn.Linear`` replaced by a QuantLinear runs unchanged. Only
 attention is ours: new K/V are written into their paged slots, then each sequence's blocks are
-gathered into a dense, padded ``[B, ctx_max, kv_heads, head_dim]`` tensor and fed to
+gathered (whole blocks, one copy per block) into a dense, padded ``[B, blocks_max * block_size,
+kv_heads, head_dim]`` tensor and fed to
 ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask that is causal *and*
 hides padding. Prefill chunks and decode tokens share one step (queries padded per sequence).
 The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused kernel); there
@@ -46,8 +47,8 @@ class BatchMeta:
     positions: torch.Tensor  # [T] int64
     write_slots: torch.Tensor  # [T] int64 flat slot (block * block_size + offset) per new token
     q_index: torch.Tensor  # [T] int64 row in the padded [B * q_max] query layout
-    gather_slots: torch.Tensor  # [B, ctx_max] int64 flat slots of each context (0 where padded)
-    attn_mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool, True = may attend
+    gather_blocks: torch.Tensor  # [B, blocks_max] int64 block table of each context (0 = pad)
+    attn_mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool, ctx_max = blocks_max * block_size
     last_index: torch.Tensor  # [B] int64 index into T of each chunk's last token
     q_max: int
 
@@ -57,9 +58,10 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         raise ValueError("prepare_batch needs at least one sequence chunk")
     q_max = max(len(c.token_ids) for c in chunks)
     ctx_lens = [c.start + len(c.token_ids) for c in chunks]
-    ctx_max = max(ctx_lens)
+    blocks_max = max(-(-n // block_size) for n in ctx_lens)
+    ctx_max = blocks_max * block_size
     ids, pos, slots, q_index, last = [], [], [], [], []
-    gather = torch.zeros(len(chunks), ctx_max, dtype=torch.int64)
+    gather = torch.zeros(len(chunks), blocks_max, dtype=torch.int64)
     for b, c in enumerate(chunks):
         n = len(c.token_ids)
         ids += c.token_ids
@@ -67,11 +69,12 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         slots += slot_mapping(c.block_table, c.start, c.start + n, block_size)
         q_index += range(b * q_max, b * q_max + n)
         last.append(len(ids) - 1)
-        gather[b, : ctx_lens[b]] = torch.tensor(slot_mapping(c.block_table, 0, ctx_lens[b],
-                                                             block_size))
+        used = -(-ctx_lens[b] // block_size)
+        gather[b, :used] = torch.tensor(c.block_table[:used])
     # Mask: query row i of sequence b sits at position start_b + i and may see keys j <= that
-    # position (causal) and j < ctx_len_b (not padding). Padded query rows (i >= n_b) would see
-    # nothing and give NaN from softmax over all -inf, so they see key 0; they are dropped later.
+    # position (causal); that also hides the unused tail of its last block and the padding
+    # blocks, all at j >= ctx_len_b. Padded query rows (i >= n_b) would see nothing and give
+    # NaN from softmax over all -inf, so they see key 0; they are dropped later.
     starts = torch.tensor([c.start for c in chunks]).view(-1, 1, 1)  # [B, 1, 1]
     qpos = starts + torch.arange(q_max).view(1, -1, 1)  # [B, q_max, 1]
     kpos = torch.arange(ctx_max).view(1, 1, -1)  # [1, 1, ctx_max]
@@ -83,7 +86,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         positions=torch.tensor(pos, dtype=torch.int64, device=device),
         write_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         q_index=torch.tensor(q_index, dtype=torch.int64, device=device),
-        gather_slots=gather.to(device),
+        gather_blocks=gather.to(device),
         attn_mask=mask.unsqueeze(1).to(device),
         last_index=torch.tensor(last, dtype=torch.int64, device=device),
         q_max=q_max,
@@ -121,12 +124,13 @@ def paged_attention(
     T, H, D = q.shape
     KV = k_pool.shape[2]
     G = H // KV
-    B, ctx_max = meta.gather_slots.shape
-    idx = meta.gather_slots.view(-1)  # [B * ctx_max]
-    # Gather each sequence's blocks into a dense padded context: [B, ctx_max, KV, D] -> [B, KV,
-    # ctx_max, D]
-    k = k_pool.view(-1, KV, D).index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
-    v = v_pool.view(-1, KV, D).index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
+    B, blocks_max = meta.gather_blocks.shape
+    ctx_max = blocks_max * k_pool.shape[1]
+    idx = meta.gather_blocks.view(-1)  # [B * blocks_max]
+    # Gather each sequence's blocks (whole blocks: one contiguous copy each) into a dense padded
+    # context: [B * blocks_max, bs, KV, D] -> [B, ctx_max, KV, D] -> [B, KV, ctx_max, D]
+    k = k_pool.index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
+    v = v_pool.index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
     q_pad = q.new_zeros(B * meta.q_max, H, D)
     q_pad[meta.q_index] = q
     # [B * q_max, H, D] -> [B, q_max, KV, G, D] -> [B, KV, G, q_max, D] -> [B, KV, G*q_max, D]
@@ -164,7 +168,9 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
         self.device = next(model.parameters()).device
-        self.dtype = self.decoder.embed_tokens.weight.dtype
+        embed = self.decoder.embed_tokens
+        # activation (and KV) dtype; runtime.fp_head's CastEmbedding stores fp16, returns this
+        self.dtype = getattr(embed, "out_dtype", embed.weight.dtype)
         self.kv_spec = KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim,
                                    self.dtype, block_size)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)

@@ -103,6 +103,24 @@ def test_act_order_static_groups_keep_g_idx_trivial(spec):
     assert res.loss < 0.8 * rtn(W, spec, H=H).loss
 
 
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_static_groups_take_the_original_weights_min_max(sym):
+    """Without act-order, static groups = RTN's scales and zeros (llm-compressor's GPTQ);
+    dynamic groups see the error-updated columns, so their params differ."""
+    spec = QuantSpec(4, 32, sym)
+    H, W = correlated_hessian(11), weight(12)
+    static = gptq(W, H, spec, static_groups=True)
+    dynamic = gptq(W, H, spec)  # the default without act-order
+    for res in (static, dynamic):
+        check_result(res, W, H, spec)
+        assert res.weight.g_idx is None
+        assert res.loss < 0.8 * rtn(W, spec, H=H).loss
+    base = rtn(W, spec).weight
+    assert torch.equal(static.weight.scales, base.scales)
+    assert torch.equal(static.weight.zeros, base.zeros)
+    assert not torch.equal(dynamic.weight.scales, base.scales)
+
+
 def test_act_order_dynamic_groups_record_g_idx():
     spec = QuantSpec(4, 32, True, act_order=True)
     H, W = correlated_hessian(8), weight(9)

@@ -85,22 +85,21 @@ HELD_OUT_PROMPTS = [
 
 @pytest.mark.slow
 def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path):
-    """INT4 (RTN g64 sym) through int4pack vs the dequantized fp32 model: first 32 greedy
-    tokens equal, except rare near-ties (reference top-2 logit margin < 0.5 where they part)."""
-    from transformers import AutoTokenizer
-
-    from runtime.generate import greedy_decode, prompt_ids
+    """INT4 (RTN g64 sym) through the fast path `quantpipe generate` takes (engine, int4pack,
+    fp16 head) vs the dequantized fp32 model through HF: first 32 greedy tokens equal, except
+    rare near-ties (reference top-2 logit margin < 0.5 where they part)."""
+    from runtime.engine import load_model_for_serving
+    from runtime.generate import engine_decode, greedy_decode, prompt_ids
 
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
-    model = load_quantized_model(tmp_path / "q", device="cpu")
+    model, tok = load_model_for_serving(tmp_path / "q", "cpu", head_dtype="fp16")
     assert set(model.quantpipe_backends) == {"int4pack"}
-    tok = AutoTokenizer.from_pretrained(tmp_path / "q")
     diverged = []
     for prompt in HELD_OUT_PROMPTS:
         ids = prompt_ids(tok, prompt, chat=True)
         want, _, _ = greedy_decode(ref, ids, 32, set())
-        got, _, _ = greedy_decode(model, ids, 32, set())
+        got, _, _ = engine_decode(model, tok, ids[0].tolist(), 32, stop_at_eos=False)
         d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if d is None:
             continue

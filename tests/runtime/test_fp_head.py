@@ -1,0 +1,98 @@
+"""runtime.fp_head: half-precision embedding table and output head against float64 references."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from runtime.fp_head import CastEmbedding, HalfHead, set_half_head
+from tests.tiny_models import make_model
+
+
+def _fp16_model(tie: bool = True):
+    """A tiny model whose weights are fp16-representable (as loaded from an fp16 checkpoint)."""
+    model, tok = make_model("llama", tie=tie)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model, tok
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "auto"])
+def test_half_head_matches_float64_reference_of_its_weights(mode):
+    g = torch.Generator().manual_seed(0)
+    w16 = (torch.randn(96, 40, generator=g) * 0.1).half()  # [out, in]
+    head = HalfHead(w16, None, mode, torch.float32)
+    for rows in (1, 3):
+        x = torch.randn(rows, 40, generator=g)
+        got = head(x).double()
+        assert got.dtype == torch.float64 and head(x).dtype == torch.float32
+        # the dtype the mode uses for this many rows; inputs are rounded to it as well
+        dt = torch.float16 if mode == "fp16" or (mode == "auto" and rows == 1) else torch.bfloat16
+        want = x.to(dt).double() @ w16.to(dt).double().T
+        other = torch.bfloat16 if dt == torch.float16 else torch.float16
+        want_other = x.to(other).double() @ w16.to(other).double().T
+        err = (got - want).abs().max()
+        # accumulation in fp32 over 40 products, output rounded to dt: a few ulps of dt
+        tol = 4 * torch.finfo(dt).eps * want.abs().max()
+        assert err <= tol, (mode, rows, float(err), float(tol))
+        # and it is distinguishable from the other dtype's result (the dispatch is real)
+        assert (got - want_other).abs().max() > err
+
+
+def test_set_half_head_shares_the_tied_fp16_table_and_keeps_outputs():
+    model, _ = _fp16_model(tie=True)
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        want = model(ids).logits.double()
+    set_half_head(model, "fp16")
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(emb, CastEmbedding) and isinstance(head, HalfHead)
+    assert emb.weight.dtype == torch.float16
+    assert head.w16.data_ptr() == emb.weight.data_ptr()  # one fp16 table, shared
+    with torch.no_grad():
+        out = model(ids)
+    assert out.logits.dtype == torch.float32
+    # embeddings exact; only the head's inputs are rounded to fp16 (2**-11 relative)
+    rel = (out.logits.double() - want).norm() / want.norm()
+    assert rel < 2e-3, float(rel)
+
+
+def test_set_half_head_untied_and_auto_keeps_both_copies():
+    model, _ = _fp16_model(tie=False)
+    head_w = model.lm_head.weight.detach().clone()
+    set_half_head(model, "auto")
+    head = model.get_output_embeddings()
+    assert torch.equal(head.w16.float(), head_w)
+    assert torch.equal(head.w_bf16, head_w.to(torch.bfloat16))
+    assert head.w16.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+
+
+def test_set_half_head_leaves_non_fp16_weights_alone(caplog):
+    model, _ = make_model("llama")  # random fp32 weights: rounding would change the model
+    emb = model.get_input_embeddings()
+    with caplog.at_level(logging.WARNING, logger="runtime.fp_head"):
+        set_half_head(model, "fp16")
+    assert model.get_input_embeddings() is emb
+    assert "not fp16-representable" in caplog.text
+    with pytest.raises(ValueError, match="head dtype"):
+        set_half_head(model, "int8")
+    with pytest.raises(ValueError, match="fp16 weight"):
+        HalfHead(torch.zeros(4, 4), None, "fp16", torch.float32)
+
+
+def test_engine_decode_matches_hf_greedy_with_and_without_half_head():
+    """One greedy request through the engine == HF generate on the same model object."""
+    from runtime.generate import engine_decode
+
+    for mode in ("fp32", "fp16"):
+        model, tok = _fp16_model()
+        set_half_head(model, mode)
+        ids = [5, 9, 23, 7, 11, 40, 3]  # no special ids: HF would mask a pad-id token
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
+                             do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        new, prefill_s, decode_s = engine_decode(model, tok, ids, 10, stop_at_eos=False)
+        assert new == ref, mode
+        assert prefill_s > 0 and decode_s > 0
