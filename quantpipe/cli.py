@@ -217,8 +217,13 @@ def verify_cmd(qdir):
               help="Tokens computed per engine step (prefill chunks + decodes).")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable KV prefix caching.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
+@click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto"]),
+              default="bf16", show_default=True,
+              help="CPU: precision of the embedding table and output head (bf16: fast at every "
+                   "batch size; fp16: exact weights, fastest for one sequence; auto: fp16 for "
+                   "one row, bf16 for more, so outputs can depend on the batch).")
 def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
-              max_num_batched_tokens, no_prefix_caching, device):
+              max_num_batched_tokens, no_prefix_caching, device, head_dtype):
     """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
     from quantpipe.io import parse_size
     from runtime.server import ServeSpec, serve
@@ -226,7 +231,7 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
     try:
         spec = ServeSpec(model_dir, host, port, max_num_seqs, max_queue,
                          parse_size(kv_cache_memory) if kv_cache_memory else None, block_size,
-                         max_num_batched_tokens, not no_prefix_caching, device)
+                         max_num_batched_tokens, not no_prefix_caching, device, head_dtype)
         click.echo(f"serving {model_dir} on http://{host}:{port}/v1", err=True)
         serve(spec)
     except ValueError as exc:

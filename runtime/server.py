@@ -36,6 +36,7 @@ from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.engine import EngineLoop, LLMEngine, RequestOutput, SamplingParams
+from runtime.fp_head import HEAD_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,11 @@ class ServeSpec:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     device: str = "cpu"
+    head_dtype: str = "bf16"  # CPU: embedding table / output head precision (runtime.fp_head)
 
     def __post_init__(self) -> None:
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"{self.model_dir} has no config.json; pass a model folder written "
                              "by export-fp16 or export")
@@ -358,7 +362,8 @@ def serve(spec: ServeSpec) -> None:
 
     if spec.host not in LOOPBACK_HOSTS:
         log.warning("binding to %s exposes the server beyond this machine", spec.host)
-    model, tok = load_model_for_serving(spec.model_dir, spec.device)
+    head = spec.head_dtype if spec.device == "cpu" else "fp32"  # CUDA runs fp16 already
+    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=head)
     engine = LLMEngine(model, tok, EngineConfig(
         block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory=spec.kv_cache_memory,

@@ -6,7 +6,10 @@ Which backend a layer gets (:func:`cpu_backend_for`, visible dispatch):
 |--------------|----------------------------------------------------------------------------|
 | ``int4pack`` | bits 4, group size 32/64/128/256 dividing ``in``, ``out % 16 == 0``,        |
 |              | ``in % 32 == 0``; act-order only when every group holds ``group_size``      |
-|              | columns (then columns are sorted by group and the input is permuted)       |
+|              | columns (then columns are sorted by group and the input is permuted).      |
+|              | For ``M >= PREFILL_ROWS`` (prefill) the layer is dequantized once per call  |
+|              | into a bf16 temporary and multiplied densely (2x faster than int4pack at   |
+|              | M = 256 and more); the temporary is freed when the call returns            |
 | ``int8pack`` | bits 8, sym, one group per row (per-channel)                               |
 | ``dequant``  | everything else: dequantize (fp32) and matmul on every call                |
 
@@ -21,10 +24,16 @@ kernel on these CPUs; fp32 inputs are 15-40x slower there):
 - int8pack computes ``x @ (q8 * scale).T`` with ``q8 = q - 128`` as int8 (exact) and bf16
   per-row scales.
 
-Repacked layouts: int4pack takes unsigned q as int32 [out, in] and returns its own opaque uint8
-blob ``[out, in / 2]`` (``_convert_weight_to_int4pack_for_cpu(q, inner_k_tiles=2)``), plus
+Repacked layouts: int4pack takes unsigned q as int32 [out, in] and returns its own uint8 blob
+``[out, in / 2]`` (``_convert_weight_to_int4pack_for_cpu(q, inner_k_tiles=2)``), plus
 ``scales_and_zeros`` bf16 [G, out, 2] (scale, zero point). int8pack takes int8 [out, in] and
 bf16 scales [out].
+
+The blob is undocumented; for ``out % 64 == 0`` torch 2.13 lays it out as ``[out / 64, in, 32]``
+bytes whose low nibble is row ``64 b + j`` and high nibble row ``64 b + 32 + j``
+(:func:`unpack_int4pack`). Repacking checks that reading on every layer (exact round trip) and
+only then enables the prefill path, so another torch build with another layout just keeps
+int4pack for every M.
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ from runtime.kernels.layout import PackedLinear
 
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2  # int4pack tiling; needs in % (16 * INNER_K_TILES) == 0
+# rows from which dequantize-once + bf16 matmul beats int4pack (measured crossover 64-128 on
+# SmolLM2's shapes, bench/kernels.py); decode (M <= max_num_seqs) always takes int4pack
+PREFILL_ROWS = 128
 
 
 def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
@@ -76,11 +88,31 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class CpuInt4:
-    packed: torch.Tensor  # uint8 [out, in / 2] opaque int4pack layout
+    packed: torch.Tensor  # uint8 [out, in / 2] int4pack layout
     scales_and_zeros: torch.Tensor  # [G, out, 2] in the activation dtype (bf16)
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
     out_features: int
+    unpackable: bool = False  # unpack_int4pack reads this blob exactly (prefill path on)
+
+
+def unpack_int4pack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """uint8 [out, in / 2] int4pack blob -> uint8 [out, in] q (layout: module docstring)."""
+    in_f = packed.numel() * 2 // out_features
+    b = packed.view(out_features // 64, in_f, 32)  # [out / 64, in, 32]
+    q = torch.cat([b & 15, b >> 4], dim=2)  # [out / 64, in, 64]: rows 64 b + (0..63)
+    return q.permute(0, 2, 1).reshape(out_features, in_f)  # [out, in]
+
+
+def dequantize_int4pack(w: CpuInt4) -> torch.Tensor:
+    """bf16 [out, in] = (q - 8) * scale + zero_fp, in the repacked column order."""
+    q = unpack_int4pack(w.packed, w.out_features)  # [out, in] uint8
+    out_f, in_f = q.shape
+    sz = w.scales_and_zeros.float()  # [G, out, 2]
+    scale = sz[..., 0].T.unsqueeze(-1)  # [out, G, 1]
+    zero_fp = sz[..., 1].T.unsqueeze(-1)  # [out, G, 1]
+    wg = (q.view(out_f, in_f // w.group_size, w.group_size).float() - 8.0) * scale + zero_fp
+    return wg.view(out_f, in_f).to(torch.bfloat16)  # [out, in]
 
 
 def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> CpuInt4:
@@ -97,7 +129,10 @@ def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> Cpu
     zero_fp = (8.0 - zeros) * scales  # [out, G]
     sz = torch.stack([scales, zero_fp], dim=-1)  # [out, G, 2]
     sz = sz.transpose(0, 1).contiguous().to(act_dtype)  # [G, out, 2] act_dtype
-    return CpuInt4(packed, sz, perm, p.group_size, p.out_features)
+    unpackable = (p.out_features % 64 == 0 and tuple(packed.shape) == (
+        p.out_features, p.in_features // 2) and torch.equal(
+            unpack_int4pack(packed, p.out_features), q.to(torch.uint8)))
+    return CpuInt4(packed, sz, perm, p.group_size, p.out_features, unpackable)
 
 
 def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:
@@ -105,8 +140,12 @@ def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:
     xb = x2d.to(w.scales_and_zeros.dtype)
     if w.perm is not None:
         xb = xb[:, w.perm]  # [M, in] columns in the repacked order
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group_size,
-                                                   w.scales_and_zeros)  # [M, out]
+    if w.unpackable and xb.shape[0] >= PREFILL_ROWS and xb.dtype == torch.bfloat16:
+        # prefill: one dequantized bf16 temporary [out, in], freed on return
+        y = torch.nn.functional.linear(xb, dequantize_int4pack(w))  # [M, out]
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group_size,
+                                                       w.scales_and_zeros)  # [M, out]
     return y.to(x2d.dtype)
 
 

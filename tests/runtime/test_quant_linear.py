@@ -55,6 +55,43 @@ def test_int4pack_packing_and_zero_point_exact_in_fp32(spec):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("out_f", [64, 192, 96])
+def test_int4pack_blob_unpacks_exactly_where_the_layout_is_known(out_f):
+    p = random_packed(out_f, IN, QuantSpec(4, 64, False), seed=out_f)
+    w = cpu_kernels.repack_int4(p)
+    assert w.unpackable == (out_f % 64 == 0)  # others keep int4pack at every M
+    if w.unpackable:
+        assert torch.equal(cpu_kernels.unpack_int4pack(w.packed, out_f), p.unpacked_q())
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32, False), QuantSpec(4, 64, True),
+                                  QuantSpec(4, 128, False, True)], ids=lambda s: s.label())
+def test_int4_prefill_path_matches_reference_and_decode_path(spec):
+    """M >= PREFILL_ROWS: dequantize once to bf16 + dense matmul; same result as int4pack up to
+    bf16 rounding of the weights (2**-9 relative), both near the float64 reference."""
+    p = random_packed(128, IN, spec, seed=5)
+    w = cpu_kernels.repack_int4(p)
+    assert w.unpackable
+    m = cpu_kernels.PREFILL_ROWS + 7
+    x = torch.randn(m, IN)
+    want = x.double() @ dequantize_reference(p).T
+    got = cpu_kernels.int4_matmul(x, w)  # the prefill path
+    # row by row (M = 1 each) is the int4pack kernel
+    rows = torch.cat([cpu_kernels.int4_matmul(x[i:i + 1], w) for i in range(0, m, 45)])
+    assert _rel(got, want) < 1e-2
+    assert _rel(rows, want[::45]) < 1e-2
+    assert _rel(got[::45], rows.double()) < 1e-2
+    # the dequantized weight itself: (q - z) * s in the repacked order, up to the bf16 rounding
+    # of scale and zero point (int4pack's own) and of the result: unit roundoff 2**-8 each
+    wd = cpu_kernels.dequantize_int4pack(w).double()
+    ref = dequantize_reference(p)
+    s = p.scales.double()[:, p.group_index()]  # [out, in]
+    if w.perm is not None:
+        ref, s = ref[:, w.perm], s[:, w.perm]
+    # |q - 8| * s and |zero_fp| = |8 - z| * s are each <= 8 s
+    assert ((wd - ref).abs() <= 2.0**-8 * (ref.abs() + 16 * s)).all()
+
+
 def test_backend_dispatch_reasons():
     uneven = random_packed(OUT, IN, QuantSpec(4, 32, True, True), 1, act_group_sizes_equal=False)
     assert cpu_kernels.cpu_backend_for(uneven)[0] == "dequant"
