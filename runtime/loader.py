@@ -21,6 +21,7 @@ import torch
 
 from quantpipe.formats.loader import load_quantized
 from quantpipe.native import quantized_tensors
+from runtime.heap import release_freed_memory
 from runtime.kernels.layout import PackedLinear
 from runtime.quant_linear import QuantLinear
 
@@ -103,6 +104,8 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"{qdir}: tensors never loaded: {left[:5]}")
+    del ckpt, state
+    release_freed_memory()
     counts = Counter(m.backend for m in model.modules() if isinstance(m, QuantLinear))
     log.info("loaded %s on %s: %d QuantLinear layers %s", qdir, device, sum(counts.values()),
              dict(counts))

@@ -24,6 +24,7 @@ from runtime.engine.model_runner import ModelRunner, SeqChunk
 from runtime.engine.sampling import SamplingParams, sample_token
 from runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
 from runtime.fp_head import set_half_head
+from runtime.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +282,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
             str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
         ).to(device)
     set_half_head(model, head_dtype)
+    release_freed_memory()  # the load's temporaries and a replaced fp32 table
     tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     return model.eval(), tok
 

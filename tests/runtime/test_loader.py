@@ -73,43 +73,57 @@ def test_loaded_model_on_cuda_matches_reference(qdirs):
     assert out.shape == (1, ids.shape[1] + 4)
 
 
-HELD_OUT_PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a Python function that returns the factorial of n.",
-    "What are three good habits for staying healthy?",
-    "Summarise the plot of Romeo and Juliet.",
-    "Translate 'good morning, how are you?' into French.",
-    "What is the difference between a list and a tuple in Python?",
-]
+def _held_out_prompts(n: int) -> list[str]:
+    """The n shortest single-turn prompts of the shipped held-out set (business-eval)."""
+    from calibration.prompts import load_prompt_records
+
+    texts = [r.prompt for r in load_prompt_records("business-eval") if r.prompt]
+    return sorted(texts, key=len)[:n]
 
 
 @pytest.mark.slow
 def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path):
     """INT4 (RTN g64 sym) through the fast path `quantpipe generate` takes (engine, int4pack,
-    fp16 head) vs the dequantized fp32 model through HF: first 32 greedy tokens equal, except
-    rare near-ties (reference top-2 logit margin < 0.5 where they part)."""
+    fp16 head) vs the dequantized fp32 model through HF, on 8 held-out business prompts.
+
+    Teacher-forced on the reference's own 32 greedy tokens, the runtime must pick the same
+    token at >= 97% of the 256 positions, and every position where it does not must be a near
+    tie (reference top-2 logit margin < 0.1). Free-running divergences are printed."""
     from runtime.engine import load_model_for_serving
+    from runtime.engine.model_runner import ModelRunner, SeqChunk
     from runtime.generate import engine_decode, greedy_decode, prompt_ids
 
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
     model, tok = load_model_for_serving(tmp_path / "q", "cpu", head_dtype="fp16")
     assert set(model.quantpipe_backends) == {"int4pack"}
-    diverged = []
-    for prompt in HELD_OUT_PROMPTS:
-        ids = prompt_ids(tok, prompt, chat=True)
+    bs = 16
+    runner = ModelRunner(model, bs, 64)  # 1,024 KV slots: one sequence at a time
+    flips, positions, diverged = [], 0, []
+    for prompt in _held_out_prompts(8):
+        ids = prompt_ids(tok, prompt, chat=True)  # [1, T]
         want, _, _ = greedy_decode(ref, ids, 32, set())
-        got, _, _ = engine_decode(model, tok, ids[0].tolist(), 32, stop_at_eos=False)
-        d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if d is None:
-            continue
-        with torch.no_grad():
-            logits = ref(torch.cat([ids, torch.tensor([want[:d]])], dim=1)).logits[0, -1]
-        margin = float(logits[want[d]] - logits[got[d]])
-        diverged.append((prompt, d, margin))
-    print(f"greedy divergences: {len(diverged)}/{len(HELD_OUT_PROMPTS)}: {diverged}")
-    assert len(diverged) <= 2, diverged
-    assert all(margin < 0.5 for _, _, margin in diverged), diverged
+        with torch.no_grad():  # reference logits at every position, one forward
+            full = torch.cat([ids, torch.tensor([want])], dim=1)
+            ref_logits = ref(full).logits[0, ids.shape[1] - 1 : -1]  # [32, vocab]
+        table = list(range(-(-full.shape[1] // bs)))
+        chunks = [ids[0].tolist()] + [[t] for t in want[:-1]]  # prefill, then forced tokens
+        start = 0
+        for i, chunk in enumerate(chunks):
+            got = int(runner.forward([SeqChunk(chunk, start, table)])[0].argmax())
+            start += len(chunk)
+            top2 = ref_logits[i].topk(2).values
+            positions += 1
+            if got != want[i]:
+                flips.append((prompt[:40], i, float(top2[0] - top2[1])))
+        free, _, _ = engine_decode(model, tok, ids[0].tolist(), 32, stop_at_eos=False)
+        d = next((i for i, (a, b) in enumerate(zip(free, want)) if a != b), None)
+        if d is not None:
+            diverged.append((prompt[:40], d))
+    print(f"teacher-forced argmax flips: {len(flips)}/{positions}: {flips}")
+    print(f"free-running divergences: {len(diverged)}/8 prompts: {diverged}")
+    assert len(flips) <= 0.03 * positions, flips
+    assert all(margin < 0.1 for _, _, margin in flips), flips
 
 
 def test_generate_cli_fp_and_quantized(qdirs, tiny_llama_dir):
