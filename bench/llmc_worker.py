@@ -10,8 +10,9 @@ from the project's):
 
 Recipe: one ``GPTQModifier`` with an explicit config group (W4A16 equivalent):
 ``QuantizationArgs(num_bits=4, type="int", symmetric=..., strategy="group", group_size=64)``
-on every ``Linear`` except ``lm_head``; default dampening (0.01) and block size (128), no
-activation ordering (``actorder=None``), the sequential pipeline (one decoder layer at a time,
+on every ``Linear`` except ``lm_head``; default dampening (0.01) and block size (128),
+activation ordering ``--actorder none`` (default here) or ``static`` (llm-compressor's own
+default), the sequential pipeline (one decoder layer at a time,
 the next layer's inputs computed through the already-quantized layers). The model is loaded in
 float32, as quantpipe calibrates, so both tools' Hessians see the same activations; scales are
 rounded to fp16 as they are computed (``scale_dtype``), and the model is cast to fp16 and saved
@@ -33,7 +34,7 @@ from safetensors.torch import load_file
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> QuantizationArgs.symmetric
 
 
-def build_modifier(symmetric: bool, group_size: int):
+def build_modifier(symmetric: bool, group_size: int, actorder: str | None = None):
     """The GPTQ recipe, spelled out instead of the "W4A16" preset so every knob is visible."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.quantization import GPTQModifier
@@ -45,9 +46,10 @@ def build_modifier(symmetric: bool, group_size: int):
         scale_dtype=torch.float16,
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
-    # actorder=None: GPTQModifier's default is "static" (it overrides a scheme without one);
-    # an explicit None keeps the columns in their natural order, as quantpipe's default does.
-    return GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], actorder=None)
+    # actorder: GPTQModifier's default is "static" (columns by decreasing Hessian diagonal, group
+    # params from the original weights: quantpipe's --act-order --static-groups); None keeps the
+    # columns in their natural order (quantpipe without --act-order)
+    return GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], actorder=actorder)
 
 
 def calibration_dataset(tokens_path: Path):
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--scheme", choices=sorted(SCHEMES), required=True)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1, help="oneshot calibration batch")
+    ap.add_argument("--actorder", choices=["none", "static"], default="none",
+                    help="GPTQModifier actorder (llm-compressor's own default is static)")
     ap.add_argument("--report", type=Path, required=True, help="JSON with times and versions")
     args = ap.parse_args()
 
@@ -93,7 +97,8 @@ def main() -> None:
         model=model,
         tokenizer=tokenizer,
         dataset=dataset,
-        recipe=build_modifier(SCHEMES[args.scheme], args.group_size),
+        recipe=build_modifier(SCHEMES[args.scheme], args.group_size,
+                              None if args.actorder == "none" else args.actorder),
         num_calibration_samples=shape[0],
         max_seq_length=shape[1],
         shuffle_calibration_samples=False,  # order does not change the Hessian sums
@@ -115,6 +120,7 @@ def main() -> None:
     t_save = time.perf_counter()
     report = {
         "scheme": args.scheme, "group_size": args.group_size, "tokens_shape": list(shape),
+        "actorder": args.actorder,
         "batch_size": args.batch_size,
         "seconds": {"load": t_load - t0, "oneshot": t_oneshot - t_load, "save": t_save - t_oneshot,
                     "total": t_save - t0},

@@ -80,7 +80,8 @@ def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) ->
     m = read_calibration(calib_dir).manifest
     s = m["settings"]
     want = {"algo": "gptq", "group_size": args.group_size, "sym": SCHEMES[scheme],
-            "act_order": False, "samples": args.samples, "seq_len": args.seq_len,
+            "act_order": args.act_order, "static_groups": qp_static_groups(args),
+            "mse_clip": args.qp_mse_clip, "samples": args.samples, "seq_len": args.seq_len,
             "seed": args.seed, "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
     wrong = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
     if wrong:
@@ -92,10 +93,23 @@ def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) ->
     return m
 
 
+def qp_static_groups(args) -> bool | None:
+    return {"default": None, "static": True, "dynamic": False}[args.qp_static_groups]
+
+
+def tag(scheme: str, args, tool: str) -> str:
+    """Folder suffix naming the settings that change the result (same settings, same name)."""
+    t = scheme + ("-ao" if args.act_order else "")
+    if tool == "qp":
+        t += {"default": "", "static": "-static", "dynamic": "-dynamic"}[args.qp_static_groups]
+        t += "-mse" if args.qp_mse_clip else ""
+    return t
+
+
 def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
                    reuse: dict[str, Path]) -> tuple[Path, dict]:
     """Calibrate (or reuse) then export --bits 4 native; returns (QDIR, timing info)."""
-    calib_dir = reuse.get(scheme, work / f"qp-calib-{scheme}")
+    calib_dir = reuse.get(scheme, work / f"qp-calib-{tag(scheme, args, 'qp')}")
     if (calib_dir / "quantpipe.json").is_file():
         print(f"[quantpipe {scheme}] reusing calibration {calib_dir}", flush=True)
         m = check_calibration(calib_dir, scheme, args, tokens["summary"])
@@ -106,7 +120,8 @@ def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
         t0 = time.perf_counter()
         res = calibrate(CalibrateSpec(
             fp16, calib_dir, prompts=args.calib_prompts, algo="gptq",
-            group_size=args.group_size, sym=SCHEMES[scheme], act_order=False,
+            group_size=args.group_size, sym=SCHEMES[scheme], act_order=args.act_order,
+            static_groups=qp_static_groups(args), mse_clip=args.qp_mse_clip,
             samples=args.samples, seq_len=args.seq_len, seed=args.seed,
         ))
         check_calibration(calib_dir, scheme, args, tokens["summary"])
@@ -115,7 +130,7 @@ def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
                 "peak_rss_mb": res.peak_rss_mb, "reused": None,
                 "group_size_fallbacks": res.group_size_fallbacks,
                 "damp_raises": res.damp_raises}
-    qdir = work / f"qp-w4-{scheme}"
+    qdir = work / f"qp-w4-{tag(scheme, args, 'qp')}"
     exp = export_quantized(ExportSpec(calib_dir, qdir, bits=4, fmt="native", force=True))
     info.update(export_seconds=exp.seconds, bytes=exp.bytes_on_disk)
     return qdir, info
@@ -123,11 +138,13 @@ def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
 
 def llmc_side(fp16: Path, work: Path, scheme: str, args, tokens: dict) -> tuple[Path, dict]:
     """Run the worker in llm-compressor's venv (or reuse its finished output)."""
-    out = work / f"llmc-w4-{scheme}"
-    report = work / f"llmc-w4-{scheme}.json"
+    name = f"llmc-w4-{tag(scheme, args, 'llmc')}"
+    out, report = work / name, work / f"{name}.json"
+    actorder = "static" if args.act_order else "none"
     if (out / "config.json").is_file() and report.is_file():
         rep = json.loads(report.read_text())
-        if rep.get("tokens_sha256") == tokens["sha256"] and rep["group_size"] == args.group_size:
+        if rep.get("tokens_sha256") == tokens["sha256"] and rep["group_size"] == args.group_size \
+                and rep.get("actorder", "none") == actorder:
             print(f"[llm-compressor {scheme}] reusing {out}", flush=True)
             return out, {**rep, "wall_seconds": None, "reused": True}
     if not Path(args.llmc_python).is_file():
@@ -135,8 +152,8 @@ def llmc_side(fp16: Path, work: Path, scheme: str, args, tokens: dict) -> tuple[
                          "the venv as shown in --help or pass --llmc-python")
     cmd = [str(args.llmc_python), str(WORKER), "--fp16", str(fp16), "--tokens",
            tokens["path"], "--out", str(out), "--scheme", scheme, "--group-size",
-           str(args.group_size), "--report", str(report)]
-    log = work / f"llmc-w4-{scheme}.log"
+           str(args.group_size), "--report", str(report), "--actorder", actorder]
+    log = work / f"{name}.log"
     print(f"[llm-compressor {scheme}] oneshot -> {out} (log {log})", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as fh:
@@ -229,6 +246,14 @@ def main() -> None:
                     help="python of the llm-compressor virtualenv")
     ap.add_argument("--schemes", default="sym,asym", help="comma list of sym, asym")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--act-order", action="store_true",
+                    help="both tools walk columns by decreasing Hessian diagonal with static "
+                         "groups (llm-compressor's default actorder=static; quantpipe "
+                         "--act-order); default: natural order for both")
+    ap.add_argument("--qp-static-groups", choices=("default", "static", "dynamic"),
+                    default="default", help="quantpipe's group params (calibrate's default: "
+                    "see CalibrateSpec.static_groups)")
+    ap.add_argument("--qp-mse-clip", action="store_true", help="quantpipe --mse-clip")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)

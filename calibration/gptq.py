@@ -176,10 +176,15 @@ def gptq(
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
 
     g_idx = col_group[invperm].to(torch.int32)  # [in] group of every original column
+    stored = spec
     if torch.equal(g_idx.long(), torch.arange(n_cols) // gs):
-        g_idx = None  # trivial: sequential groups, no g_idx tensor needed downstream
+        # trivial: sequential groups. No g_idx is stored and the layer is recorded without
+        # act-order (the spec describes the stored layout), so every format and kernel takes
+        # its plain path (GPTQ desc_act false: vLLM's Marlin needs no g_idx sort)
+        g_idx = None
+        stored = QuantSpec(spec.bits, spec.group_size, spec.sym, act_order=False)
     weight = QuantizedWeight(
-        spec=spec,
+        spec=stored,
         q=q_int[:, invperm].contiguous(),  # [out, in] uint8, original column order
         scales=scales.half(),  # exact: fp16-representable by construction
         zeros=zeros.to(torch.uint8),
