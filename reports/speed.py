@@ -95,15 +95,17 @@ def measure_decode(reference: Path, candidates: tuple[Path, ...], prompts: list[
 
     records = []
     for folder in (reference, *candidates):
-        rates, prefills = [], []
+        rates, prefills, paths = [], [], set()
         for prompt in prompts:
             r = run_generate(GenerateSpec(folder, prompt, chat=True,
                                           max_new_tokens=max_new_tokens))
             rates.append(r.decode_tokens_per_s)
             prefills.append(r.prefill_s)
-        label = "FP16 (HF, fp32 compute)" if folder == reference else Path(folder).name
-        extra = {"source": "report --speed-bench", "prompts": len(prompts),
-                 "max_new_tokens": max_new_tokens}
+            paths.add(r.path)
+        # both run the same way (`quantpipe generate`: engine, fp16 head, fp32 elsewhere on CPU)
+        label = "FP16 reference" if folder == reference else Path(folder).name
+        extra = {"source": "report --speed-bench (quantpipe generate)", "prompts": len(prompts),
+                 "max_new_tokens": max_new_tokens, "path": sorted(paths)}
         records.append(SpeedRecord(f"{label} decode", "decode tokens_per_s",
                                    sorted(rates)[len(rates) // 2], "tok/s", extra))
         records.append(SpeedRecord(f"{label} prefill", "prefill_ms",
