@@ -20,7 +20,7 @@ import os
 import resource
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +53,11 @@ from quantpipe.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec, reso
 log = logging.getLogger(__name__)
 
 ALGOS = ("gptq", "awq", "rtn")
+# GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
+# with static groups this changes no stored layout (bench/results/quality-actorder.json)
+GPTQ_ACT_ORDER_DEFAULT = False
+# GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
+GPTQ_MSE_CLIP_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,11 @@ class CalibrateSpec:
     algo: str = "gptq"  # gptq | awq | rtn
     group_size: int = 128  # INT4 group size requested (falls back per layer, see below)
     sym: bool = True  # INT4 symmetric (mid-point zero) or asymmetric
-    act_order: bool = False  # GPTQ: process columns by decreasing Hessian diagonal
-    mse_clip: bool = False  # RTN/GPTQ: search a clipping range per group
+    # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
+    act_order: bool | None = None
+    # RTN/GPTQ: search a clipping range per group (weighted by diag(H) for GPTQ);
+    # None = GPTQ_MSE_CLIP_DEFAULT for GPTQ, off for RTN (the plain min-max baseline)
+    mse_clip: bool | None = None
     strict_group_size: bool = False  # error instead of falling back to a smaller group size
     samples: int = 128  # calibration sequences
     seq_len: int = 512  # tokens per sequence
@@ -75,15 +83,18 @@ class CalibrateSpec:
     awq_samples: int = 16  # sequences used by AWQ's scale search (block-output loss)
     # GPTQ group params: True = up front from the original weights, False = when GPTQ enters
     # the group (on error-updated columns), None = static with act-order, dynamic without
+    # (static act-order groups keep g_idx sequential: no g_idx is stored)
     static_groups: bool | None = None
     force: bool = False  # discard an existing CALIB_DIR
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
-        QuantSpec(4, self.group_size, self.sym, self.act_order)  # validates group size
+        QuantSpec(4, self.group_size, self.sym)  # validates group size
         if self.act_order and self.algo != "gptq":
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
+        if self.mse_clip and self.algo == "awq":
+            raise ValueError("--mse-clip applies to RTN and GPTQ; AWQ runs its own clip search")
         if self.static_groups is not None and self.algo != "gptq":
             raise ValueError("--static-groups/--dynamic-groups apply to GPTQ only; drop it or "
                              "use --algo gptq")
@@ -91,9 +102,20 @@ class CalibrateSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
+    def resolved(self) -> CalibrateSpec:
+        """The same spec with every default (None) replaced by the value it stands for."""
+        gptq_algo = self.algo == "gptq"
+        act_order = self.act_order if self.act_order is not None else (
+            gptq_algo and GPTQ_ACT_ORDER_DEFAULT)
+        static = self.static_groups if self.static_groups is not None else (
+            act_order if gptq_algo else None)
+        mse = self.mse_clip if self.mse_clip is not None else (
+            gptq_algo and GPTQ_MSE_CLIP_DEFAULT)
+        return replace(self, act_order=act_order, static_groups=static, mse_clip=mse)
+
     @property
     def int4(self) -> QuantSpec:
-        return QuantSpec(4, self.group_size, self.sym, self.act_order)
+        return QuantSpec(4, self.group_size, self.sym, bool(self.resolved().act_order))
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
@@ -284,6 +306,7 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
     from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
 
     t0 = time.perf_counter()
+    spec = spec.resolved()  # the manifest and the resume fingerprint record concrete values
     fp16_manifest = read_manifest(spec.fp16_dir, "fp16")
     # read the prompts first: a bad file fails before CALIB_DIR exists or the model loads
     records = load_prompt_records(spec.prompts, column=spec.column)

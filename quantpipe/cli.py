@@ -69,8 +69,11 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--group-size", default=128, show_default=True,
               help="INT4 group size: 32, 64, 128 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
-@click.option("--act-order", is_flag=True, help="GPTQ: columns by decreasing Hessian diagonal.")
-@click.option("--mse-clip", is_flag=True, help="RTN/GPTQ: search the clipping range per group.")
+@click.option("--act-order/--no-act-order", default=None,
+              help="GPTQ: columns by decreasing Hessian diagonal [default: on for gptq].")
+@click.option("--mse-clip/--no-mse-clip", default=None,
+              help="RTN/GPTQ: search the clipping range per group [default: on for gptq, off "
+                   "for rtn].")
 @click.option("--static-groups/--dynamic-groups", default=None,
               help="GPTQ group scales: from the original weights up front, or when GPTQ "
                    "reaches the group [default: static with --act-order, else dynamic].")
