@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 ALGOS = ("gptq", "awq", "rtn")
 # GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
 # with static groups this changes no stored layout (bench/results/quality-actorder.json)
-GPTQ_ACT_ORDER_DEFAULT = False
+GPTQ_ACT_ORDER_DEFAULT = True
 # GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
 GPTQ_MSE_CLIP_DEFAULT = False
 
