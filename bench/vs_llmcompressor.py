@@ -79,10 +79,11 @@ def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) ->
     """A reused quantpipe calibration must have the settings (and data) of this run."""
     m = read_calibration(calib_dir).manifest
     s = m["settings"]
+    r = qp_spec(Path(m["fp16_dir"]), calib_dir, scheme, args).resolved()
     want = {"algo": "gptq", "group_size": args.group_size, "sym": SCHEMES[scheme],
-            "act_order": args.act_order, "static_groups": qp_static_groups(args),
-            "mse_clip": args.qp_mse_clip, "samples": args.samples, "seq_len": args.seq_len,
-            "seed": args.seed, "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
+            "act_order": r.act_order, "static_groups": r.static_groups, "mse_clip": r.mse_clip,
+            "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
+            "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
     wrong = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
     if wrong:
         raise ValueError(f"{calib_dir} was calibrated with other settings "
@@ -93,16 +94,26 @@ def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) ->
     return m
 
 
-def qp_static_groups(args) -> bool | None:
-    return {"default": None, "static": True, "dynamic": False}[args.qp_static_groups]
+CHOICE = {"default": None, "on": True, "off": False}
+
+
+def qp_spec(fp16: Path, calib_dir: Path, scheme: str, args) -> CalibrateSpec:
+    """quantpipe's calibration for this scheme (None fields: calibrate's own defaults)."""
+    return CalibrateSpec(
+        fp16, calib_dir, prompts=args.calib_prompts, algo="gptq", group_size=args.group_size,
+        sym=SCHEMES[scheme], act_order=args.act_order,
+        static_groups={"default": None, "static": True, "dynamic": False}[
+            args.qp_static_groups],
+        mse_clip=CHOICE[args.qp_mse_clip], samples=args.samples, seq_len=args.seq_len,
+        seed=args.seed)
 
 
 def tag(scheme: str, args, tool: str) -> str:
     """Folder suffix naming the settings that change the result (same settings, same name)."""
     t = scheme + ("-ao" if args.act_order else "")
     if tool == "qp":
-        t += {"default": "", "static": "-static", "dynamic": "-dynamic"}[args.qp_static_groups]
-        t += "-mse" if args.qp_mse_clip else ""
+        t += "" if args.qp_static_groups == "default" else f"-{args.qp_static_groups}"
+        t += "" if args.qp_mse_clip == "default" else f"-mse{args.qp_mse_clip}"
     return t
 
 
@@ -118,12 +129,7 @@ def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
     else:
         print(f"[quantpipe {scheme}] calibrating -> {calib_dir}", flush=True)
         t0 = time.perf_counter()
-        res = calibrate(CalibrateSpec(
-            fp16, calib_dir, prompts=args.calib_prompts, algo="gptq",
-            group_size=args.group_size, sym=SCHEMES[scheme], act_order=args.act_order,
-            static_groups=qp_static_groups(args), mse_clip=args.qp_mse_clip,
-            samples=args.samples, seq_len=args.seq_len, seed=args.seed,
-        ))
+        res = calibrate(qp_spec(fp16, calib_dir, scheme, args))
         check_calibration(calib_dir, scheme, args, tokens["summary"])
         info = {"calibrate_seconds": res.seconds,
                 "calibrate_wall_seconds": time.perf_counter() - t0,
@@ -246,14 +252,14 @@ def main() -> None:
                     help="python of the llm-compressor virtualenv")
     ap.add_argument("--schemes", default="sym,asym", help="comma list of sym, asym")
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--act-order", action="store_true",
+    ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                     help="both tools walk columns by decreasing Hessian diagonal with static "
-                         "groups (llm-compressor's default actorder=static; quantpipe "
-                         "--act-order); default: natural order for both")
+                         "groups (both tools' defaults: llm-compressor actorder=static, "
+                         "quantpipe --act-order); --no-act-order: natural order for both")
     ap.add_argument("--qp-static-groups", choices=("default", "static", "dynamic"),
-                    default="default", help="quantpipe's group params (calibrate's default: "
-                    "see CalibrateSpec.static_groups)")
-    ap.add_argument("--qp-mse-clip", action="store_true", help="quantpipe --mse-clip")
+                    default="default", help="quantpipe's group params (default: calibrate's)")
+    ap.add_argument("--qp-mse-clip", choices=tuple(CHOICE), default="default",
+                    help="quantpipe's clip search (default: calibrate's)")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)

@@ -54,10 +54,10 @@ log = logging.getLogger(__name__)
 
 ALGOS = ("gptq", "awq", "rtn")
 # GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
-# with static groups this changes no stored layout (bench/results/quality-actorder.json)
+# with static groups this changes no stored layout (docs/algorithms.md has the measurements)
 GPTQ_ACT_ORDER_DEFAULT = True
 # GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
-GPTQ_MSE_CLIP_DEFAULT = False
+GPTQ_MSE_CLIP_DEFAULT = True
 
 
 @dataclass(frozen=True)
