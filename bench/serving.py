@@ -22,6 +22,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -91,8 +92,7 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     heads = args.head_dtype.split(",")
     conc = tuple(int(c) for c in args.concurrency.split(","))
-    logdir = args.json.parent / "logs"
-    logdir.mkdir(parents=True, exist_ok=True)
+    logdir = Path(tempfile.mkdtemp(prefix="qp-serving-"))  # server logs (named in errors)
     runs = []
     for name, folder in models.items():
         for t in threads:
