@@ -100,8 +100,13 @@ def set_half_head(model: nn.Module, mode: str) -> None:
     tied = head.weight is emb.weight
 
     def to_fp16(w: torch.Tensor) -> torch.Tensor | None:
-        w16 = w.detach().to(torch.float16)
-        return w16 if torch.equal(w16.to(w.dtype), w.detach()) else None
+        w = w.detach()
+        w16 = w.to(torch.float16)
+        # exactness check in row chunks: no full-size temporary next to the fp32 table
+        for i in range(0, w.shape[0], 4096):
+            if not torch.equal(w16[i:i + 4096].to(w.dtype), w[i:i + 4096]):
+                return None
+        return w16
 
     table = to_fp16(emb.weight)
     head_w = table if tied else to_fp16(head.weight)
