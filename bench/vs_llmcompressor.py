@@ -1,10 +1,12 @@
 r"""quantpipe GPTQ vs llm-compressor GPTQ on the same model, tokens and held-out prompts.
 
 For each scheme (sym, asym), INT4 with group size 64 on every linear but lm_head:
-(a) quantpipe: ``calibrate --algo gptq`` then ``export --bits 4`` (native format);
-(b) llm-compressor: ``GPTQModifier`` oneshot (sequential pipeline, no act-order, default
-    dampening and block size), run by ``bench/llmc_worker.py`` in llm-compressor's own
-    virtualenv, saved compressed (pack-quantized);
+(a) quantpipe: ``calibrate --algo gptq`` (its defaults: act-order, static groups, clip
+    search) then ``export --bits 4`` (native format);
+(b) llm-compressor: ``GPTQModifier`` oneshot (sequential pipeline, its default
+    ``actorder="static"``, default dampening and block size), run by ``bench/llmc_worker.py``
+    in llm-compressor's own virtualenv, saved compressed (pack-quantized);
+    ``--no-act-order`` runs both tools in natural column order instead;
 (c) both scored by ``reports.eval`` against the FP16 reference on the held-out prompts
     (business-eval), same windows, same token limit.
 Both tools calibrate on EXACTLY the same token ids: this script builds them with
