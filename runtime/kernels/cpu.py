@@ -8,8 +8,8 @@ Which backend a layer gets (:func:`cpu_backend_for`, visible dispatch):
 |              | ``in % 32 == 0``; act-order only when every group holds ``group_size``      |
 |              | columns (then columns are sorted by group and the input is permuted).      |
 |              | For ``M >= PREFILL_ROWS`` (prefill) the layer is dequantized once per call  |
-|              | into a bf16 temporary and multiplied densely (2x faster than int4pack at   |
-|              | M = 256 and more); the temporary is freed when the call returns            |
+|              | into a bf16 temporary and multiplied densely (1.3-1.9x faster than int4pack |
+|              | at 512-1024 rows); the temporary is freed when the call returns            |
 | ``int8pack`` | bits 8, sym, one group per row (per-channel)                               |
 | ``dequant``  | everything else: dequantize (fp32) and matmul on every call                |
 
@@ -46,9 +46,10 @@ from runtime.kernels.layout import PackedLinear
 
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2  # int4pack tiling; needs in % (16 * INNER_K_TILES) == 0
-# rows from which dequantize-once + bf16 matmul beats int4pack (measured crossover 64-128 on
-# SmolLM2's shapes, bench/kernels.py); decode (M <= max_num_seqs) always takes int4pack
-PREFILL_ROWS = 128
+# rows from which dequantize-once + bf16 matmul beats int4pack: measured on SmolLM2's shapes,
+# one idle core, the crossover is 192-256 rows (int4pack wins at 128 by 3-40%; dequantizing
+# wins by 1.3-1.9x at 512-1024 rows); decode (M <= max_num_seqs) always takes int4pack
+PREFILL_ROWS = 256
 
 
 def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
