@@ -64,8 +64,26 @@ class RequestOutput:
 
 @dataclass
 class _Detok:
-    text: str = ""  # full decoded text of the output tokens
+    """Incremental detokenization state of one request (vLLM's prefix/read offsets)."""
+
+    text: str = ""  # decoded text of the output tokens so far
     emitted: int = 0  # characters already returned
+    prefix: int = 0  # output index where the decode window starts (a character boundary)
+    read: int = 0  # output tokens already turned into text
+
+    def advance(self, tokenizer, ids: list[int], final: bool) -> None:
+        """Append the text of ``ids[self.read:]``, decoding only a short window.
+
+        The window starts at ``prefix``, an earlier boundary, so tokenizers whose decode
+        depends on the previous token (leading spaces) diff correctly; text is only taken
+        once it does not end in an incomplete UTF-8 character (U+FFFD), unless ``final``.
+        Each call costs O(window), not O(output): the full text is never decoded again.
+        """
+        before = tokenizer.decode(ids[self.prefix:self.read], skip_special_tokens=True)
+        after = tokenizer.decode(ids[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -182,12 +200,12 @@ class LLMEngine:
     def _emit(self, seq: Sequence, tok: int) -> RequestOutput:
         p = seq.params
         d = self._detok[seq.request_id]
-        d.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         reason = None
         if tok in self.eos_ids and not p.ignore_eos:
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens:
             reason = "length"
+        d.advance(self.tokenizer, seq.output_ids, final=reason is not None)
         for s in p.stop:
             # Only search the new region (+ overlap) so an earlier emitted char cannot match.
             at = d.text.find(s, max(0, d.emitted - len(s) + 1))

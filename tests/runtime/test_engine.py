@@ -109,6 +109,37 @@ def test_stop_string_and_eos():
     assert eng.pool.num_used == 0
 
 
+def test_incremental_detokenization_equals_full_decode():
+    """Streamed deltas == tokenizer.decode of all output ids, for random ids (byte-level BPE:
+    lone UTF-8 continuation/lead bytes, special tokens) and for sampled engine outputs."""
+    from runtime.engine.engine import _Detok
+
+    _, tok = make_model("llama")
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        ids = torch.randint(0, len(tok), (int(torch.randint(1, 40, (1,), generator=g)),),
+                            generator=g).tolist()
+        d, streamed = _Detok(), ""
+        for n in range(1, len(ids) + 1):
+            d.advance(tok, ids[:n], final=n == len(ids))
+            assert d.text.startswith(streamed)  # text only grows
+            streamed = d.text
+        assert d.text == tok.decode(ids, skip_special_tokens=True), ids
+    model, tok = make_model("llama")
+    eng = _engine(model, tok, 200, max_num_seqs=4, max_num_batched_tokens=64)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.5, seed=s)
+              for s in range(4)]
+    rids = [eng.add_request([5, 9, 23, 7 + i], sp) for i, sp in enumerate(params)]
+    text = dict.fromkeys(rids, "")
+    ids = {r: [] for r in rids}
+    while eng.has_work():
+        for o in eng.step():
+            text[o.request_id] += o.new_text
+            ids[o.request_id] += o.new_token_ids
+    for r in rids:
+        assert text[r] == tok.decode(ids[r], skip_special_tokens=True)
+
+
 def test_validation_errors():
     model, tok = make_model("llama")
     eng = _engine(model, tok, 8, max_num_seqs=2, max_num_batched_tokens=32)
