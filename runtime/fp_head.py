@@ -72,8 +72,9 @@ class HalfHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        w = self.w16 if (self.w_bf16 is None or (rows == 1 and self.w16 is not None)) \
-            else self.w_bf16
+        # fp16 when it is the only copy, or (auto) for a single row; bf16 otherwise
+        use16 = self.w16 is not None and (self.w_bf16 is None or rows == 1)
+        w = self.w16 if use16 else self.w_bf16
         y = nn.functional.linear(x.to(w.dtype), w)  # [..., out]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

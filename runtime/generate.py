@@ -129,13 +129,9 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
     return new, t1 - t0, time.perf_counter() - t1
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos} if eos is not None else set()
-
-
 def run_generate(spec: GenerateSpec) -> GenerateResult:
     from runtime.engine import load_model_for_serving
+    from runtime.engine.engine import eos_ids
     from runtime.engine.model_runner import FAMILIES
 
     if spec.device == "cuda":
@@ -143,8 +139,7 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
             raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
         torch.cuda.reset_peak_memory_stats()
     folder = Path(spec.model_dir)
-    head = spec.head_dtype if spec.device == "cpu" else "fp32"  # CUDA runs fp16 already
-    model, tokenizer = load_model_for_serving(folder, spec.device, head_dtype=head)
+    model, tokenizer = load_model_for_serving(folder, spec.device, head_dtype=spec.head_dtype)
     ids = prompt_ids(tokenizer, spec.prompt, spec.chat)
     if model.config.model_type in FAMILIES:
         path = "engine"
@@ -153,7 +148,7 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
     else:
         path = "hf"
         new, prefill_s, decode_s = greedy_decode(model, ids, spec.max_new_tokens,
-                                                 eos_token_ids(model, tokenizer))
+                                                 eos_ids(model, tokenizer))
     if spec.device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:  # ru_maxrss is in KiB on Linux

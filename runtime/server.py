@@ -362,8 +362,7 @@ def serve(spec: ServeSpec) -> None:
 
     if spec.host not in LOOPBACK_HOSTS:
         log.warning("binding to %s exposes the server beyond this machine", spec.host)
-    head = spec.head_dtype if spec.device == "cpu" else "fp32"  # CUDA runs fp16 already
-    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=head)
+    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype)
     engine = LLMEngine(model, tok, EngineConfig(
         block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory=spec.kv_cache_memory,

@@ -119,7 +119,7 @@ class LLMEngine:
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.block_size),
             self.pool,
         )
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
         self._ids = itertools.count()
@@ -253,7 +253,7 @@ class LLMEngine:
         }
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     ids: set[int] = set()
     gc = getattr(model, "generation_config", None)
     for src in (getattr(gc, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
@@ -269,8 +269,9 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
                            dtype: torch.dtype | None = None, head_dtype: str = "fp32"):
     """(model, tokenizer) from an FP16 export or a quantpipe quantized folder.
 
-    ``head_dtype``: precision of the embedding table and output head (``runtime.fp_head``;
-    fp32 = the model's dtype, unchanged).
+    ``head_dtype``: precision of the embedding table and output head on CPU
+    (``runtime.fp_head``; fp32 = the model's dtype, unchanged). On CUDA the whole model already
+    runs in fp16 and ``head_dtype`` is ignored.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -299,7 +300,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
         ).to(device)
-    set_half_head(model, head_dtype)
+    set_half_head(model, head_dtype if device == "cpu" else "fp32")
     release_freed_memory()  # the load's temporaries and a replaced fp32 table
     tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     return model.eval(), tok
