@@ -6,6 +6,7 @@ Backend per layer, chosen once at construction from the device and the layer's l
 | device | backend      | kernel                                                       |
 |--------|--------------|--------------------------------------------------------------|
 | cuda   | ``triton``   | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot / dequant+mm) |
+| cpu    | ``int4avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; AVX-512 BF16, built on first use) |
 | cpu    | ``int4pack`` | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16 activations) |
 | cpu    | ``int8pack`` | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
 | any    | ``dequant``  | dequantize in fp32 + matmul per call (layouts the above reject) |
@@ -26,7 +27,7 @@ from runtime.kernels.layout import PackedLinear, repack_for_triton
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "int4pack", "int8pack", "dequant")
+BACKENDS = ("triton", "int4avx512", "int4pack", "int8pack", "dequant")
 
 
 def _triton_available() -> bool:
@@ -68,6 +69,11 @@ class QuantLinear(nn.Module):
         self.reason = reason
         if backend == "triton":
             self._w = repack_for_triton(packed, device)
+        elif backend == "int4avx512":
+            usable, why = cpu_kernels.cpu_ext.int4_kernel_status()
+            if not usable:
+                raise ValueError(f"backend int4avx512 is not usable here: {why}")
+            self._w = cpu_kernels.repack_qp4(packed)
         elif backend == "int4pack":
             self._w = cpu_kernels.repack_int4(packed)
         elif backend == "int8pack":
@@ -85,29 +91,40 @@ class QuantLinear(nn.Module):
             bias = bias.to(device=device, dtype=bias_dtype or bias.dtype)
         self.register_buffer("bias", bias, persistent=False)
         self.device_ = device
+        self._on_cuda = device.type == "cuda"
+        self._matmul = MATMULS[backend]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"spec={self.spec.label()}, backend={self.backend}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != self.device_.type:
+        if x.is_cuda != self._on_cuda:
             raise ValueError(
                 f"input on {x.device} but QuantLinear was built for {self.device_}; load the "
                 "model with device= the device of the inputs (packed weights are not moved)"
             )
-        shape = x.shape
-        x2d = x.reshape(-1, self.in_features)  # [..., in] -> [M, in]
-        if self.backend == "triton":
-            from runtime.kernels import autotune
-
-            y = autotune.run(x2d.contiguous(), self._w)
-        elif self.backend == "int4pack":
-            y = cpu_kernels.int4_matmul(x2d, self._w)
-        elif self.backend == "int8pack":
-            y = cpu_kernels.int8_matmul(x2d, self._w)
-        else:
-            y = cpu_kernels.dequant_matmul(x2d, self._w)
+        if x.dim() == 2:  # [M, in] (the engine's layout): no reshapes
+            y = self._matmul(x, self._w)
+        else:  # [..., in] -> [M, in] -> [M, out] -> [..., out]
+            y = self._matmul(x.reshape(-1, self.in_features), self._w)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)  # [M, out] -> [..., out]
+        return y
+
+
+def _triton_matmul(x2d: torch.Tensor, w) -> torch.Tensor:
+    from runtime.kernels import autotune
+
+    return autotune.run(x2d.contiguous(), w)
+
+
+# backend -> (x2d [M, in], repacked weights) -> [M, out]
+MATMULS = {
+    "triton": _triton_matmul,
+    "int4avx512": cpu_kernels.qp4_matmul,
+    "int4pack": cpu_kernels.int4_matmul,
+    "int8pack": cpu_kernels.int8_matmul,
+    "dequant": cpu_kernels.dequant_matmul,
+}

@@ -9,6 +9,13 @@ kv_heads, head_dim]`` tensor and fed to
 hides padding. Prefill chunks and decode tokens share one step (queries padded per sequence).
 The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused kernel); there
 is no custom paged-attention kernel.
+
+On CPU with fp32 activations, when quantpipe's C++ kernels are usable
+(``runtime.kernels.cpu_ext``), the norms (with the residual add folded in) and RoPE run as one
+C++ call each instead of ~8 small torch ops, and a decode step (one new token per sequence)
+attends with ``quantpipe_cpu::decode_attention``, which reads each sequence's K/V straight from
+its paged blocks (no gather, no padding, no mask): the same formulas in fp32
+(:func:`fused_ops_status` says whether and why not).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.kv_cache import KVCacheSpec, slot_mapping
+from runtime.kernels import cpu_ext
 
 # Model families whose decoder layers follow the Llama layout (data, not isinstance chains):
 # model_type -> attribute names of (decoder, layers, final norm). All three use
@@ -50,6 +58,7 @@ class BatchMeta:
     gather_blocks: torch.Tensor  # [B, blocks_max] int64 block table of each context (0 = pad)
     attn_mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool, ctx_max = blocks_max * block_size
     last_index: torch.Tensor  # [B] int64 index into T of each chunk's last token
+    ctx_lens: torch.Tensor  # [B] int64 tokens in each context after this step
     q_max: int
 
 
@@ -89,6 +98,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         gather_blocks=gather.to(device),
         attn_mask=mask.unsqueeze(1).to(device),
         last_index=torch.tensor(last, dtype=torch.int64, device=device),
+        ctx_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=device),
         q_max=q_max,
     )
 
@@ -148,6 +158,22 @@ def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask.unsqueeze(2).expand(B, 1, groups, q_max, ctx).reshape(B, 1, groups * q_max, ctx)
 
 
+def fused_ops_status(model: torch.nn.Module, layers, final_norm, dtype: torch.dtype,
+                     device: torch.device) -> tuple[bool, str]:
+    """(use quantpipe's fused CPU norm / RoPE ops, reason)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False, "fused ops are for fp32 activations on CPU"
+    norms = [final_norm] + [n for layer in layers
+                            for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    for norm in norms:  # RMSNorm as Llama / Qwen2 / Mistral define it: weight * x / rms(x)
+        w = getattr(norm, "weight", None)
+        if (not hasattr(norm, "variance_epsilon") or w is None or w.dtype != torch.float32
+                or w.dim() != 1):
+            return False, f"{type(norm).__name__} is not an fp32 RMSNorm with variance_epsilon"
+    usable, why = cpu_ext.int4_kernel_status()
+    return usable, why
+
+
 class ModelRunner:
     """Owns the HF module and the KV pools; ``forward(chunks) -> logits [B, vocab]``."""
 
@@ -174,6 +200,8 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim,
                                    self.dtype, block_size)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.fused, self.fused_reason = fused_ops_status(model, self.layers, self.final_norm,
+                                                         self.dtype, self.device)
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                         for _ in self.layers]
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -188,18 +216,41 @@ class ModelRunner:
         # The model's own rotary module (handles rope_type / scaling); cos, sin: [1, T, D].
         cos, sin = self.decoder.rotary_emb(h.unsqueeze(0), meta.positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]  # [T, D]
-        mask = group_mask(meta.attn_mask, H // KV)  # built once, shared by every layer
+        decode_kernel = self.fused and meta.q_max == 1  # one new token per sequence
+        # the padded path's mask: built once, shared by every layer
+        mask = None if decode_kernel else group_mask(meta.attn_mask, H // KV)
+        delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)  # [T, hidden]
+            x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
             q = attn.q_proj(x).view(T, H, D)  # [T, H * D] -> [T, H, D]
             k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
             v = attn.v_proj(x).view(T, KV, D)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.fused:
+                torch.ops.quantpipe_cpu.rope_(q, k, cos, sin)  # in place
+            else:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k  # write into paged slots
             self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v
-            o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask, self.scale)
-            h = h + attn.o_proj(o.reshape(T, H * D))  # [T, H, D] -> [T, hidden]
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = self.final_norm(h[meta.last_index])  # [B, hidden], only tokens we sample from
+            if decode_kernel:  # read the paged blocks directly
+                o = torch.ops.quantpipe_cpu.decode_attention.default(
+                    q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
+                    self.scale)  # [T = B, H, D]
+            else:
+                o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask,
+                                    self.scale)
+            o = attn.o_proj(o.reshape(T, H * D))  # [T, H, D] -> [T, hidden]
+            delta = layer.mlp(self._add_norm(h, o, layer.post_attention_layernorm))
+        h_last = (h[meta.last_index] + delta[meta.last_index])  # [B, hidden]: rows we sample
+        last = self._add_norm(h_last, None, self.final_norm)
         return self.model.lm_head(last).float()  # [B, vocab] fp32 logits
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+                  norm: torch.nn.Module) -> torch.Tensor:
+        """h += delta (in place: h is this step's residual stream), then norm(h)."""
+        if self.fused:
+            return torch.ops.quantpipe_cpu.add_rms_norm_(h, delta, norm.weight,
+                                                         norm.variance_epsilon)
+        if delta is not None:
+            h += delta
+        return norm(h)

@@ -1,20 +1,31 @@
-"""CPU path: torch's int4pack / int8pack kernels, repacked once at load time, and the fallback.
+"""CPU path: quantpipe's int4 kernel, torch's int4pack / int8pack, and the fallback.
 
-Which backend a layer gets (:func:`cpu_backend_for`, visible dispatch):
+Every layout is repacked once at load time. Which backend a layer gets
+(:func:`cpu_backend_for`, visible dispatch):
 
-| backend      | when                                                                       |
-|--------------|----------------------------------------------------------------------------|
-| ``int4pack`` | bits 4, group size 32/64/128/256 dividing ``in``, ``out % 16 == 0``,        |
-|              | ``in % 32 == 0``; act-order only when every group holds ``group_size``      |
-|              | columns (then columns are sorted by group and the input is permuted).      |
-|              | For ``M >= PREFILL_ROWS`` (prefill) the layer is dequantized once per call  |
-|              | into a bf16 temporary and multiplied densely (1.3-1.9x faster than int4pack |
-|              | at 512-1024 rows); the temporary is freed when the call returns            |
-| ``int8pack`` | bits 8, sym, one group per row (per-channel)                               |
-| ``dequant``  | everything else: dequantize (fp32) and matmul on every call                |
+| backend        | when                                                                     |
+|----------------|--------------------------------------------------------------------------|
+| ``int4avx512`` | bits 4, group size a multiple of 16 dividing ``in``, ``out % 16 == 0``,   |
+|                | and the kernel of ``csrc/cpu_ops.cpp`` is usable (AVX-512 BF16 CPU, a    |
+|                | compiler; ``kernels/cpu_ext.py``); act-order as for int4pack. Every M     |
+|                | (decode and prefill): it matches bf16 dequantize + dense matmul at 512    |
+|                | rows on SmolLM2's shapes and is 1.5-2.4x faster than int4pack at 1-16 rows |
+| ``int4pack``   | bits 4 when the above is not usable: group size 32/64/128/256 dividing    |
+|                | ``in``, ``out % 16 == 0``,                                                |
+|                | ``in % 32 == 0``; act-order only when every group holds ``group_size``    |
+|                | columns (then columns are sorted by group and the input is permuted).    |
+|                | For ``M >= PREFILL_ROWS`` (prefill) the layer is dequantized once per    |
+|                | call into a bf16 temporary and multiplied densely (1.3-1.9x faster than  |
+|                | int4pack at 512-1024 rows); the temporary is freed when the call returns |
+| ``int8pack``   | bits 8, sym, one group per row (per-channel)                             |
+| ``dequant``    | everything else: dequantize (fp32) and matmul on every call              |
 
-Numerics of the fast paths (both run with **bf16** activations: the only dtype with a fast
+Numerics of the fast paths (all run with **bf16** activations: the only dtype with a fast
 kernel on these CPUs; fp32 inputs are 15-40x slower there):
+
+- int4avx512 computes ``sum_k bf16(x_k) * (q - 8)`` per group in fp32 (``q - 8`` is exact in
+  bf16), then ``* scale + zf * sum_k bf16(x_k)`` with the checkpoint's fp16 scale (exact) and
+  ``zf = (8 - z) * scale`` in fp32 (exact), so the only roundings are of x to bf16 and fp32 sums.
 
 - int4pack computes ``w = (q - 8) * scale + zero_fp`` with a float zero *point*. Our integer
   zero ``z`` maps exactly to ``zero_fp = (8 - z) * scale`` since
@@ -24,7 +35,10 @@ kernel on these CPUs; fp32 inputs are 15-40x slower there):
 - int8pack computes ``x @ (q8 * scale).T`` with ``q8 = q - 128`` as int8 (exact) and bf16
   per-row scales.
 
-Repacked layouts: int4pack takes unsigned q as int32 [out, in] and returns its own uint8 blob
+Repacked layouts: int4avx512 is ``packed`` uint8 ``[out / 16, in / 4, 32]`` (16 output rows x
+4 columns per 32-byte chunk, layout in ``csrc/cpu_ops.cpp``; :func:`unpack_qp4` inverts it),
+``scales`` fp16 ``[out / 16, G, 16]``, ``zf`` fp32 ``[out / 16, G, 16]`` (None when every
+``z == 8``, sym). int4pack takes unsigned q as int32 [out, in] and returns its own uint8 blob
 ``[out, in / 2]`` (``_convert_weight_to_int4pack_for_cpu(q, inner_k_tiles=2)``), plus
 ``scales_and_zeros`` bf16 [G, out, 2] (scale, zero point). int8pack takes int8 [out, in] and
 bf16 scales [out].
@@ -42,8 +56,10 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels import cpu_ext
 from runtime.kernels.layout import PackedLinear
 
+QP4_ROWS = 16  # int4avx512: output rows per block, and the group size's multiple
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2  # int4pack tiling; needs in % (16 * INNER_K_TILES) == 0
 # rows from which dequantize-once + bf16 matmul beats int4pack: measured on SmolLM2's shapes,
@@ -71,13 +87,19 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
     """(backend, reason) for one layer on CPU."""
     bits, gs, in_f, out_f = p.spec.bits, p.group_size, p.in_features, p.out_features
     if bits == 4:
+        if p.g_idx is not None and act_order_permutation(p) is None:
+            return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
+        if gs % QP4_ROWS or out_f % QP4_ROWS:
+            why = f"quantpipe's kernel needs out and group size % {QP4_ROWS} == 0"
+        else:
+            usable, why = cpu_ext.int4_kernel_status()
+            if usable:
+                return "int4avx512", why
         if gs not in INT4PACK_GROUP_SIZES:
             return "dequant", f"int4pack takes group sizes {INT4PACK_GROUP_SIZES}, not {gs}"
         if out_f % 16 or in_f % (16 * INNER_K_TILES):
             return "dequant", f"int4pack needs out % 16 == 0 and in % 32 == 0 ({out_f}x{in_f})"
-        if p.g_idx is not None and act_order_permutation(p) is None:
-            return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
-        return "int4pack", "int4 groupwise"
+        return "int4pack", f"torch int4pack ({why})"
     if bits == 8:
         if p.qzeros is not None:
             return "dequant", "int8pack is symmetric only"
@@ -85,6 +107,70 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
             return "dequant", "int8pack is per-channel only"
         return "int8pack", "int8 per-channel sym"
     raise ValueError(f"bits={bits} has no CPU kernel; use 4 or 8")
+
+
+@dataclass(frozen=True)
+class CpuQP4:
+    """The int4avx512 layout (module docstring); w = (q - 8) * scale + zf."""
+
+    packed: torch.Tensor  # uint8 [out / 16, in / 4, 32]
+    scales: torch.Tensor  # fp16 [out / 16, G, 16]
+    zf: torch.Tensor | None  # fp32 [out / 16, G, 16] = (8 - z) * scale; None when all z == 8
+    perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
+    group_size: int
+
+
+def pack_qp4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] q in [0, 16) -> uint8 [out / 16, in / 4, 32] (csrc/cpu_ops.cpp layout).
+
+    Byte ``2 r + e`` of chunk (b, c) holds q[16 b + r, 4 c + e] (low nibble) and
+    q[16 b + r, 4 c + 2 + e] (high nibble).
+    """
+    out_f, in_f = q.shape
+    v = q.view(out_f // QP4_ROWS, QP4_ROWS, in_f // 4, 2, 2)  # [b, r, c, h, e]: k = 4c + 2h + e
+    v = v.permute(0, 2, 1, 4, 3)  # [b, c, r, e, h]
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(out_f // QP4_ROWS, in_f // 4, 32).contiguous()
+
+
+def unpack_qp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_qp4`: uint8 [out / 16, in / 4, 32] -> uint8 [out, in]."""
+    nb, chunks, _ = packed.shape
+    v = packed.view(nb, chunks, QP4_ROWS, 2)  # [b, c, r, e]
+    q = torch.stack([v & 15, v >> 4], dim=-1)  # [b, c, r, e, h]
+    return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 4)  # [out, in]
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """[out, G] -> [out / 16, G, 16] (16 output rows of a group side by side)."""
+    out_f, n_groups = t.shape
+    return t.view(out_f // QP4_ROWS, QP4_ROWS, n_groups).transpose(1, 2).contiguous()
+
+
+def repack_qp4(p: PackedLinear) -> CpuQP4:
+    q = p.unpacked_q()  # uint8 [out, in] in [0, 16)
+    perm = None
+    if p.g_idx is not None:
+        perm = act_order_permutation(p)
+        q = q[:, perm]  # [out, in] columns now in sequential groups
+    zeros = p.zeros_u8()  # [out, G]
+    zf = None
+    if not bool((zeros == 8).all()):
+        # (8 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 8)
+        zf = _blocked((8.0 - zeros.float()) * p.scales.float())  # [out / 16, G, 16] fp32
+    return CpuQP4(pack_qp4(q.contiguous()), _blocked(p.scales), zf, perm, p.group_size)
+
+
+def qp4_matmul(x2d: torch.Tensor, w: CpuQP4) -> torch.Tensor:
+    """x2d [M, in] float -> [M, out] in x's dtype (the kernel rounds x to bf16 itself).
+
+    Called ~200 times per decoded token of a small model: kept to one op call on the fp32 path.
+    """
+    x = x2d if x2d.dtype in (torch.float32, torch.bfloat16) else x2d.float()
+    if w.perm is not None:
+        x = x[:, w.perm]  # [M, in] columns in the repacked order
+    y = torch.ops.quantpipe_cpu.int4_mm.default(x.contiguous(), w.packed, w.scales, w.zf,
+                                                w.group_size)  # [M, out] fp32
+    return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 
 @dataclass(frozen=True)

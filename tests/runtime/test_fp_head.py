@@ -7,7 +7,9 @@ import logging
 import pytest
 import torch
 
+from runtime import fp_head
 from runtime.fp_head import CastEmbedding, HalfHead, set_half_head
+from runtime.kernels import cpu_ext
 from tests.tiny_models import make_model
 
 
@@ -20,19 +22,36 @@ def _fp16_model(tie: bool = True):
     return model, tok
 
 
+KERNEL = cpu_ext.int4_kernel_status()[0]
+
+
+def _unblock(w: torch.Tensor, n: int) -> torch.Tensor:
+    """The kernel's [N / 16, K, 16] blocks back to [N, K]; 2-D tensors pass through."""
+    return w if w.dim() == 2 else w.transpose(1, 2).reshape(-1, w.shape[1])[:n]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "auto"])
-def test_half_head_matches_float64_reference_of_its_weights(mode):
+def test_half_head_matches_float64_reference_of_its_weights(mode, kernel, monkeypatch):
+    if kernel and not KERNEL:
+        pytest.skip("quantpipe's CPU kernels are not usable here")
+    if not kernel:
+        monkeypatch.setattr(fp_head.cpu_ext, "int4_kernel_status", lambda: (False, "test"))
     g = torch.Generator().manual_seed(0)
-    w16 = (torch.randn(96, 40, generator=g) * 0.1).half()  # [out, in]
+    w16 = (torch.randn(90, 40, generator=g) * 0.1).half()  # [out, in]; 90: padded to 96
     head = HalfHead(w16, None, mode, torch.float32)
-    for rows in (1, 3):
+    assert head.kernel == kernel
+    fp16_rows = {"fp16": 10**9, "bf16": 0, "auto": 2 if kernel else 1}[mode]
+    for rows in (1, 2, 3, 9):
         x = torch.randn(rows, 40, generator=g)
         got = head(x).double()
-        assert got.dtype == torch.float64 and head(x).dtype == torch.float32
-        # the dtype the mode uses for this many rows; inputs are rounded to it as well
-        dt = torch.float16 if mode == "fp16" or (mode == "auto" and rows == 1) else torch.bfloat16
-        want = x.to(dt).double() @ w16.to(dt).double().T
-        other = torch.bfloat16 if dt == torch.float16 else torch.float16
+        assert got.shape == (rows, 90) and head(x).dtype == torch.float32
+        # the dtype the mode uses for this many rows; inputs are rounded to it as well, except
+        # in the fp16 kernel, which keeps fp32 activations
+        use16 = rows <= fp16_rows
+        dt = (torch.float32 if kernel else torch.float16) if use16 else torch.bfloat16
+        want = x.to(dt).double() @ w16.to(dt if use16 else torch.bfloat16).double().T
+        other = torch.bfloat16 if use16 else torch.float16
         want_other = x.to(other).double() @ w16.to(other).double().T
         err = (got - want).abs().max()
         # accumulation in fp32 over 40 products, output rounded to dt: a few ulps of dt
@@ -40,6 +59,19 @@ def test_half_head_matches_float64_reference_of_its_weights(mode):
         assert err <= tol, (mode, rows, float(err), float(tol))
         # and it is distinguishable from the other dtype's result (the dispatch is real)
         assert (got - want_other).abs().max() > err
+
+
+@pytest.mark.skipif(not KERNEL, reason="quantpipe's CPU kernels are not usable here")
+def test_blocked_layouts_and_table_lookups_are_exact():
+    w16 = (torch.randn(37, 24) * 0.1).half()
+    blocked = fp_head.block_rows(w16)
+    assert blocked.shape == (3, 24, 16) and torch.equal(_unblock(blocked, 37), w16)
+    pairs = fp_head.block_row_pairs(w16)  # [3, 12, 16, 2]: pairs[b, j, r, e] = w[16b + r, 2j + e]
+    assert pairs.shape == (3, 12, 16, 2) and pairs[2, 5, 3, 1] == w16[35, 11]
+    assert torch.equal(pairs.permute(0, 2, 1, 3).reshape(48, 24)[:37], w16)
+    emb = CastEmbedding(blocked, torch.float32, 37)
+    ids = torch.tensor([[0, 15, 16, 36], [5, 5, 31, 1]])
+    assert torch.equal(emb(ids), w16[ids].float())
 
 
 def test_set_half_head_shares_the_tied_fp16_table_and_keeps_outputs():
@@ -55,7 +87,8 @@ def test_set_half_head_shares_the_tied_fp16_table_and_keeps_outputs():
     with torch.no_grad():
         out = model(ids)
     assert out.logits.dtype == torch.float32
-    # embeddings exact; only the head's inputs are rounded to fp16 (2**-11 relative)
+    # embeddings exact; only the head's inputs are rounded to fp16 (2**-11 relative), or
+    # nothing at all with the kernel
     rel = (out.logits.double() - want).norm() / want.norm()
     assert rel < 2e-3, float(rel)
 
@@ -65,8 +98,11 @@ def test_set_half_head_untied_and_auto_keeps_both_copies():
     head_w = model.lm_head.weight.detach().clone()
     set_half_head(model, "auto")
     head = model.get_output_embeddings()
-    assert torch.equal(head.w16.float(), head_w)
-    assert torch.equal(head.w_bf16, head_w.to(torch.bfloat16))
+    assert torch.equal(_unblock(head.w16, head_w.shape[0]).float(), head_w)
+    w_bf16 = head.w_bf16
+    if w_bf16.dim() == 4:  # the kernel's [N / 16, K / 2, 16, 2] pairs
+        w_bf16 = w_bf16.permute(0, 2, 1, 3).reshape(-1, head_w.shape[1])[:head_w.shape[0]]
+    assert torch.equal(w_bf16, head_w.to(torch.bfloat16))
     assert head.w16.data_ptr() != model.get_input_embeddings().weight.data_ptr()
 
 

@@ -6,6 +6,7 @@ import torch
 from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
 from quantpipe.native import load_dequantized_model
 from quantpipe.qformat import QuantSpec
+from runtime.kernels import cpu_ext
 from runtime.loader import load_quantized_model
 from runtime.quant_linear import QuantLinear
 from tests.runtime._quant_helpers import quantize_folder
@@ -28,7 +29,8 @@ def test_loaded_model_matches_dequantized_reference(qdirs):
     ref = load_dequantized_model(qdirs, dtype=torch.float32)
     model = load_quantized_model(qdirs, device="cpu")
     backends = {m.backend for m in model.modules() if isinstance(m, QuantLinear)}
-    assert backends == {"int4pack", "int8pack", "dequant"}
+    int4 = "int4avx512" if cpu_ext.int4_kernel_status()[0] else "int4pack"
+    assert backends == {int4, "int8pack", "dequant"}
     assert not any(isinstance(m, torch.nn.Linear) and n != "lm_head"
                    for n, m in model.named_modules())
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -83,8 +85,9 @@ def _held_out_prompts(n: int) -> list[str]:
 
 @pytest.mark.slow
 def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path):
-    """INT4 (RTN g64 sym) through the fast path `quantpipe generate` takes (engine, int4pack,
-    fp16 head) vs the dequantized fp32 model through HF, on 8 held-out business prompts.
+    """INT4 (RTN g64 sym) through the fast path `quantpipe generate` takes (engine, the int4
+    kernel -- ours, or int4pack without it -- fp16 head, fused norms / RoPE / decode attention)
+    vs the dequantized fp32 model through HF, on 8 held-out business prompts.
 
     Teacher-forced on the reference's own 32 greedy tokens, the runtime must pick the same
     token at >= 97% of the 256 positions, and every position where it does not must be a near
@@ -96,7 +99,8 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
     model, tok = load_model_for_serving(tmp_path / "q", "cpu", head_dtype="fp16")
-    assert set(model.quantpipe_backends) == {"int4pack"}
+    int4 = "int4avx512" if cpu_ext.int4_kernel_status()[0] else "int4pack"
+    assert set(model.quantpipe_backends) == {int4}
     bs = 16
     runner = ModelRunner(model, bs, 64)  # 1,024 KV slots: one sequence at a time
     flips, positions, diverged = [], 0, []

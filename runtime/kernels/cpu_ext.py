@@ -1,0 +1,77 @@
+"""quantpipe's own C++ CPU kernels (``csrc/cpu_ops.cpp``): built on first use, once per machine.
+
+torch compiles the source with the machine's C++ compiler and ninja
+(``torch.utils.cpp_extension.load``) into its extensions cache (``$TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``); the library name carries a hash of the source and the
+torch version, so an edited source or another torch builds afresh and a stale build is never
+loaded. The build takes ~15 s; later processes load it in milliseconds.
+
+When the kernel cannot be used -- the CPU lacks AVX-512 BF16, there is no compiler, or
+``QUANTPIPE_CPU_KERNELS=torch`` is set -- :func:`int4_kernel_status` says why and the CPU path
+keeps torch's int4pack kernel (``kernels/cpu.py``); the reason is logged once and shown as the
+layer's dispatch reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+ENV = "QUANTPIPE_CPU_KERNELS"  # "torch": never build or use our kernel (comparisons, escape hatch)
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo spelling
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where that file does not exist."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def library_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
+    return f"quantpipe_cpu_{digest[:12]}"
+
+
+@functools.cache
+def int4_kernel_status() -> tuple[bool, str]:
+    """(usable, reason). Builds and loads the library on the first call of the process."""
+    if os.environ.get(ENV, "").strip().lower() == "torch":
+        return False, f"{ENV}=torch"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False, f"the int4 kernel is x86-64 only (this is {platform.machine()})"
+    flags = _cpu_flags()
+    if flags is not None and not set(CPU_FLAGS) <= flags:
+        missing = ", ".join(sorted(set(CPU_FLAGS) - flags))
+        return False, f"the CPU lacks {missing} (the int4 kernel needs AVX-512 BF16)"
+    from torch.utils import cpp_extension
+
+    name = library_name()
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3"],
+                           is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, build error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("quantpipe's int4 CPU kernel could not be built (%s); using torch's "
+                    "int4pack kernel instead", first)
+        return False, f"building the int4 kernel failed: {first}"
+    log.info("quantpipe int4 CPU kernel %s ready in %.1f s", name, time.perf_counter() - start)
+    if not torch.ops.quantpipe_cpu.int4_supported():
+        return False, "the CPU lacks AVX-512 BF16 (the int4 kernel needs it)"
+    return True, "quantpipe AVX-512 BF16 kernel"

@@ -1,0 +1,577 @@
+// quantpipe's CPU kernels for AVX-512 BF16 machines (built by runtime/kernels/cpu_ext.py).
+//
+//   int4_mm        W4A16 GEMM/GEMV, bf16 activations (the quantized linears)
+//   fp16_mm        exact fp16 weights x fp32 activations (the output head)
+//   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
+//   decode_attention  one query token per sequence over its paged K/V blocks (decode steps)
+//   add_rms_norm_  h += delta (optional), then RMSNorm(h) (Llama/Qwen2/Mistral norms)
+//   rope_          rotary embedding (rotate-half convention) applied in place to q and k
+//
+// --- int4_mm ------------------------------------------------------------------------------
+//
+// Why our own: torch's int4pack CPU kernel is compute-bound (~6.5 G weights/s/core on the
+// AVX-512 machines we measured) and works in blocks of 4 activation rows, so an 8-row decode
+// step costs twice a 4-row one. This kernel expands each 32-byte chunk of packed weights once,
+// with two table lookups, and feeds it to `vdpbf16ps` for every activation row of the tile.
+//
+// Layout (built by runtime/kernels/cpu.py:repack_qp4, checked there by an exact round trip):
+//   packed  uint8 [N/16, K/4, 32]: block b holds output rows 16b..16b+15; chunk c holds
+//           k = 4c..4c+3; byte j = 2r + e holds q[16b + r][4c + e] in its low nibble and
+//           q[16b + r][4c + 2 + e] in its high nibble (r in 0..15, e in 0..1).
+//   scales  fp16  [N/16, G, 16]  (the checkpoint's fp16 scales, exact)
+//   zf      fp32  [N/16, G, 16]  zero point (8 - z) * scale; absent (undefined) when every z == 8
+// so that w[n][k] = (q - 8) * scale + zf. Sixteen output rows are the 16 fp32 lanes of a zmm
+// register; a bf16 pair (x[k], x[k+1]) is broadcast to every lane, so no horizontal sums.
+//
+// Numerics: (q - 8) is exact in bf16; x is rounded to bf16 (RNE) once; products and the
+// per-group sums are fp32 (vdpbf16ps), scaled per group in fp32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 16;  // output rows per block (fp32 lanes of a zmm)
+constexpr int64_t kMaxTile = 8;  // activation rows that share one expanded weight chunk
+
+#define QP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
+
+QP_TARGET inline __m512bh as_bh(__m512i v) {
+  __m512bh r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+}
+
+QP_TARGET inline __m512i bcast_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// bf16 bit patterns of q - 8 for q in 0..15 (vpermw uses the low 5 bits of each index)
+QP_TARGET inline __m512i nibble_table() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>((i & 15) - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have short mantissas
+  }
+  return _mm512_load_si512(t);
+}
+
+// One block of 16 output rows for MT activation rows.
+//   x     bf16 bits [MT rows, stride K]     sumx  fp32 [MT rows, stride G] (only if zf)
+//   w     the block's chunks [K/4, 32]      sc / zf  the block's [G, 16]
+//   out   fp32, row m at out + m * ldo
+// vdpbf16ps has a latency of several cycles: with few rows, one accumulator per row would
+// serialise the chunks, so each row gets 2 * P independent chains (P chunks in flight).
+template <int MT>
+QP_TARGET void block_tile(const uint16_t* x, int64_t K, const float* sumx, int64_t G,
+                          const uint8_t* w, const uint16_t* sc, const float* zf,
+                          int64_t group_size, float* out, int64_t ldo) {
+  constexpr int P = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);  // chunks in flight per row
+  const __m512i table = nibble_table();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const int64_t chunks = group_size / 4;  // a multiple of P: group_size is 32, 64, 128 or 256
+  __m512 total[MT];
+  for (int m = 0; m < MT; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MT][2 * P];
+    for (int m = 0; m < MT; ++m)
+      for (int a = 0; a < 2 * P; ++a) acc[m][a] = _mm512_setzero_ps();
+    const uint8_t* wg = w + g * chunks * 32;
+    const uint16_t* xg = x + g * group_size;
+    for (int64_t c0 = 0; c0 < chunks; c0 += P) {
+      for (int p = 0; p < P; ++p) {
+        const int64_t c = c0 + p;
+        const __m512i w16 = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 32)));
+        const __m512bh lo = as_bh(_mm512_permutexvar_epi16(_mm512_and_si512(w16, low4), table));
+        const __m512bh hi = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(w16, 4), table));
+        for (int m = 0; m < MT; ++m) {
+          const uint16_t* xk = xg + m * K + 4 * c;
+          acc[m][2 * p] = _mm512_dpbf16_ps(acc[m][2 * p], lo, as_bh(bcast_pair(xk)));
+          acc[m][2 * p + 1] = _mm512_dpbf16_ps(acc[m][2 * p + 1], hi, as_bh(bcast_pair(xk + 2)));
+        }
+      }
+    }
+    const __m512 s =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kRows)));
+    for (int m = 0; m < MT; ++m) {
+      __m512 sum = acc[m][0];
+      for (int a = 1; a < 2 * P; ++a) sum = _mm512_add_ps(sum, acc[m][a]);
+      total[m] = _mm512_fmadd_ps(sum, s, total[m]);
+    }
+    if (zf != nullptr) {
+      const __m512 z = _mm512_loadu_ps(zf + g * kRows);
+      for (int m = 0; m < MT; ++m)
+        total[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(sumx[m * G + g]), total[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, total[m]);
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*,
+                        const uint16_t*, const float*, int64_t, float*, int64_t);
+
+constexpr TileFn kTiles[kMaxTile + 1] = {nullptr,        block_tile<1>, block_tile<2>,
+                                         block_tile<3>, block_tile<4>, block_tile<5>,
+                                         block_tile<6>, block_tile<7>, block_tile<8>};
+
+// x fp32 [n] -> bf16 bits [n], round to nearest even (vcvtneps2bf16)
+QP_TARGET void to_bf16(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256i v = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i)));
+    _mm256_mask_storeu_epi16(out + i, tail, v);
+  }
+}
+
+// sumx[i] = sum of the bf16 values x[i * group_size : (i + 1) * group_size], i < n_groups
+QP_TARGET void group_sums(const uint16_t* x, int64_t n_groups, int64_t group_size, float* sumx) {
+  for (int64_t i = 0; i < n_groups; ++i) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < group_size; k += 16) {  // bf16 -> fp32 is a 16-bit left shift
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * group_size + k));
+      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    sumx[i] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+void check_weights(const at::Tensor& packed, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
+  TORCH_CHECK(cpu_supported(), "quantpipe int4 kernel needs AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == 32,
+              "packed must be contiguous uint8 [N/16, K/4, 32]");
+  const int64_t K = packed.size(1) * 4;
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0,
+              "group_size must be a positive multiple of 16 dividing K = ", K);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({packed.size(0), G, kRows}),
+              "scales must be contiguous fp16 [N/16, G, 16]");
+  if (zf.has_value()) {
+    TORCH_CHECK(zf->scalar_type() == at::kFloat && zf->is_contiguous() &&
+                    zf->sizes() == scales.sizes(),
+                "zf must be contiguous fp32 [N/16, G, 16]");
+  }
+}
+
+// y fp32 [M, N] = x [M, K] (fp32 or bf16; used as bf16) @ W^T, W from the packed layout.
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
+  check_weights(packed, scales, zf, group_size);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be contiguous fp32 or bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
+  TORCH_CHECK(packed.size(1) * 4 == K, "packed holds K = ", packed.size(1) * 4, ", x has ", K);
+  const int64_t G = K / group_size;
+  at::Tensor x_bf16 = x;
+  if (x.scalar_type() == at::kFloat) {
+    x_bf16 = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    to_bf16(x.data_ptr<float>(), reinterpret_cast<uint16_t*>(x_bf16.data_ptr<at::BFloat16>()),
+            M * K);
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x_bf16.data_ptr<at::BFloat16>());
+  std::vector<float> sumx;  // fp32 [M, G]: sums of the bf16 activations of each group
+  const float* zfp = nullptr;
+  if (zf.has_value()) {
+    zfp = zf->data_ptr<float>();
+    sumx.resize(M * G);
+    group_sums(xp, M * G, group_size, sumx.data());
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t wblock = K / 4 * 32, sblock = G * kRows;
+  // grain 1: even the 12-block k/v projections of a 135M model split over the threads
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int64_t mt = std::min(kMaxTile, M - m0);
+        kTiles[mt](xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G, wp + b * wblock,
+                   scp + b * sblock, zfp ? zfp + b * sblock : nullptr, group_size,
+                   yp + m0 * N + b * kRows, N);
+      }
+    }
+  });
+  return y;
+}
+
+// --- fp16_mm: the output head ---------------------------------------------------------------
+// Weights wb fp16 [N/16, K, 16] (16 output rows side by side per k); x fp32 [M, K].
+// y[m, 16b + r] = sum_k x[m, k] * float(wb[b, k, r]): fp16 -> fp32 is exact, products and sums
+// are fp32 FMAs. torch's fp16 matmul on these CPUs costs M times its GEMV; this one converts
+// each weight once per tile of 8 rows.
+
+template <int MT>
+QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
+  constexpr int P = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);  // FMA chains in flight per row
+  __m512 acc[MT][P];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + P <= K; k += P) {
+    for (int p = 0; p < P; ++p) {
+      const __m512 wv = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + p) * kRows)));
+      for (int m = 0; m < MT; ++m)
+        acc[m][p] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k + p]), acc[m][p]);
+    }
+  }
+  for (; k < K; ++k) {
+    const __m512 wv =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kRows)));
+    for (int m = 0; m < MT; ++m)
+      acc[m][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k]), acc[m][0]);
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m512 sum = acc[m][0];
+    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
+    _mm512_storeu_ps(out + m * ldo, sum);
+  }
+}
+
+using Fp16TileFn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_t);
+
+constexpr Fp16TileFn kFp16Tiles[kMaxTile + 1] = {nullptr,      fp16_tile<1>, fp16_tile<2>,
+                                                 fp16_tile<3>, fp16_tile<4>, fp16_tile<5>,
+                                                 fp16_tile<6>, fp16_tile<7>, fp16_tile<8>};
+
+at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
+  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(wb.dim() == 3 && wb.is_contiguous() && wb.scalar_type() == at::kHalf &&
+                  wb.size(2) == kRows && wb.size(1) == x.size(1),
+              "wb must be contiguous fp16 [N/16, K, 16] with K = x.size(1) = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int64_t mt = std::min(kMaxTile, M - m0);
+        kFp16Tiles[mt](xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
+      }
+  });
+  return y;
+}
+
+// --- bf16_mm: the output head in bf16 -------------------------------------------------------
+// Weights wb bf16 [N/16, K/2, 16, 2] (for each k pair, the 16 rows' (w[k], w[k+1]) side by
+// side: one vdpbf16ps operand); x rounded to bf16 once; fp32 sums. Half the instructions of
+// fp16_mm per row, so it is the faster head from a few rows up.
+
+template <int MT>
+QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float* out,
+                         int64_t ldo) {
+  constexpr int P = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+  __m512 acc[MT][P];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  int64_t j = 0;
+  for (; j + P <= pairs; j += P) {
+    for (int p = 0; p < P; ++p) {
+      const __m512bh wv = as_bh(_mm512_loadu_si512(w + (j + p) * 2 * kRows));
+      for (int m = 0; m < MT; ++m)
+        acc[m][p] = _mm512_dpbf16_ps(acc[m][p], wv, as_bh(bcast_pair(x + m * K + 2 * (j + p))));
+    }
+  }
+  for (; j < pairs; ++j) {
+    const __m512bh wv = as_bh(_mm512_loadu_si512(w + j * 2 * kRows));
+    for (int m = 0; m < MT; ++m)
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, as_bh(bcast_pair(x + m * K + 2 * j)));
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m512 sum = acc[m][0];
+    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
+    _mm512_storeu_ps(out + m * ldo, sum);
+  }
+}
+
+using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*, int64_t);
+
+constexpr Bf16TileFn kBf16Tiles[kMaxTile + 1] = {nullptr,      bf16_tile<1>, bf16_tile<2>,
+                                                 bf16_tile<3>, bf16_tile<4>, bf16_tile<5>,
+                                                 bf16_tile<6>, bf16_tile<7>, bf16_tile<8>};
+
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
+  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) % 2 == 0,
+              "x must be contiguous fp32 [M, K] with K even");
+  TORCH_CHECK(wb.dim() == 4 && wb.is_contiguous() && wb.scalar_type() == at::kBFloat16 &&
+                  wb.size(2) == kRows && wb.size(3) == 2 && wb.size(1) * 2 == x.size(1),
+              "wb must be contiguous bf16 [N/16, K/2, 16, 2] with K = x.size(1) = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
+  std::vector<uint16_t> xb(M * K);
+  to_bf16(x.data_ptr<float>(), xb.data(), M * K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int64_t mt = std::min(kMaxTile, M - m0);
+        kBf16Tiles[mt](xb.data() + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
+      }
+  });
+  return y;
+}
+
+// --- decode_attention ------------------------------------------------------------------------
+// One query token per sequence (a decode step). q [B, H, D]; k_pool / v_pool
+// [num_blocks, block_size, KV, D]; block_tables [B, max_blocks] int64; ctx_lens [B] int64 (keys
+// 0 .. ctx_len - 1, the new token's included). Query head h reads KV head h / (H / KV) (HF's
+// repeat_kv order). softmax(q k^T * scale) v in fp32, read straight from the paged blocks.
+
+QP_TARGET float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float s = _mm512_reduce_add_ps(acc);
+  for (; i < D; ++i) s += a[i] * b[i];
+  return s;
+}
+
+QP_TARGET void axpy(float alpha, const float* x, float* y, int64_t D) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < D; ++i) y[i] += alpha * x[i];
+}
+
+// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7, under fp32's unit roundoff beyond a few ulps), times 2^n
+QP_TARGET __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: still a normal fp32
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// p[0..n) <- exp(p - max(p)); returns the sum
+QP_TARGET float softmax_numerators(float* p, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), m));
+    _mm512_storeu_ps(p + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p + j), m));
+    _mm512_mask_storeu_ps(p + j, tail, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
+                            const at::Tensor& v_pool, const at::Tensor& block_tables,
+                            const at::Tensor& ctx_lens, double scale) {
+  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "q must be contiguous fp32 [B, H, D]");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
+                  v_pool.scalar_type() == at::kFloat && k_pool.size(3) == q.size(2),
+              "k_pool / v_pool must be contiguous fp32 [blocks, block_size, KV, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NBLK = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
+  TORCH_CHECK(H % KV == 0 && H / KV <= 64, "query heads ", H,
+              " must be a multiple of KV heads ", KV, ", at most 64 per KV head");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
+                  block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+              "block_tables must be contiguous int64 [B, max_blocks]");
+  TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.size(0) == B &&
+                  ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(),
+              "ctx_lens must be contiguous int64 [B]");
+  const int64_t max_blocks = block_tables.size(1), G = H / KV;
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * BS, "ctx_lens[", b, "] = ", lens[b],
+                " outside 1 .. ", max_blocks * BS);
+    for (int64_t j = 0; j < (lens[b] + BS - 1) / BS; ++j)
+      TORCH_CHECK(bt[b * max_blocks + j] >= 0 && bt[b * max_blocks + j] < NBLK,
+                  "block_tables[", b, ", ", j, "] outside the pool");
+  }
+  at::Tensor out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;  // [G, n] scores, then softmax numerators
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KV, kvh = i % KV, n = lens[b];
+      const int64_t* table = bt + b * max_blocks;
+      const float* qv = qp + (b * H + kvh * G) * D;  // the G query heads of this KV head
+      float* ov = op + (b * H + kvh * G) * D;
+      p.resize(G * n);
+      for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
+        const float* kr = kp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(qv + g * D, kr, D) * sc;
+      }
+      float inv[64];
+      for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p.data() + g * n, n);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = vp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, ov + g * D, D);
+      }
+    }
+  });
+  return out;
+}
+
+// --- add_rms_norm_ ---------------------------------------------------------------------------
+// If delta is given: h += delta (in place, the residual stream). Then
+// out = weight * h / sqrt(mean(h^2) + eps), as LlamaRMSNorm computes it in fp32.
+
+QP_TARGET float sum_squares(const float* h, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const __m512 v = _mm512_loadu_ps(h + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  for (; i < D; ++i) s += h[i] * h[i];
+  return s;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                         const at::Tensor& weight, double eps) {
+  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat,
+              "h must be contiguous fp32 [T, D]");
+  const int64_t T = h.size(0), D = h.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == D,
+              "weight must be contiguous fp32 [", D, "]");
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == h.sizes() && delta->is_contiguous() &&
+                    delta->scalar_type() == at::kFloat,
+                "delta must be contiguous fp32 like h");
+  }
+  at::Tensor out = at::empty_like(h);
+  float* hp = h.data_ptr<float>();
+  const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = hp + t * D;
+    if (dp != nullptr)
+      for (int64_t i = 0; i < D; ++i) row[i] += dp[t * D + i];
+    const float inv = 1.0f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) +
+                                       static_cast<float>(eps));
+    for (int64_t i = 0; i < D; ++i) op[t * D + i] = wp[i] * (row[i] * inv);
+  }
+  return out;
+}
+
+// --- rope_ -------------------------------------------------------------------------------------
+// x [T, heads, D] in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) with
+// x1, x2 the two halves of the last dimension (the Hugging Face Llama convention); cos, sin
+// [T, D] as the model's rotary module returns them.
+
+void rope_one(at::Tensor& x, const float* cp, const float* sp) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "q and k must be contiguous fp32 [T, heads, D]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + t * D;
+    const float* s = sp + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = xp + (t * H + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "cos and sin must be contiguous fp32 [T, D]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == cos.size(0) &&
+                  k.size(0) == cos.size(0) && q.size(2) == cos.size(1) &&
+                  k.size(2) == cos.size(1) && cos.size(1) % 2 == 0,
+              "q [T, H, D], k [T, KV, D] and cos/sin [T, D] must agree (D even)");
+  rope_one(q, cos.data_ptr<float>(), sin.data_ptr<float>());
+  rope_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+bool int4_supported() { return cpu_supported(); }
+
+}  // namespace
+
+TORCH_LIBRARY(quantpipe_cpu, m) {
+  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
+  m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
+  m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+        "Tensor ctx_lens, float scale) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("int4_supported() -> bool", &int4_supported);
+}
+
+TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("fp16_mm", &fp16_mm);
+  m.impl("bf16_mm", &bf16_mm);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_", &rope_);
+}

@@ -1,0 +1,132 @@
+"""quantpipe's C++ int4 CPU kernel (runtime/kernels/csrc/cpu_ops.cpp) vs a float64 reference.
+
+The kernel rounds the activations to bf16 and accumulates in fp32; everything else is exact
+(q - 8 in bf16, fp16 scales, zf = (8 - z) * s in fp32). So the reference is the float64
+product of the *bf16-rounded* activations with the float64 dequantized weight, and the only
+tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of products.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from quantpipe.qformat import QuantSpec
+from runtime.kernels import cpu as cpu_kernels
+from runtime.kernels import cpu_ext
+from runtime.kernels.layout import dequantize_reference
+from runtime.quant_linear import QuantLinear
+from tests.runtime._quant_helpers import random_packed
+
+CAPABLE = cpu_ext._cpu_flags() is not None and set(cpu_ext.CPU_FLAGS) <= cpu_ext._cpu_flags()
+needs_kernel = pytest.mark.skipif(not CAPABLE, reason="the CPU lacks AVX-512 BF16")
+
+
+@pytest.mark.parametrize("out_f,in_f", [(16, 16), (48, 64), (96, 256), (64, 1536)])
+def test_pack_unpack_exact_round_trip(out_f, in_f):
+    q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(out_f * in_f))
+    packed = cpu_kernels.pack_qp4(q)
+    assert packed.shape == (out_f // 16, in_f // 4, 32) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_kernels.unpack_qp4(packed), q)
+    # one element by hand: q[16 b + r, 4 c + 2 + e] is the high nibble of byte 2 r + e
+    b, c, r, e = out_f // 16 - 1, in_f // 4 - 1, 5, 1
+    assert packed[b, c, 2 * r + e] >> 4 == q[16 * b + r, 4 * c + 2 + e]
+
+
+@needs_kernel
+def test_kernel_builds_and_loads_on_this_cpu():
+    """On an AVX-512 BF16 CPU with a compiler the kernel must be usable (a broken source fails
+    here instead of silently falling back to int4pack)."""
+    usable, why = cpu_ext.int4_kernel_status()
+    assert usable, why
+    assert torch.ops.quantpipe_cpu.int4_supported()
+
+
+LAYOUTS = [QuantSpec(4, gs, sym, act) for gs in (16, 32, 64, 128, 256, -1)
+           for sym in (True, False) for act in (False, True) if not (act and gs == -1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: s.label())
+def test_kernel_matches_float64_reference_every_tile(spec):
+    """M = 1..17 covers every row tile (1..8) and the remainders after full tiles of 8."""
+    out_f, in_f = 48, 256
+    p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
+    w = cpu_kernels.repack_qp4(p)
+    assert (w.zf is None) == spec.sym
+    w64 = dequantize_reference(p)  # [out, in] float64
+    gen = torch.Generator().manual_seed(7)
+    for m in range(1, 18):
+        x = torch.randn(m, in_f, generator=gen) * 3  # fresh inputs per M
+        got = cpu_kernels.qp4_matmul(x, w)  # [m, out] fp32
+        xb = x.bfloat16().double()
+        want = xb @ w64.T
+        bound = 1e-5 * (xb.abs() @ w64.abs().T) + 1e-30
+        assert got.dtype == torch.float32 and got.shape == (m, out_f)
+        assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
+
+
+@needs_kernel
+def test_kernel_takes_bf16_input_and_empty_batches():
+    p = random_packed(32, 128, QuantSpec(4, 32, False), seed=11)
+    w = cpu_kernels.repack_qp4(p)
+    x = torch.randn(5, 128)
+    y32 = cpu_kernels.qp4_matmul(x, w)
+    y16 = cpu_kernels.qp4_matmul(x.bfloat16(), w)
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16, y32.bfloat16(), rtol=0, atol=0)  # same bf16 x, same sums
+    assert cpu_kernels.qp4_matmul(torch.empty(0, 128), w).shape == (0, 32)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_shapes_with_a_message():
+    p = random_packed(32, 128, QuantSpec(4, 32, True), seed=1)
+    w = cpu_kernels.repack_qp4(p)
+    op = torch.ops.quantpipe_cpu.int4_mm
+    with pytest.raises(RuntimeError, match="packed holds K = 128"):
+        op(torch.randn(2, 64), w.packed, w.scales, None, 32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        op(torch.randn(2, 128), w.packed, w.scales, None, 24)
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.randn(2, 128), w.packed, w.scales.float(), None, 32)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        op(torch.randn(2, 128).half(), w.packed, w.scales, None, 32)
+
+
+@needs_kernel
+def test_dispatch_prefers_the_kernel_and_the_env_turns_it_off(monkeypatch):
+    p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
+    assert cpu_kernels.cpu_backend_for(p)[0] == "int4avx512"
+    # out % 16 != 0 (and group sizes int4pack takes) keep int4pack / dequant
+    assert cpu_kernels.cpu_backend_for(random_packed(24, 256, QuantSpec(4, 64, True), 1))[0] \
+        == "dequant"
+    monkeypatch.setenv(cpu_ext.ENV, "torch")
+    cpu_ext.int4_kernel_status.cache_clear()
+    try:
+        backend, why = cpu_kernels.cpu_backend_for(p)
+        assert backend == "int4pack" and cpu_ext.ENV in why
+        with pytest.raises(ValueError, match="not usable here"):
+            QuantLinear(p, "cpu", backend="int4avx512")
+    finally:
+        monkeypatch.delenv(cpu_ext.ENV)
+        cpu_ext.int4_kernel_status.cache_clear()
+    assert cpu_ext.int4_kernel_status()[0]
+
+
+def test_unusable_build_falls_back_to_int4pack(monkeypatch):
+    """A failing build (no compiler, say) is a logged fallback, not an error."""
+    def fail(**kwargs):
+        raise RuntimeError("Error building extension 'quantpipe_cpu_x'\nmore lines")
+
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: set(cpu_ext.CPU_FLAGS))
+    monkeypatch.setattr(cpu_ext.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr("torch.utils.cpp_extension.load", fail)
+    cpu_ext.int4_kernel_status.cache_clear()
+    try:
+        usable, why = cpu_ext.int4_kernel_status()
+        assert not usable and "Error building extension" in why and "more lines" not in why
+        p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
+        assert cpu_kernels.cpu_backend_for(p) == ("int4pack", f"torch int4pack ({why})")
+    finally:
+        cpu_ext.int4_kernel_status.cache_clear()
