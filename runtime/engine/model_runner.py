@@ -12,10 +12,11 @@ is no custom paged-attention kernel.
 
 On CPU with fp32 activations, when quantpipe's C++ kernels are usable
 (``runtime.kernels.cpu_ext``), the norms (with the residual add folded in) and RoPE run as one
-C++ call each instead of ~8 small torch ops, and a decode step (one new token per sequence)
-attends with ``quantpipe_cpu::decode_attention``, which reads each sequence's K/V straight from
-its paged blocks (no gather, no padding, no mask): the same formulas in fp32
-(:func:`fused_ops_status` says whether and why not).
+C++ call each instead of ~8 small torch ops, and a step whose chunks are all short (decode
+tokens, prefill chunks of at most ``KERNEL_ATTENTION_MAX_Q`` tokens) attends with
+``quantpipe_cpu::paged_attention``, which reads each sequence's K/V straight from its paged
+blocks (no gather, no padding, no mask): the same formulas in fp32 (:func:`fused_ops_status`
+says whether and why not). Longer prefill chunks keep the gather + SDPA path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "qwen2": ("model", "layers", "norm"),
     "mistral": ("model", "layers", "norm"),
 }
+
+
+# longest query chunk for the kernel attention path (its cost is O(q_len * ctx) per sequence;
+# a mixed step of 7 decodes and one 16-token prefill: 14 ms of SDPA + gathers -> ~1 ms)
+KERNEL_ATTENTION_MAX_Q = 32
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class BatchMeta:
     attn_mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool, ctx_max = blocks_max * block_size
     last_index: torch.Tensor  # [B] int64 index into T of each chunk's last token
     ctx_lens: torch.Tensor  # [B] int64 tokens in each context after this step
+    q_lens: torch.Tensor  # [B] int64 new tokens of each sequence in this step
     q_max: int
 
 
@@ -99,6 +106,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         attn_mask=mask.unsqueeze(1).to(device),
         last_index=torch.tensor(last, dtype=torch.int64, device=device),
         ctx_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=device),
+        q_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64, device=device),
         q_max=q_max,
     )
 
@@ -216,9 +224,10 @@ class ModelRunner:
         # The model's own rotary module (handles rope_type / scaling); cos, sin: [1, T, D].
         cos, sin = self.decoder.rotary_emb(h.unsqueeze(0), meta.positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]  # [T, D]
-        decode_kernel = self.fused and meta.q_max == 1  # one new token per sequence
+        # short chunks only (decode, small prefills): the kernel's work is O(q_len * ctx)
+        attn_kernel = self.fused and meta.q_max <= KERNEL_ATTENTION_MAX_Q
         # the padded path's mask: built once, shared by every layer
-        mask = None if decode_kernel else group_mask(meta.attn_mask, H // KV)
+        mask = None if attn_kernel else group_mask(meta.attn_mask, H // KV)
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -232,10 +241,10 @@ class ModelRunner:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k  # write into paged slots
             self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v
-            if decode_kernel:  # read the paged blocks directly
-                o = torch.ops.quantpipe_cpu.decode_attention.default(
+            if attn_kernel:  # read the paged blocks directly
+                o = torch.ops.quantpipe_cpu.paged_attention.default(
                     q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
-                    self.scale)  # [T = B, H, D]
+                    meta.q_lens, self.scale)  # [T, H, D]
             else:
                 o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask,
                                     self.scale)

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 ENV = "QUANTPIPE_CPU_KERNELS"  # "torch": never build or use our kernel (comparisons, escape hatch)
+BUILD_FLAGS_VERSION = "2"  # bump when the compiler flags below change (a new library name)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo spelling
 
 
@@ -44,7 +45,8 @@ def _cpu_flags() -> set[str] | None:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
+                            + BUILD_FLAGS_VERSION.encode()).hexdigest()
     return f"quantpipe_cpu_{digest[:12]}"
 
 
@@ -64,8 +66,10 @@ def int4_kernel_status() -> tuple[bool, str]:
     name = library_name()
     start = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3"],
-                           is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for is inline OpenMP code; without it the kernels run on one
+        # thread. The OpenMP runtime is the one torch already loaded (same libgomp.so.1).
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, build error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("quantpipe's int4 CPU kernel could not be built (%s); using torch's "

@@ -3,7 +3,7 @@
 //   int4_mm        W4A16 GEMM/GEMV, bf16 activations (the quantized linears)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
-//   decode_attention  one query token per sequence over its paged K/V blocks (decode steps)
+//   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills)
 //   add_rms_norm_  h += delta (optional), then RMSNorm(h) (Llama/Qwen2/Mistral norms)
 //   rope_          rotary embedding (rotate-half convention) applied in place to q and k
 //
@@ -347,11 +347,15 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   return y;
 }
 
-// --- decode_attention ------------------------------------------------------------------------
-// One query token per sequence (a decode step). q [B, H, D]; k_pool / v_pool
-// [num_blocks, block_size, KV, D]; block_tables [B, max_blocks] int64; ctx_lens [B] int64 (keys
-// 0 .. ctx_len - 1, the new token's included). Query head h reads KV head h / (H / KV) (HF's
-// repeat_kv order). softmax(q k^T * scale) v in fp32, read straight from the paged blocks.
+// --- paged_attention -------------------------------------------------------------------------
+// Short query chunks (decode tokens, small prefill chunks) over paged K/V, read straight from the
+// blocks. q [T, H, D]: the chunks of the B sequences one after another, q_lens[b] rows each;
+// k_pool / v_pool [num_blocks, block_size, KV, D]; block_tables [B, max_blocks] int64;
+// ctx_lens [B] int64 (tokens in the context after this step, the chunk's included). Query i of
+// sequence b sits at position ctx_lens[b] - q_lens[b] + i and sees keys 0 .. that position
+// (causal). Query head h reads KV head h / (H / KV) (HF's repeat_kv order).
+// softmax(q k^T * scale) v in fp32. Work is O(q_len * ctx) per sequence: the runner sends long
+// prefill chunks to torch's SDPA instead.
 
 QP_TARGET float dot(const float* a, const float* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
@@ -410,36 +414,43 @@ QP_TARGET float softmax_numerators(float* p, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
-                            const at::Tensor& v_pool, const at::Tensor& block_tables,
-                            const at::Tensor& ctx_lens, double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
+                           const at::Tensor& v_pool, const at::Tensor& block_tables,
+                           const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
   TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
-              "q must be contiguous fp32 [B, H, D]");
+              "q must be contiguous fp32 [T, H, D]");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
                   v_pool.scalar_type() == at::kFloat && k_pool.size(3) == q.size(2),
               "k_pool / v_pool must be contiguous fp32 [blocks, block_size, KV, D]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NBLK = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
   TORCH_CHECK(H % KV == 0 && H / KV <= 64, "query heads ", H,
               " must be a multiple of KV heads ", KV, ", at most 64 per KV head");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
-                  block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous(),
               "block_tables must be contiguous int64 [B, max_blocks]");
-  TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.size(0) == B &&
-                  ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(),
-              "ctx_lens must be contiguous int64 [B]");
+  for (const at::Tensor* t : {&ctx_lens, &q_lens})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong &&
+                    t->is_contiguous(),
+                "ctx_lens and q_lens must be contiguous int64 [B]");
   const int64_t max_blocks = block_tables.size(1), G = H / KV;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t* qlens = q_lens.data_ptr<int64_t>();
+  std::vector<int64_t> q_off(B + 1, 0);  // first query row of each sequence
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * BS, "ctx_lens[", b, "] = ", lens[b],
-                " outside 1 .. ", max_blocks * BS);
+    TORCH_CHECK(qlens[b] >= 1 && qlens[b] <= lens[b] && lens[b] <= max_blocks * BS,
+                "sequence ", b, ": need 1 <= q_len (", qlens[b], ") <= ctx_len (", lens[b],
+                ") <= max_blocks * block_size (", max_blocks * BS, ")");
     for (int64_t j = 0; j < (lens[b] + BS - 1) / BS; ++j)
       TORCH_CHECK(bt[b * max_blocks + j] >= 0 && bt[b * max_blocks + j] < NBLK,
                   "block_tables[", b, ", ", j, "] outside the pool");
+    q_off[b + 1] = q_off[b] + qlens[b];
   }
+  TORCH_CHECK(q_off[B] == T, "q has ", T, " rows but q_lens sum to ", q_off[B]);
   at::Tensor out = at::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_pool.data_ptr<float>();
@@ -449,20 +460,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
   at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;  // [G, n] scores, then softmax numerators
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KV, kvh = i % KV, n = lens[b];
+      const int64_t b = i / KV, kvh = i % KV;
       const int64_t* table = bt + b * max_blocks;
-      const float* qv = qp + (b * H + kvh * G) * D;  // the G query heads of this KV head
-      float* ov = op + (b * H + kvh * G) * D;
-      p.resize(G * n);
-      for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
-        const float* kr = kp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(qv + g * D, kr, D) * sc;
-      }
-      float inv[64];
-      for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p.data() + g * n, n);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vr = vp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, ov + g * D, D);
+      for (int64_t t = 0; t < qlens[b]; ++t) {
+        const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
+        const int64_t row = q_off[b] + t;
+        const float* qv = qp + (row * H + kvh * G) * D;  // the G query heads of this KV head
+        float* ov = op + (row * H + kvh * G) * D;
+        p.resize(G * n);
+        for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
+          const float* kr = kp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
+          for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(qv + g * D, kr, D) * sc;
+        }
+        float inv[64];
+        for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p.data() + g * n, n);
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vr = vp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
+          for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, ov + g * D, D);
+        }
       }
     }
   });
@@ -560,8 +575,8 @@ TORCH_LIBRARY(quantpipe_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
   m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor ctx_lens, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+        "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("int4_supported() -> bool", &int4_supported);
@@ -571,7 +586,7 @@ TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("fp16_mm", &fp16_mm);
   m.impl("bf16_mm", &bf16_mm);
-  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_attention", &paged_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
 }

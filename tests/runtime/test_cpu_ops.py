@@ -1,9 +1,10 @@
-"""quantpipe's C++ int4 CPU kernel (runtime/kernels/csrc/cpu_ops.cpp) vs a float64 reference.
+"""quantpipe's C++ CPU ops (runtime/kernels/csrc/cpu_ops.cpp) vs float64 references.
 
-The kernel rounds the activations to bf16 and accumulates in fp32; everything else is exact
+The int4 kernel rounds the activations to bf16 and accumulates in fp32; everything else is exact
 (q - 8 in bf16, fp16 scales, zf = (8 - z) * s in fp32). So the reference is the float64
 product of the *bf16-rounded* activations with the float64 dequantized weight, and the only
-tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of products.
+tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of products. The other
+ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked the same way at the end.
 """
 
 import zlib
@@ -130,3 +131,100 @@ def test_unusable_build_falls_back_to_int4pack(monkeypatch):
         assert cpu_kernels.cpu_backend_for(p) == ("int4pack", f"torch int4pack ({why})")
     finally:
         cpu_ext.int4_kernel_status.cache_clear()
+
+
+# --- the other ops of csrc/cpu_ops.cpp ------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11])
+def test_head_matmuls_match_float64_reference(m):
+    """fp16_mm: exact fp16 weights, fp32 x; bf16_mm: bf16 weights and x; fp32 sums."""
+    from runtime.fp_head import block_row_pairs, block_rows
+
+    gen = torch.Generator().manual_seed(m)
+    w16 = (torch.randn(80, 72, generator=gen) * 0.2).half()  # [N, K]
+    x = torch.randn(m, 72, generator=gen)
+    got16 = torch.ops.quantpipe_cpu.fp16_mm(x, block_rows(w16))
+    want16 = x.double() @ w16.double().T
+    bound16 = 1e-6 * (x.double().abs() @ w16.double().abs().T)
+    assert ((got16.double() - want16).abs() <= bound16).all()
+    wb = w16.to(torch.bfloat16)
+    got_bf = torch.ops.quantpipe_cpu.bf16_mm(x, block_row_pairs(wb))
+    want_bf = x.bfloat16().double() @ wb.double().T
+    bound_bf = 1e-6 * (x.bfloat16().double().abs() @ wb.double().abs().T)
+    assert ((got_bf.double() - want_bf).abs() <= bound_bf).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 40])  # 40: a tail after the 16-wide vectors
+def test_add_rms_norm_and_rope_match_float64_reference(d):
+    gen = torch.Generator().manual_seed(d)
+    h = torch.randn(5, d, generator=gen) * 3
+    delta = torch.randn(5, d, generator=gen)
+    w = torch.randn(d, generator=gen)
+    h64 = h.double() + delta.double()
+    want = w.double() * h64 / (h64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    got = torch.ops.quantpipe_cpu.add_rms_norm_(h, delta, w, 1e-6)
+    torch.testing.assert_close(h.double(), h64, rtol=0, atol=1e-6)  # h += delta in place
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    got2 = torch.ops.quantpipe_cpu.add_rms_norm_(h, None, w, 1e-6)  # no delta: h unchanged
+    torch.testing.assert_close(got2, got, rtol=0, atol=0)
+
+    from runtime.engine.model_runner import apply_rope
+
+    q, k = torch.randn(5, 3, d, generator=gen), torch.randn(5, 2, d, generator=gen)
+    ang = torch.rand(5, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # HF layout
+    want_q = apply_rope(q.double(), cos.double(), sin.double())
+    want_k = apply_rope(k.double(), cos.double(), sin.double())
+    torch.ops.quantpipe_cpu.rope_(q, k, cos, sin)
+    torch.testing.assert_close(q.double(), want_q, rtol=0, atol=1e-5)
+    torch.testing.assert_close(k.double(), want_k, rtol=0, atol=1e-5)
+
+
+def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale):
+    """float64, one sequence and one query at a time, keys gathered slot by slot."""
+    _, bs, kv, d = k_pool.shape
+    heads = q.shape[1]
+    out, row = [], 0
+    for b, (n_ctx, n_q) in enumerate(zip(ctx_lens, q_lens)):
+        slots = [tables[b][j // bs] * bs + j % bs for j in range(n_ctx)]
+        k = k_pool.reshape(-1, kv, d)[slots].double().repeat_interleave(heads // kv, 1)
+        v = v_pool.reshape(-1, kv, d)[slots].double().repeat_interleave(heads // kv, 1)
+        for t in range(n_q):
+            visible = n_ctx - n_q + 1 + t  # causal: keys up to this query's position
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:visible]) * scale
+            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v[:visible]))
+            row += 1
+    return torch.stack(out)
+
+
+@needs_kernel
+def test_paged_attention_matches_float64_reference_decode_and_chunks():
+    gen = torch.Generator().manual_seed(0)
+    heads, kv, d, bs = 6, 2, 64, 4
+    k_pool = torch.randn(30, bs, kv, d, generator=gen)
+    v_pool = torch.randn(30, bs, kv, d, generator=gen)
+    ctx_lens, q_lens = [1, 9, 4, 17, 6], [1, 1, 4, 5, 2]  # decodes, a whole prompt, chunks
+    blocks = torch.randperm(29, generator=gen) + 1  # scattered blocks, 0 left unused
+    tables, used = torch.zeros(5, 5, dtype=torch.int64), 0
+    for b, n in enumerate(ctx_lens):
+        nb = -(-n // bs)
+        tables[b, :nb] = blocks[used:used + nb]
+        used += nb
+    q = torch.randn(sum(q_lens), heads, d, generator=gen)
+    got = torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, tables,
+                                                  torch.tensor(ctx_lens), torch.tensor(q_lens),
+                                                  0.125)
+    want = _attention_reference(q, k_pool, v_pool, tables.tolist(), ctx_lens, q_lens, 0.125)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    with pytest.raises(RuntimeError, match="q_len"):
+        torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, tables,
+                                                torch.tensor(ctx_lens), torch.tensor([2] * 5),
+                                                0.125)
+    bad = tables.clone()
+    bad[0, 0] = 99
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, bad, torch.tensor(ctx_lens),
+                                                torch.tensor(q_lens), 0.125)
