@@ -236,3 +236,32 @@ def test_smollm2_engine_matches_hf_greedy(smollm2_fp16_dir):
     eng = LLMEngine(model, tok, EngineConfig(kv_cache_memory=2**26, max_num_seqs=4))
     assert eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True)) == ref
     assert eng.pool.num_used == 0
+
+
+def test_fused_cpu_path_equals_torch_path(tiny, monkeypatch):
+    """The C++ norms / RoPE / paged attention (decode tokens and short chunks) give the torch
+    path's logits on mixed steps, including a chunk longer than the kernel attention's limit;
+    and the engine on the torch path still matches HF greedy."""
+    from runtime.engine import model_runner
+    from runtime.engine.model_runner import KERNEL_ATTENTION_MAX_Q, ModelRunner, SeqChunk
+
+    model, tok, prompts, ref = tiny
+    fused = ModelRunner(model, 4, 64)
+    if not fused.fused:
+        pytest.skip(f"fused ops not usable here: {fused.fused_reason}")
+    monkeypatch.setattr(model_runner, "fused_ops_status", lambda *a: (False, "test"))
+    plain = ModelRunner(model, 4, 64)
+    assert not plain.fused
+    long = list(range(3, 3 + KERNEL_ATTENTION_MAX_Q + 5))  # > the kernel's chunk limit
+    steps = [  # (chunks) run in order on both runners: prefills, then a mixed step, decodes
+        [SeqChunk(prompts[1], 0, list(range(0, 5))), SeqChunk(prompts[0], 0, [5])],
+        [SeqChunk([9], 17, list(range(0, 5))), SeqChunk(long[:6], 3, [5, 6, 7])],
+        [SeqChunk([4], 18, list(range(0, 5))), SeqChunk([5], 9, [5, 6, 7])],
+        [SeqChunk(long, 0, list(range(20, 31)))],
+    ]
+    for chunks in steps:
+        torch.testing.assert_close(fused.forward(chunks), plain.forward(chunks),
+                                   rtol=1e-4, atol=1e-4)
+    eng = _engine(model, tok, 400, max_num_seqs=8, max_num_batched_tokens=64)
+    assert not eng.runner.fused
+    assert eng.generate(prompts, GREEDY) == ref
