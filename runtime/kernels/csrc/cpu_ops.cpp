@@ -32,16 +32,45 @@
 
 #include <immintrin.h>
 
-#include <cstdint>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kRows = 16;  // output rows per block (fp32 lanes of a zmm)
 constexpr int64_t kMaxTile = 8;  // activation rows that share one expanded weight chunk
+
+// Calls tile(block, m0, MT) for every block of 16 output rows and every tile of MT <= 8
+// activation rows (MT a compile-time constant: the accumulators stay in registers). Blocks are
+// split over torch's threads when there is enough work to pay for waking them: at least
+// kMinMacsPerThread multiply-adds each (one row of a 192 x 576 layer stays on one thread).
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
+
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t NB, int64_t K, const Tile& tile) {
+  const int64_t macs_per_block = std::max<int64_t>(1, kRows * K * M);
+  const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_block);
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        switch (std::min(kMaxTile, M - m0)) {
+          case 1: tile(b, m0, std::integral_constant<int, 1>{}); break;
+          case 2: tile(b, m0, std::integral_constant<int, 2>{}); break;
+          case 3: tile(b, m0, std::integral_constant<int, 3>{}); break;
+          case 4: tile(b, m0, std::integral_constant<int, 4>{}); break;
+          case 5: tile(b, m0, std::integral_constant<int, 5>{}); break;
+          case 6: tile(b, m0, std::integral_constant<int, 6>{}); break;
+          case 7: tile(b, m0, std::integral_constant<int, 7>{}); break;
+          default: tile(b, m0, std::integral_constant<int, 8>{}); break;
+        }
+      }
+    }
+  });
+}
 
 #define QP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 
@@ -121,12 +150,6 @@ QP_TARGET void block_tile(const uint16_t* x, int64_t K, const float* sumx, int64
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, total[m]);
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*,
-                        const uint16_t*, const float*, int64_t, float*, int64_t);
-
-constexpr TileFn kTiles[kMaxTile + 1] = {nullptr,        block_tile<1>, block_tile<2>,
-                                         block_tile<3>, block_tile<4>, block_tile<5>,
-                                         block_tile<6>, block_tile<7>, block_tile<8>};
 
 // x fp32 [n] -> bf16 bits [n], round to nearest even (vcvtneps2bf16)
 QP_TARGET void to_bf16(const float* x, uint16_t* out, int64_t n) {
@@ -208,16 +231,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t wblock = K / 4 * 32, sblock = G * kRows;
-  // grain 1: even the 12-block k/v projections of a 135M model split over the threads
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int64_t mt = std::min(kMaxTile, M - m0);
-        kTiles[mt](xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G, wp + b * wblock,
+  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    block_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G, wp + b * wblock,
                    scp + b * sblock, zfp ? zfp + b * sblock : nullptr, group_size,
                    yp + m0 * N + b * kRows, N);
-      }
-    }
   });
   return y;
 }
@@ -256,11 +273,6 @@ QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* ou
   }
 }
 
-using Fp16TileFn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_t);
-
-constexpr Fp16TileFn kFp16Tiles[kMaxTile + 1] = {nullptr,      fp16_tile<1>, fp16_tile<2>,
-                                                 fp16_tile<3>, fp16_tile<4>, fp16_tile<5>,
-                                                 fp16_tile<6>, fp16_tile<7>, fp16_tile<8>};
 
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
   TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
@@ -274,12 +286,8 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int64_t mt = std::min(kMaxTile, M - m0);
-        kFp16Tiles[mt](xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
-      }
+  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    fp16_tile<decltype(mt)::value>(xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
   });
   return y;
 }
@@ -317,11 +325,6 @@ QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float*
   }
 }
 
-using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*, int64_t);
-
-constexpr Bf16TileFn kBf16Tiles[kMaxTile + 1] = {nullptr,      bf16_tile<1>, bf16_tile<2>,
-                                                 bf16_tile<3>, bf16_tile<4>, bf16_tile<5>,
-                                                 bf16_tile<6>, bf16_tile<7>, bf16_tile<8>};
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
@@ -337,12 +340,8 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   at::Tensor y = at::empty({M, N}, x.options());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int64_t mt = std::min(kMaxTile, M - m0);
-        kBf16Tiles[mt](xb.data() + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
-      }
+  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    bf16_tile<decltype(mt)::value>(xb.data() + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
   });
   return y;
 }
