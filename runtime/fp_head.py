@@ -108,7 +108,7 @@ class HalfHead(nn.Module):
         self.out_features, self.in_features = weight_fp16.shape
         # our kernels take fp32 activations on an AVX-512 BF16 CPU (bf16_mm: an even K)
         self.kernel = (weight_fp16.device.type == "cpu" and out_dtype == torch.float32
-                       and self.in_features % 2 == 0 and cpu_ext.int4_kernel_status()[0])
+                       and self.in_features % 2 == 0 and cpu_ext.kernel_status()[0])
         limit = AUTO_FP16_ROWS_KERNEL if self.kernel else AUTO_FP16_ROWS_TORCH
         # fp16 for rows <= this, bf16 above
         self.fp16_rows = {"fp16": float("inf"), "bf16": 0, "auto": limit}[mode]

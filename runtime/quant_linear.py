@@ -70,7 +70,7 @@ class QuantLinear(nn.Module):
         if backend == "triton":
             self._w = repack_for_triton(packed, device)
         elif backend == "int4avx512":
-            usable, why = cpu_kernels.cpu_ext.int4_kernel_status()
+            usable, why = cpu_kernels.cpu_ext.kernel_status()
             if not usable:
                 raise ValueError(f"backend int4avx512 is not usable here: {why}")
             self._w = cpu_kernels.repack_qp4(packed)

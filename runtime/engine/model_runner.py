@@ -178,7 +178,7 @@ def fused_ops_status(model: torch.nn.Module, layers, final_norm, dtype: torch.dt
         if (not hasattr(norm, "variance_epsilon") or w is None or w.dtype != torch.float32
                 or w.dim() != 1):
             return False, f"{type(norm).__name__} is not an fp32 RMSNorm with variance_epsilon"
-    usable, why = cpu_ext.int4_kernel_status()
+    usable, why = cpu_ext.kernel_status()
     return usable, why
 
 

@@ -92,7 +92,7 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
         if gs % QP4_ROWS or out_f % QP4_ROWS:
             why = f"quantpipe's kernel needs out and group size % {QP4_ROWS} == 0"
         else:
-            usable, why = cpu_ext.int4_kernel_status()
+            usable, why = cpu_ext.kernel_status()
             if usable:
                 return "int4avx512", why
         if gs not in INT4PACK_GROUP_SIZES:

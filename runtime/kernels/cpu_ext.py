@@ -7,7 +7,7 @@ torch version, so an edited source or another torch builds afresh and a stale bu
 loaded. The build takes ~15 s; later processes load it in milliseconds.
 
 When the kernel cannot be used -- the CPU lacks AVX-512 BF16, there is no compiler, or
-``QUANTPIPE_CPU_KERNELS=torch`` is set -- :func:`int4_kernel_status` says why and the CPU path
+``QUANTPIPE_CPU_KERNELS=torch`` is set -- :func:`kernel_status` says why and the CPU path
 keeps torch's int4pack kernel (``kernels/cpu.py``); the reason is logged once and shown as the
 layer's dispatch reason.
 """
@@ -51,16 +51,16 @@ def library_name() -> str:
 
 
 @functools.cache
-def int4_kernel_status() -> tuple[bool, str]:
+def kernel_status() -> tuple[bool, str]:
     """(usable, reason). Builds and loads the library on the first call of the process."""
     if os.environ.get(ENV, "").strip().lower() == "torch":
         return False, f"{ENV}=torch"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False, f"the int4 kernel is x86-64 only (this is {platform.machine()})"
+        return False, f"quantpipe's CPU kernels are x86-64 only (this is {platform.machine()})"
     flags = _cpu_flags()
     if flags is not None and not set(CPU_FLAGS) <= flags:
         missing = ", ".join(sorted(set(CPU_FLAGS) - flags))
-        return False, f"the CPU lacks {missing} (the int4 kernel needs AVX-512 BF16)"
+        return False, f"the CPU lacks {missing} (quantpipe's CPU kernels need AVX-512 BF16)"
     from torch.utils import cpp_extension
 
     name = library_name()
@@ -72,10 +72,10 @@ def int4_kernel_status() -> tuple[bool, str]:
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, build error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("quantpipe's int4 CPU kernel could not be built (%s); using torch's "
-                    "int4pack kernel instead", first)
-        return False, f"building the int4 kernel failed: {first}"
-    log.info("quantpipe int4 CPU kernel %s ready in %.1f s", name, time.perf_counter() - start)
+        log.warning("quantpipe's CPU kernels could not be built (%s); using torch's kernels "
+                    "instead", first)
+        return False, f"building quantpipe's CPU kernels failed: {first}"
+    log.info("quantpipe CPU kernels %s ready in %.1f s", name, time.perf_counter() - start)
     if not torch.ops.quantpipe_cpu.int4_supported():
-        return False, "the CPU lacks AVX-512 BF16 (the int4 kernel needs it)"
-    return True, "quantpipe AVX-512 BF16 kernel"
+        return False, "the CPU lacks AVX-512 BF16 (quantpipe's CPU kernels need it)"
+    return True, "quantpipe AVX-512 BF16 kernels"

@@ -39,7 +39,7 @@ def test_pack_unpack_exact_round_trip(out_f, in_f):
 def test_kernel_builds_and_loads_on_this_cpu():
     """On an AVX-512 BF16 CPU with a compiler the kernel must be usable (a broken source fails
     here instead of silently falling back to int4pack)."""
-    usable, why = cpu_ext.int4_kernel_status()
+    usable, why = cpu_ext.kernel_status()
     assert usable, why
     assert torch.ops.quantpipe_cpu.int4_supported()
 
@@ -103,7 +103,7 @@ def test_dispatch_prefers_the_kernel_and_the_env_turns_it_off(monkeypatch):
     assert cpu_kernels.cpu_backend_for(random_packed(24, 256, QuantSpec(4, 64, True), 1))[0] \
         == "dequant"
     monkeypatch.setenv(cpu_ext.ENV, "torch")
-    cpu_ext.int4_kernel_status.cache_clear()
+    cpu_ext.kernel_status.cache_clear()
     try:
         backend, why = cpu_kernels.cpu_backend_for(p)
         assert backend == "int4pack" and cpu_ext.ENV in why
@@ -111,8 +111,8 @@ def test_dispatch_prefers_the_kernel_and_the_env_turns_it_off(monkeypatch):
             QuantLinear(p, "cpu", backend="int4avx512")
     finally:
         monkeypatch.delenv(cpu_ext.ENV)
-        cpu_ext.int4_kernel_status.cache_clear()
-    assert cpu_ext.int4_kernel_status()[0]
+        cpu_ext.kernel_status.cache_clear()
+    assert cpu_ext.kernel_status()[0]
 
 
 def test_unusable_build_falls_back_to_int4pack(monkeypatch):
@@ -123,14 +123,14 @@ def test_unusable_build_falls_back_to_int4pack(monkeypatch):
     monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: set(cpu_ext.CPU_FLAGS))
     monkeypatch.setattr(cpu_ext.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr("torch.utils.cpp_extension.load", fail)
-    cpu_ext.int4_kernel_status.cache_clear()
+    cpu_ext.kernel_status.cache_clear()
     try:
-        usable, why = cpu_ext.int4_kernel_status()
+        usable, why = cpu_ext.kernel_status()
         assert not usable and "Error building extension" in why and "more lines" not in why
         p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
         assert cpu_kernels.cpu_backend_for(p) == ("int4pack", f"torch int4pack ({why})")
     finally:
-        cpu_ext.int4_kernel_status.cache_clear()
+        cpu_ext.kernel_status.cache_clear()
 
 
 # --- the other ops of csrc/cpu_ops.cpp ------------------------------------------------------

@@ -22,7 +22,7 @@ def _fp16_model(tie: bool = True):
     return model, tok
 
 
-KERNEL = cpu_ext.int4_kernel_status()[0]
+KERNEL = cpu_ext.kernel_status()[0]
 
 
 def _unblock(w: torch.Tensor, n: int) -> torch.Tensor:
@@ -36,7 +36,7 @@ def test_half_head_matches_float64_reference_of_its_weights(mode, kernel, monkey
     if kernel and not KERNEL:
         pytest.skip("quantpipe's CPU kernels are not usable here")
     if not kernel:
-        monkeypatch.setattr(fp_head.cpu_ext, "int4_kernel_status", lambda: (False, "test"))
+        monkeypatch.setattr(fp_head.cpu_ext, "kernel_status", lambda: (False, "test"))
     g = torch.Generator().manual_seed(0)
     w16 = (torch.randn(90, 40, generator=g) * 0.1).half()  # [out, in]; 90: padded to 96
     head = HalfHead(w16, None, mode, torch.float32)

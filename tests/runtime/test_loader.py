@@ -29,7 +29,7 @@ def test_loaded_model_matches_dequantized_reference(qdirs):
     ref = load_dequantized_model(qdirs, dtype=torch.float32)
     model = load_quantized_model(qdirs, device="cpu")
     backends = {m.backend for m in model.modules() if isinstance(m, QuantLinear)}
-    int4 = "int4avx512" if cpu_ext.int4_kernel_status()[0] else "int4pack"
+    int4 = "int4avx512" if cpu_ext.kernel_status()[0] else "int4pack"
     assert backends == {int4, "int8pack", "dequant"}
     assert not any(isinstance(m, torch.nn.Linear) and n != "lm_head"
                    for n, m in model.named_modules())
@@ -99,7 +99,7 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
     model, tok = load_model_for_serving(tmp_path / "q", "cpu", head_dtype="fp16")
-    int4 = "int4avx512" if cpu_ext.int4_kernel_status()[0] else "int4pack"
+    int4 = "int4avx512" if cpu_ext.kernel_status()[0] else "int4pack"
     assert set(model.quantpipe_backends) == {int4}
     bs = 16
     runner = ModelRunner(model, bs, 64)  # 1,024 KV slots: one sequence at a time

@@ -34,7 +34,7 @@ def test_quant_linear_cpu_all_layouts(spec, m):
     want = x.double() @ w64.T + p.bias.double()
     got = ql(x)
     assert got.shape == (2, m, OUT) and got.dtype == torch.float32
-    int4 = "int4avx512" if cpu_ext.int4_kernel_status()[0] else "int4pack"
+    int4 = "int4avx512" if cpu_ext.kernel_status()[0] else "int4pack"
     expected = {4: int4, 8: "int8pack"}[spec.bits]
     # per-channel int4 at in=256 is one group of 256: a size int4pack takes
     fast = (spec.bits == 4 and spec.group_size_for(IN) in (32, 64, 128, 256)) or (

@@ -14,7 +14,7 @@
 // step costs twice a 4-row one. This kernel expands each 32-byte chunk of packed weights once,
 // with two table lookups, and feeds it to `vdpbf16ps` for every activation row of the tile.
 //
-// Layout (built by runtime/kernels/cpu.py:repack_qp4, checked there by an exact round trip):
+// Layout (built by runtime/kernels/cpu.py:repack_qp4; unpack_qp4 inverts it, tested exactly):
 //   packed  uint8 [N/16, K/4, 32]: block b holds output rows 16b..16b+15; chunk c holds
 //           k = 4c..4c+3; byte j = 2r + e holds q[16b + r][4c + e] in its low nibble and
 //           q[16b + r][4c + 2 + e] in its high nibble (r in 0..15, e in 0..1).
@@ -159,7 +159,8 @@ QP_TARGET void to_bf16(const float* x, uint16_t* out, int64_t n) {
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
   if (i < n) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m256i v = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i)));
+    const __m256i v =
+        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, x + i)));
     _mm256_mask_storeu_epi16(out + i, tail, v);
   }
 }
@@ -169,8 +170,10 @@ QP_TARGET void group_sums(const uint16_t* x, int64_t n_groups, int64_t group_siz
   for (int64_t i = 0; i < n_groups; ++i) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < group_size; k += 16) {  // bf16 -> fp32 is a 16-bit left shift
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * group_size + k));
-      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      const __m256i h =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * group_size + k));
+      acc = _mm512_add_ps(
+          acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
     }
     sumx[i] = _mm512_reduce_add_ps(acc);
   }
@@ -232,11 +235,22 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   float* yp = y.data_ptr<float>();
   const int64_t wblock = K / 4 * 32, sblock = G * kRows;
   for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    block_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G, wp + b * wblock,
-                   scp + b * sblock, zfp ? zfp + b * sblock : nullptr, group_size,
-                   yp + m0 * N + b * kRows, N);
+    block_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G,
+                                    wp + b * wblock, scp + b * sblock,
+                                    zfp ? zfp + b * sblock : nullptr, group_size,
+                                    yp + m0 * N + b * kRows, N);
   });
   return y;
+}
+
+// out[m * ldo + 0..15] = the sum of row m's P accumulators (16 output rows each)
+template <int MT, int P>
+QP_TARGET void store_row_sums(const __m512 (&acc)[MT][P], float* out, int64_t ldo) {
+  for (int m = 0; m < MT; ++m) {
+    __m512 sum = acc[m][0];
+    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
+    _mm512_storeu_ps(out + m * ldo, sum);
+  }
 }
 
 // --- fp16_mm: the output head ---------------------------------------------------------------
@@ -266,13 +280,8 @@ QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* ou
     for (int m = 0; m < MT; ++m)
       acc[m][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k]), acc[m][0]);
   }
-  for (int m = 0; m < MT; ++m) {
-    __m512 sum = acc[m][0];
-    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
-    _mm512_storeu_ps(out + m * ldo, sum);
-  }
+  store_row_sums<MT, P>(acc, out, ldo);
 }
-
 
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
   TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
@@ -287,7 +296,8 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    fp16_tile<decltype(mt)::value>(xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
+    fp16_tile<decltype(mt)::value>(xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows,
+                                   N);
   });
   return y;
 }
@@ -318,13 +328,8 @@ QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float*
     for (int m = 0; m < MT; ++m)
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, as_bh(bcast_pair(x + m * K + 2 * j)));
   }
-  for (int m = 0; m < MT; ++m) {
-    __m512 sum = acc[m][0];
-    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
-    _mm512_storeu_ps(out + m * ldo, sum);
-  }
+  store_row_sums<MT, P>(acc, out, ldo);
 }
-
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
@@ -341,7 +346,8 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    bf16_tile<decltype(mt)::value>(xb.data() + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
+    bf16_tile<decltype(mt)::value>(xb.data() + m0 * K, K, wp + b * K * kRows,
+                                   yp + m0 * N + b * kRows, N);
   });
   return y;
 }
