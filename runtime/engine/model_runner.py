@@ -166,9 +166,9 @@ def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask.unsqueeze(2).expand(B, 1, groups, q_max, ctx).reshape(B, 1, groups * q_max, ctx)
 
 
-def fused_ops_status(model: torch.nn.Module, layers, final_norm, dtype: torch.dtype,
+def fused_ops_status(layers, final_norm, dtype: torch.dtype,
                      device: torch.device) -> tuple[bool, str]:
-    """(use quantpipe's fused CPU norm / RoPE ops, reason)."""
+    """(use quantpipe's fused CPU norm / RoPE / paged-attention ops, reason)."""
     if device.type != "cpu" or dtype != torch.float32:
         return False, "fused ops are for fp32 activations on CPU"
     norms = [final_norm] + [n for layer in layers
@@ -208,7 +208,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim,
                                    self.dtype, block_size)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.fused, self.fused_reason = fused_ops_status(model, self.layers, self.final_norm,
+        self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
                                                          self.dtype, self.device)
         self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                         for _ in self.layers]
