@@ -7,6 +7,7 @@ tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of produ
 ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked the same way at the end.
 """
 
+import os
 import zlib
 
 import pytest
@@ -20,7 +21,26 @@ from runtime.quant_linear import QuantLinear
 from tests.runtime._quant_helpers import random_packed
 
 CAPABLE = cpu_ext._cpu_flags() is not None and set(cpu_ext.CPU_FLAGS) <= cpu_ext._cpu_flags()
-needs_kernel = pytest.mark.skipif(not CAPABLE, reason="the CPU lacks AVX-512 BF16")
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Build and load the ops even when QUANTPIPE_CPU_KERNELS=torch runs the rest of the suite
+    on torch's kernels (the ops stay registered; the status is recomputed afterwards)."""
+    saved = os.environ.pop(cpu_ext.ENV, None)
+    cpu_ext.kernel_status.cache_clear()
+    try:
+        yield cpu_ext.kernel_status()
+    finally:
+        if saved is not None:
+            os.environ[cpu_ext.ENV] = saved
+        cpu_ext.kernel_status.cache_clear()
+
+
+def needs_kernel(test):
+    """Skip on CPUs without AVX-512 BF16; elsewhere run with the ops built and loaded."""
+    test = pytest.mark.usefixtures("built")(test)
+    return pytest.mark.skipif(not CAPABLE, reason="the CPU lacks AVX-512 BF16")(test)
 
 
 @pytest.mark.parametrize("out_f,in_f", [(16, 16), (48, 64), (96, 256), (64, 1536)])
@@ -36,10 +56,10 @@ def test_pack_unpack_exact_round_trip(out_f, in_f):
 
 
 @needs_kernel
-def test_kernel_builds_and_loads_on_this_cpu():
+def test_kernel_builds_and_loads_on_this_cpu(built):
     """On an AVX-512 BF16 CPU with a compiler the kernel must be usable (a broken source fails
     here instead of silently falling back to int4pack)."""
-    usable, why = cpu_ext.kernel_status()
+    usable, why = built
     assert usable, why
     assert torch.ops.quantpipe_cpu.int4_supported()
 
@@ -98,21 +118,22 @@ def test_kernel_rejects_bad_shapes_with_a_message():
 @needs_kernel
 def test_dispatch_prefers_the_kernel_and_the_env_turns_it_off(monkeypatch):
     p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
-    assert cpu_kernels.cpu_backend_for(p)[0] == "int4avx512"
-    # out % 16 != 0 (and group sizes int4pack takes) keep int4pack / dequant
-    assert cpu_kernels.cpu_backend_for(random_packed(24, 256, QuantSpec(4, 64, True), 1))[0] \
-        == "dequant"
-    monkeypatch.setenv(cpu_ext.ENV, "torch")
-    cpu_ext.kernel_status.cache_clear()
     try:
+        monkeypatch.delenv(cpu_ext.ENV, raising=False)
+        cpu_ext.kernel_status.cache_clear()
+        assert cpu_kernels.cpu_backend_for(p)[0] == "int4avx512"
+        # out % 16 != 0 (and group sizes int4pack takes) keep int4pack / dequant
+        assert cpu_kernels.cpu_backend_for(
+            random_packed(24, 256, QuantSpec(4, 64, True), 1))[0] == "dequant"
+        monkeypatch.setenv(cpu_ext.ENV, "torch")
+        cpu_ext.kernel_status.cache_clear()
         backend, why = cpu_kernels.cpu_backend_for(p)
         assert backend == "int4pack" and cpu_ext.ENV in why
         with pytest.raises(ValueError, match="not usable here"):
             QuantLinear(p, "cpu", backend="int4avx512")
     finally:
-        monkeypatch.delenv(cpu_ext.ENV)
+        monkeypatch.undo()  # the environment as the suite runs it, then a fresh status
         cpu_ext.kernel_status.cache_clear()
-    assert cpu_ext.kernel_status()[0]
 
 
 def test_unusable_build_falls_back_to_int4pack(monkeypatch):
@@ -120,6 +141,7 @@ def test_unusable_build_falls_back_to_int4pack(monkeypatch):
     def fail(**kwargs):
         raise RuntimeError("Error building extension 'quantpipe_cpu_x'\nmore lines")
 
+    monkeypatch.delenv(cpu_ext.ENV, raising=False)
     monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: set(cpu_ext.CPU_FLAGS))
     monkeypatch.setattr(cpu_ext.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr("torch.utils.cpp_extension.load", fail)
@@ -130,6 +152,7 @@ def test_unusable_build_falls_back_to_int4pack(monkeypatch):
         p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
         assert cpu_kernels.cpu_backend_for(p) == ("int4pack", f"torch int4pack ({why})")
     finally:
+        monkeypatch.undo()
         cpu_ext.kernel_status.cache_clear()
 
 
