@@ -8,6 +8,7 @@ Backend per layer, chosen once at construction from the device and the layer's l
 | cuda   | ``triton``   | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot / dequant+mm) |
 | cpu    | ``int4avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; AVX-512 BF16, built on first use) |
 | cpu    | ``int4pack`` | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16 activations) |
+| cpu    | ``int8avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; exact int8, fp32 activations) |
 | cpu    | ``int8pack`` | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
 | any    | ``dequant``  | dequantize in fp32 + matmul per call (layouts the above reject) |
 
@@ -27,7 +28,7 @@ from runtime.kernels.layout import PackedLinear, repack_for_triton
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "int4avx512", "int4pack", "int8pack", "dequant")
+BACKENDS = ("triton", "int4avx512", "int4pack", "int8avx512", "int8pack", "dequant")
 
 
 def _triton_available() -> bool:
@@ -69,11 +70,12 @@ class QuantLinear(nn.Module):
         self.reason = reason
         if backend == "triton":
             self._w = repack_for_triton(packed, device)
-        elif backend == "int4avx512":
+        elif backend in ("int4avx512", "int8avx512"):
             usable, why = cpu_kernels.cpu_ext.kernel_status()
             if not usable:
-                raise ValueError(f"backend int4avx512 is not usable here: {why}")
-            self._w = cpu_kernels.repack_qp4(packed)
+                raise ValueError(f"backend {backend} is not usable here: {why}")
+            repack = cpu_kernels.repack_qp4 if backend == "int4avx512" else cpu_kernels.repack_q8
+            self._w = repack(packed)
         elif backend == "int4pack":
             self._w = cpu_kernels.repack_int4(packed)
         elif backend == "int8pack":
@@ -125,6 +127,7 @@ MATMULS = {
     "triton": _triton_matmul,
     "int4avx512": cpu_kernels.qp4_matmul,
     "int4pack": cpu_kernels.int4_matmul,
+    "int8avx512": cpu_kernels.q8_matmul,
     "int8pack": cpu_kernels.int8_matmul,
     "dequant": cpu_kernels.dequant_matmul,
 }

@@ -17,7 +17,10 @@ Every layout is repacked once at load time. Which backend a layer gets
 |                | For ``M >= PREFILL_ROWS`` (prefill) the layer is dequantized once per    |
 |                | call into a bf16 temporary and multiplied densely (1.3-1.9x faster than  |
 |                | int4pack at 512-1024 rows); the temporary is freed when the call returns |
-| ``int8pack``   | bits 8, sym, one group per row (per-channel)                             |
+| ``int8avx512`` | bits 8, group size a multiple of 16 dividing ``in`` (or per channel),     |
+|                | ``out % 16 == 0``, the kernels usable; sym or asym, act-order as above.  |
+|                | Exact int8 weights x fp32 activations (``int8_mm``)                      |
+| ``int8pack``   | bits 8 when the above is not usable: sym, one group per row (per channel) |
 | ``dequant``    | everything else: dequantize (fp32) and matmul on every call              |
 
 Numerics of the fast paths (all run with **bf16** activations: the only dtype with a fast
@@ -35,8 +38,13 @@ kernel on these CPUs; fp32 inputs are 15-40x slower there):
 - int8pack computes ``x @ (q8 * scale).T`` with ``q8 = q - 128`` as int8 (exact) and bf16
   per-row scales.
 
-Repacked layouts: int4avx512 is ``packed`` uint8 ``[out / 16, in / 4, 32]`` (16 output rows x
-4 columns per 32-byte chunk, layout in ``csrc/cpu_ops.cpp``; :func:`unpack_qp4` inverts it),
+int8avx512 computes ``sum_k x_k * (q - 128)`` per group with exact int8 -> fp32 weights and
+fp32 activations, then ``* scale + zf * sum_k x_k``, ``zf = (128 - z) * scale``: fp32 sums only.
+
+Repacked layouts: int8avx512 is ``q8`` int8 ``[out / 16, in, 16]`` (q - 128, 16 output rows
+side by side), scales / zf as for int4avx512. int4avx512 is ``packed`` uint8
+``[out / 16, in / 4, 32]`` (16 output rows x 4 columns per 32-byte chunk, layout in
+``csrc/cpu_ops.cpp``; :func:`unpack_qp4` inverts it),
 ``scales`` fp16 ``[out / 16, G, 16]``, ``zf`` fp32 ``[out / 16, G, 16]`` (None when every
 ``z == 8``, sym). int4pack takes unsigned q as int32 [out, in] and returns its own uint8 blob
 ``[out, in / 2]`` (``_convert_weight_to_int4pack_for_cpu(q, inner_k_tiles=2)``), plus
@@ -86,9 +94,11 @@ def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
 def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
     """(backend, reason) for one layer on CPU."""
     bits, gs, in_f, out_f = p.spec.bits, p.group_size, p.in_features, p.out_features
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} has no CPU kernel; use 4 or 8")
+    if p.g_idx is not None and act_order_permutation(p) is None:
+        return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
     if bits == 4:
-        if p.g_idx is not None and act_order_permutation(p) is None:
-            return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
         if gs % QP4_ROWS or out_f % QP4_ROWS:
             why = f"quantpipe's kernel needs out and group size % {QP4_ROWS} == 0"
         else:
@@ -100,13 +110,17 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
         if out_f % 16 or in_f % (16 * INNER_K_TILES):
             return "dequant", f"int4pack needs out % 16 == 0 and in % 32 == 0 ({out_f}x{in_f})"
         return "int4pack", f"torch int4pack ({why})"
-    if bits == 8:
-        if p.qzeros is not None:
-            return "dequant", "int8pack is symmetric only"
-        if gs != in_f:
-            return "dequant", "int8pack is per-channel only"
-        return "int8pack", "int8 per-channel sym"
-    raise ValueError(f"bits={bits} has no CPU kernel; use 4 or 8")
+    if gs % QP4_ROWS or out_f % QP4_ROWS:
+        why = f"quantpipe's kernel needs out and group size % {QP4_ROWS} == 0"
+    else:
+        usable, why = cpu_ext.kernel_status()
+        if usable:
+            return "int8avx512", why
+    if p.qzeros is not None:
+        return "dequant", f"int8pack is symmetric only ({why})"
+    if gs != in_f:
+        return "dequant", f"int8pack is per-channel only ({why})"
+    return "int8pack", f"int8 per-channel sym ({why})"
 
 
 @dataclass(frozen=True)
@@ -234,6 +248,43 @@ def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group_size,
                                                        w.scales_and_zeros)  # [M, out]
     return y.to(x2d.dtype)
+
+
+@dataclass(frozen=True)
+class CpuQ8:
+    """The int8avx512 layout: w = (q - 128) * scale + zf (module docstring)."""
+
+    q8: torch.Tensor  # int8 [out / 16, in, 16] = q - 128
+    scales: torch.Tensor  # fp16 [out / 16, G, 16]
+    zf: torch.Tensor | None  # fp32 [out / 16, G, 16] = (128 - z) * scale; None when all z == 128
+    perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
+    group_size: int
+
+
+def repack_q8(p: PackedLinear) -> CpuQ8:
+    q = p.unpacked_q()  # uint8 [out, in]
+    perm = None
+    if p.g_idx is not None:
+        perm = act_order_permutation(p)
+        q = q[:, perm]  # [out, in] columns now in sequential groups
+    q8 = (q.to(torch.int16) - 128).to(torch.int8)  # [out, in], exact
+    q8 = q8.view(-1, QP4_ROWS, p.in_features).transpose(1, 2).contiguous()  # [out/16, in, 16]
+    zeros = p.zeros_u8()  # [out, G]
+    zf = None
+    if not bool((zeros == 128).all()):
+        # (128 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 128)
+        zf = _blocked((128.0 - zeros.float()) * p.scales.float())
+    return CpuQ8(q8, _blocked(p.scales), zf, perm, p.group_size)
+
+
+def q8_matmul(x2d: torch.Tensor, w: CpuQ8) -> torch.Tensor:
+    """x2d [M, in] float -> [M, out] in x's dtype (fp32 activations, exact int8 weights)."""
+    x = x2d if x2d.dtype == torch.float32 else x2d.float()
+    if w.perm is not None:
+        x = x[:, w.perm]  # [M, in] columns in the repacked order
+    y = torch.ops.quantpipe_cpu.int8_mm.default(x.contiguous(), w.q8, w.scales, w.zf,
+                                                w.group_size)  # [M, out] fp32
+    return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,26 @@ def test_kernel_matches_float64_reference_every_tile(spec):
 
 
 @needs_kernel
+@pytest.mark.parametrize("spec", [QuantSpec(8, gs, sym, act) for gs in (16, 64, -1)
+                                  for sym in (True, False) for act in (False, True)
+                                  if not (act and gs == -1)], ids=lambda s: s.label())
+def test_int8_kernel_matches_float64_reference_every_tile(spec):
+    """int8_mm: exact int8 weights, fp32 activations: only fp32 accumulation differs."""
+    out_f, in_f = 48, 128
+    p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
+    w = cpu_kernels.repack_q8(p)
+    assert (w.zf is None) == spec.sym and w.q8.shape == (3, in_f, 16)
+    w64 = dequantize_reference(p)
+    gen = torch.Generator().manual_seed(8)
+    for m in range(1, 18):
+        x = torch.randn(m, in_f, generator=gen) * 3
+        got = cpu_kernels.q8_matmul(x, w)
+        want = x.double() @ w64.T
+        bound = 1e-5 * (x.double().abs() @ w64.abs().T) + 1e-30
+        assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
+
+
+@needs_kernel
 def test_kernel_takes_bf16_input_and_empty_batches():
     p = random_packed(32, 128, QuantSpec(4, 32, False), seed=11)
     w = cpu_kernels.repack_qp4(p)

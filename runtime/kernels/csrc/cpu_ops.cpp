@@ -1,6 +1,7 @@
 // quantpipe's CPU kernels for AVX-512 BF16 machines (built by runtime/kernels/cpu_ext.py).
 //
-//   int4_mm        W4A16 GEMM/GEMV, bf16 activations (the quantized linears)
+//   int4_mm        W4A16 GEMM/GEMV, bf16 activations (the quantized 4-bit linears)
+//   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
 //   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills)
@@ -185,24 +186,29 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
-void check_weights(const at::Tensor& packed, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
-  TORCH_CHECK(cpu_supported(), "quantpipe int4 kernel needs AVX-512 BF16 (avx512_bf16)");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == 32,
-              "packed must be contiguous uint8 [N/16, K/4, 32]");
-  const int64_t K = packed.size(1) * 4;
+// scales fp16 [NB, G, 16] and zf fp32 like it, for K columns in groups of group_size
+void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& zf, int64_t NB,
+                  int64_t K, int64_t group_size) {
+  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0,
               "group_size must be a positive multiple of 16 dividing K = ", K);
   const int64_t G = K / group_size;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({packed.size(0), G, kRows}),
+                  scales.sizes() == at::IntArrayRef({NB, G, kRows}),
               "scales must be contiguous fp16 [N/16, G, 16]");
   if (zf.has_value()) {
     TORCH_CHECK(zf->scalar_type() == at::kFloat && zf->is_contiguous() &&
                     zf->sizes() == scales.sizes(),
                 "zf must be contiguous fp32 [N/16, G, 16]");
   }
+}
+
+void check_weights(const at::Tensor& packed, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == 32,
+              "packed must be contiguous uint8 [N/16, K/4, 32]");
+  check_scales(scales, zf, packed.size(0), packed.size(1) * 4, group_size);
 }
 
 // y fp32 [M, N] = x [M, K] (fp32 or bf16; used as bf16) @ W^T, W from the packed layout.
@@ -251,6 +257,90 @@ QP_TARGET void store_row_sums(const __m512 (&acc)[MT][P], float* out, int64_t ld
     for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
     _mm512_storeu_ps(out + m * ldo, sum);
   }
+}
+
+// --- int8_mm: W8A16 ----------------------------------------------------------------------------
+// Weights q8 int8 [N/16, K, 16] = q - 128 (16 output rows side by side per k), scales fp16 and
+// zf fp32 [N/16, G, 16] as for int4_mm: w = (q - 128) * scale + zf, zf = (128 - z) * scale.
+// int8 -> fp32 is exact and the activations stay fp32 (fp32 FMAs): exact products, fp32 sums.
+
+// sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
+QP_TARGET void group_sums_f32(const float* x, int64_t n_groups, int64_t group_size,
+                              float* sumx) {
+  for (int64_t i = 0; i < n_groups; ++i) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < group_size; k += 16)
+      acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + i * group_size + k));
+    sumx[i] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+template <int MT>
+QP_TARGET void int8_tile(const float* x, int64_t K, const float* sumx, int64_t G,
+                         const int8_t* w, const uint16_t* sc, const float* zf,
+                         int64_t group_size, float* out, int64_t ldo) {
+  constexpr int P = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);  // FMA chains in flight per row
+  __m512 total[MT][1];
+  for (int m = 0; m < MT; ++m) total[m][0] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MT][P];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += P) {  // group_size % P == 0
+      for (int p = 0; p < P; ++p) {
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + p) * kRows))));
+        for (int m = 0; m < MT; ++m)
+          acc[m][p] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k + p]), acc[m][p]);
+      }
+    }
+    const __m512 s =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kRows)));
+    for (int m = 0; m < MT; ++m) {
+      __m512 sum = acc[m][0];
+      for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
+      total[m][0] = _mm512_fmadd_ps(sum, s, total[m][0]);
+    }
+    if (zf != nullptr) {
+      const __m512 z = _mm512_loadu_ps(zf + g * kRows);
+      for (int m = 0; m < MT; ++m)
+        total[m][0] = _mm512_fmadd_ps(z, _mm512_set1_ps(sumx[m * G + g]), total[m][0]);
+    }
+  }
+  store_row_sums<MT, 1>(total, out, ldo);
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
+  TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
+                  q8.size(2) == kRows,
+              "q8 must be contiguous int8 [N/16, K, 16]");
+  check_scales(scales, zf, q8.size(0), q8.size(1), group_size);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) == q8.size(1),
+              "x must be contiguous fp32 [M, K] with K = ", q8.size(1));
+  const int64_t M = x.size(0), K = x.size(1), NB = q8.size(0), N = NB * kRows;
+  const int64_t G = K / group_size;
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> sumx;  // fp32 [M, G], for zero points
+  const float* zfp = nullptr;
+  if (zf.has_value()) {
+    zfp = zf->data_ptr<float>();
+    sumx.resize(M * G);
+    group_sums_f32(xp, M * G, group_size, sumx.data());
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* wp = q8.data_ptr<int8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t sblock = G * kRows;
+  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    int8_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G,
+                                   wp + b * K * kRows, scp + b * sblock,
+                                   zfp ? zfp + b * sblock : nullptr, group_size,
+                                   yp + m0 * N + b * kRows, N);
+  });
+  return y;
 }
 
 // --- fp16_mm: the output head ---------------------------------------------------------------
@@ -578,6 +668,7 @@ bool int4_supported() { return cpu_supported(); }
 
 TORCH_LIBRARY(quantpipe_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
   m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
@@ -589,6 +680,7 @@ TORCH_LIBRARY(quantpipe_cpu, m) {
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
   m.impl("fp16_mm", &fp16_mm);
   m.impl("bf16_mm", &bf16_mm);
   m.impl("paged_attention", &paged_attention);
