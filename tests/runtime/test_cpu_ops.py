@@ -3,8 +3,9 @@
 The int4 kernel rounds the activations to bf16 and accumulates in fp32; everything else is exact
 (q - 8 in bf16, fp16 scales, zf = (8 - z) * s in fp32). So the reference is the float64
 product of the *bf16-rounded* activations with the float64 dequantized weight, and the only
-tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of products. The other
-ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked the same way at the end.
+tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of products. The int8
+kernel keeps fp32 activations (no rounding at all); the other ops (head matmuls, add +
+RMSNorm, RoPE, paged attention) are checked the same way at the end.
 """
 
 import os
