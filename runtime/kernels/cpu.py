@@ -98,24 +98,19 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
         raise ValueError(f"bits={bits} has no CPU kernel; use 4 or 8")
     if p.g_idx is not None and act_order_permutation(p) is None:
         return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
+    # quantpipe's kernels first (same conditions for both widths), then torch's
+    if gs % QP4_ROWS or out_f % QP4_ROWS:
+        why = f"quantpipe's kernels need out and group size % {QP4_ROWS} == 0"
+    else:
+        usable, why = cpu_ext.kernel_status()
+        if usable:
+            return f"int{bits}avx512", why
     if bits == 4:
-        if gs % QP4_ROWS or out_f % QP4_ROWS:
-            why = f"quantpipe's kernel needs out and group size % {QP4_ROWS} == 0"
-        else:
-            usable, why = cpu_ext.kernel_status()
-            if usable:
-                return "int4avx512", why
         if gs not in INT4PACK_GROUP_SIZES:
             return "dequant", f"int4pack takes group sizes {INT4PACK_GROUP_SIZES}, not {gs}"
         if out_f % 16 or in_f % (16 * INNER_K_TILES):
             return "dequant", f"int4pack needs out % 16 == 0 and in % 32 == 0 ({out_f}x{in_f})"
         return "int4pack", f"torch int4pack ({why})"
-    if gs % QP4_ROWS or out_f % QP4_ROWS:
-        why = f"quantpipe's kernel needs out and group size % {QP4_ROWS} == 0"
-    else:
-        usable, why = cpu_ext.kernel_status()
-        if usable:
-            return "int8avx512", why
     if p.qzeros is not None:
         return "dequant", f"int8pack is symmetric only ({why})"
     if gs != in_f:
