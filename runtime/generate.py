@@ -105,13 +105,11 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
     prefix caching is off so a repeated prompt is timed as a fresh one.
     """
     from runtime.engine import EngineConfig, LLMEngine, SamplingParams
-    from runtime.engine.model_runner import ModelRunner
 
-    block_bytes = ModelRunner(model, block_size, 1).kv_spec.bytes_per_block  # a 1-block probe
     blocks = -(-(len(ids) + max_new_tokens) // block_size) + 1
     engine = LLMEngine(model, tokenizer, EngineConfig(
         block_size=block_size, max_num_seqs=1, max_num_batched_tokens=max(2048, block_size),
-        kv_cache_memory=blocks * block_bytes, enable_prefix_caching=False))
+        num_kv_blocks=blocks, enable_prefix_caching=False))
     engine.add_request(list(ids), SamplingParams(max_tokens=max_new_tokens,
                                                  ignore_eos=not stop_at_eos))
     dev = engine.runner.device

@@ -35,6 +35,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # running sequences per step
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     kv_cache_memory: int | None = None  # KV pool bytes; None -> kv_memory_fraction of free
+    num_kv_blocks: int | None = None  # KV pool size in blocks, instead of kv_cache_memory
     kv_memory_fraction: float = 0.5  # of free device (or system) memory, when bytes not given
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests
     max_model_len: int | None = None  # prompt + output limit; None -> the model's own limit
@@ -43,6 +44,9 @@ class EngineConfig:
         SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and (self.num_kv_blocks < 1 or self.kv_cache_memory):
+            raise ValueError(f"num_kv_blocks must be >= 1 and replaces kv_cache_memory; got "
+                             f"{self.num_kv_blocks} blocks and {self.kv_cache_memory} bytes")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got "
                              f"{self.kv_memory_fraction}")
@@ -106,14 +110,15 @@ class LLMEngine:
         if window and getattr(mcfg, "use_sliding_window", mcfg.model_type == "mistral"):
             limit = min(limit, window)  # no sliding-window attention here: stay inside one window
         self.max_model_len = min(config.max_model_len or limit, limit)
-        # Probe the runner's KV layout with a 1-block pool to size the real pool.
-        probe = ModelRunner(model, config.block_size, 1)
-        kv_bytes = config.kv_cache_memory or int(
-            free_memory_bytes(probe.device) * config.kv_memory_fraction)
-        num_blocks = probe.kv_spec.num_blocks_for(kv_bytes)
-        block_bytes = probe.kv_spec.bytes_per_block
-        del probe
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:  # probe the KV layout with a 1-block pool to size it in bytes
+            probe = ModelRunner(model, config.block_size, 1)
+            kv_bytes = config.kv_cache_memory or int(
+                free_memory_bytes(probe.device) * config.kv_memory_fraction)
+            num_blocks = probe.kv_spec.num_blocks_for(kv_bytes)
+            del probe
         self.runner = ModelRunner(model, config.block_size, num_blocks)
+        block_bytes = self.runner.kv_spec.bytes_per_block
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, config.block_size),

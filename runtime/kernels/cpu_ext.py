@@ -1,10 +1,11 @@
 """quantpipe's own C++ CPU kernels (``csrc/cpu_ops.cpp``): built on first use, once per machine.
 
 torch compiles the source with the machine's C++ compiler and ninja
-(``torch.utils.cpp_extension.load``) into its extensions cache (``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``); the library name carries a hash of the source and the
-torch version, so an edited source or another torch builds afresh and a stale build is never
-loaded. The build takes ~15 s; later processes load it in milliseconds.
+(``torch.utils.cpp_extension.load``) into ``<root>/quantpipe/<name>``, root being
+``$TORCH_EXTENSIONS_DIR`` or torch's default (``~/.cache/torch_extensions``); the library name
+carries a hash of the source, the torch version and the build flags, so an edited source or
+another torch builds afresh and a stale build is never loaded. The build takes ~15 s (logged as
+a warning, so the pause of a first run is explained); later processes load it in milliseconds.
 
 When the kernel cannot be used -- the CPU lacks AVX-512 BF16, there is no compiler, or
 ``QUANTPIPE_CPU_KERNELS=torch`` is set -- :func:`kernel_status` says why and the CPU path
@@ -64,12 +65,19 @@ def kernel_status() -> tuple[bool, str]:
     from torch.utils import cpp_extension
 
     name = library_name()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = Path(root) / "quantpipe" / name
+    if not (build_dir / f"{name}.so").is_file():
+        log.warning("compiling quantpipe's CPU kernels for this machine (once, ~15 s) in %s",
+                    build_dir)
     start = time.perf_counter()
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
         # -fopenmp: at::parallel_for is inline OpenMP code; without it the kernels run on one
         # thread. The OpenMP runtime is the one torch already loaded (same libgomp.so.1).
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler / ninja, build error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("quantpipe's CPU kernels could not be built (%s); using torch's kernels "

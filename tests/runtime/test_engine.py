@@ -153,6 +153,12 @@ def test_validation_errors():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        EngineConfig(num_kv_blocks=4, kv_cache_memory=2**20)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        EngineConfig(num_kv_blocks=0)
+    sized = LLMEngine(model, tok, EngineConfig(block_size=4, num_kv_blocks=7))
+    assert sized.pool.num_blocks == 7 and sized.runner.k_pools[0].shape[0] == 7
 
 
 def test_block_pool_lru_eviction():
