@@ -509,6 +509,92 @@ QP_TARGET float softmax_numerators(float* p, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// r[i] = the sum of the 16 lanes of v[i], i < 16: a transpose-and-add tree (45 ops for 16
+// sums instead of 16 separate horizontal reductions)
+QP_TARGET __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 b[4];  // b[i], 128-bit lane L: the sums of lane L of v[4i .. 4i + 3]
+  for (int i = 0; i < 4; ++i) {
+    __m512 a[2];
+    for (int h = 0; h < 2; ++h) {  // [x0+x2, y0+y2, x1+x3, y1+y3] per lane
+      const __m512 x = v[4 * i + 2 * h], y = v[4 * i + 2 * h + 1];
+      a[h] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88),
+                       _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// Row pointers of keys (or values) j0 .. j0 + cnt - 1 of one KV head, walking the block table
+// (no division per key): slot = table[j / BS] * BS + j % BS, row = pool + (slot * KV + kvh) * D
+struct PagedRows {
+  const float* pool;
+  const int64_t* table;
+  int64_t BS, KV, kvh, D;
+  const float* row(int64_t blk, int64_t off) const {
+    return pool + ((table[blk] * BS + off) * KV + kvh) * D;
+  }
+};
+
+// p[g * n + j] = scale * q_g . k_j for the G query heads of one KV head and keys j < n, D a
+// multiple of 16: 16 keys at a time, their partial sums reduced together by sum_lanes16
+QP_TARGET void scores16(const float* q, int64_t G, const PagedRows& keys, int64_t n,
+                        float scale, float* p) {
+  const int64_t D = keys.D;
+  const float* rows[16];
+  int64_t blk = 0, off = 0;  // position of key j0 in the block table
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - j0);
+    for (int64_t jj = 0; jj < cnt; ++jj) {
+      rows[jj] = keys.row(blk, off);
+      if (++off == keys.BS) off = 0, ++blk;
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 part[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        __m512 acc = _mm512_setzero_ps();
+        if (jj < cnt)
+          for (int64_t d = 0; d < D; d += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), _mm512_loadu_ps(rows[jj] + d),
+                                  acc);
+        part[jj] = acc;
+      }
+      const __m512 sums = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(p + g * n + j0, valid, sums);
+    }
+  }
+}
+
+// out_g = softmax(scale * q_g . k_j over j < n) . v_j for the G query heads of one KV head
+// (out zeroed by the caller); p: [G, n] scratch. One target-specific function, so that the
+// vector helpers inline into its loops.
+QP_TARGET void attend(const float* q, int64_t G, const PagedRows& keys, const PagedRows& values,
+                      int64_t n, float scale, float* p, float* out) {
+  const int64_t D = keys.D, BS = keys.BS;
+  if (D % 16 == 0) {
+    scores16(q, G, keys, n, scale, p);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
+      const float* kr = keys.row(j / BS, j % BS);
+      for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(q + g * D, kr, D) * scale;
+    }
+  }
+  float inv[64];
+  for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * n, n);
+  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += BS, ++blk) {  // block by block
+    for (int64_t j = j0; j < std::min(n, j0 + BS); ++j) {
+      const float* vr = values.row(blk, j - j0);
+      for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, out + g * D, D);
+    }
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& block_tables,
                            const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
@@ -556,23 +642,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
     std::vector<float> p;  // [G, n] scores, then softmax numerators
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / KV, kvh = i % KV;
-      const int64_t* table = bt + b * max_blocks;
+      const PagedRows keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
+      const PagedRows values{vp, bt + b * max_blocks, BS, KV, kvh, D};
       for (int64_t t = 0; t < qlens[b]; ++t) {
         const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
         const int64_t row = q_off[b] + t;
-        const float* qv = qp + (row * H + kvh * G) * D;  // the G query heads of this KV head
-        float* ov = op + (row * H + kvh * G) * D;
         p.resize(G * n);
-        for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
-          const float* kr = kp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
-          for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(qv + g * D, kr, D) * sc;
-        }
-        float inv[64];
-        for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p.data() + g * n, n);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vp + ((table[j / BS] * BS + j % BS) * KV + kvh) * D;
-          for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, ov + g * D, D);
-        }
+        // the G query heads of this KV head, in and out
+        attend(qp + (row * H + kvh * G) * D, G, keys, values, n, sc, p.data(),
+               op + (row * H + kvh * G) * D);
       }
     }
   });
