@@ -1,11 +1,12 @@
 """INT4 / INT8 quantized matmul vs dense FP16/BF16 matmul, side by side in one run.
 
 GPU: Triton kernels (autotuned) at M in {1, 4, 16, 64, 256} for 4096x4096, 8192x8192 and
-4096x11008 (N x K), fp16 activations. CPU: quantpipe's int4 kernel (``int4avx512``, where it is
-usable), torch's int4pack (the peer, same layer) and int8pack (bf16 activations) vs dense fp32
-and bf16, smaller shapes; --quick shrinks further. For each case prints the time, the
-speed-up over the dense baseline, and the achieved fraction of measured memory bandwidth
-(bytes of weights + activations + output / time, over a measured device copy bandwidth).
+4096x11008 (N x K), fp16 activations. CPU: quantpipe's int4 / int8 kernels (``int4avx512`` /
+``int8avx512``, where they are usable) and torch's int4pack / int8pack on the same layers (the
+peers, bf16 activations) vs dense fp32 and bf16, smaller shapes; --quick shrinks further. For
+each case prints the time, the speed-up over the dense baseline, and the achieved fraction of
+measured memory bandwidth (bytes of weights + activations + output / time, over a measured
+device copy bandwidth).
 Not a test; writes bench/results/kernels-<device>.json.
 """
 
@@ -94,9 +95,11 @@ def main() -> None:
     for n, k in shapes:
         dense = {dt: torch.randn(n, k, device=dev).to(dt) for dt in dense_dtypes}
         layers = {name: QuantLinear(packed(n, k, s), dev) for name, s in specs.items()}
-        if dev.type == "cpu" and layers["int4"].backend != "int4pack":  # the peer, side by side
-            layers["int4_torch"] = QuantLinear(packed(n, k, specs["int4"]), dev,
-                                               backend="int4pack")
+        if dev.type == "cpu":  # torch's kernels on the same layers: the peer, side by side
+            for bits, peer in (("int4", "int4pack"), ("int8", "int8pack")):
+                if layers[bits].backend != peer:
+                    layers[f"{bits}_torch"] = QuantLinear(packed(n, k, specs[bits]), dev,
+                                                          backend=peer)
         for m in ms:
             x = torch.randn(m, k, device=dev)
             base = {dt: timeit(lambda w=w, xd=x.to(dt): xd @ w.T, dev) for dt, w in dense.items()}
@@ -121,11 +124,14 @@ def main() -> None:
                       f"{r['bw_frac']:8.2f}", flush=True)
             print(f"{'':>12s} {m:>4d} dense: " + ", ".join(
                 f"{str(dt)[6:]} {t * 1e6:.1f} us" for dt, t in base.items()), flush=True)
-            if "int4_torch" in layers:
-                ours, peer = (next(r["s"] for r in reversed(rows) if r["kernel"] == name)
-                              for name in ("int4", "int4_torch"))
-                rows[-1]["ours_vs_int4pack"] = peer / ours
-                print(f"{'':>12s} {m:>4d} int4: ours {peer / ours:.2f}x torch int4pack",
+            for bits, peer in (("int4", "int4pack"), ("int8", "int8pack")):
+                if f"{bits}_torch" not in layers:
+                    continue
+                ours, theirs = (next(r["s"] for r in reversed(rows) if r["kernel"] == name)
+                                for name in (bits, f"{bits}_torch"))
+                rows.append({"N": n, "K": k, "M": m, "kernel": f"{bits}_ours_vs_{peer}",
+                             "ratio": theirs / ours})
+                print(f"{'':>12s} {m:>4d} {bits}: ours {theirs / ours:.2f}x torch {peer}",
                       flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernels-{dev.type}{'-quick' if args.quick else ''}.json"

@@ -8,7 +8,7 @@ Every layout is repacked once at load time. Which backend a layer gets
 | ``int4avx512`` | bits 4, group size a multiple of 16 dividing ``in``, ``out % 16 == 0``,   |
 |                | and the kernel of ``csrc/cpu_ops.cpp`` is usable (AVX-512 BF16 CPU, a    |
 |                | compiler; ``kernels/cpu_ext.py``); act-order as for int4pack. Every M     |
-|                | (decode and prefill): 2.2-2.5x faster than int4pack at 1-64 rows, equal   |
+|                | (decode and prefill): 1.9-2.6x faster than int4pack at 1-64 rows, equal   |
 |                | to bf16 dequantize + dense matmul at 512 rows (bench/kernels.py)         |
 | ``int4pack``   | bits 4 when the above is not usable: group size 32/64/128/256 dividing    |
 |                | ``in``, ``out % 16 == 0``,                                                |
