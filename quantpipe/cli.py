@@ -223,10 +223,15 @@ def verify_cmd(qdir):
 @click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto"]),
               default="bf16", show_default=True,
               help="CPU: precision of the embedding table and output head (bf16: fast at every "
-                   "batch size; fp16: exact weights, fastest for one sequence; auto: fp16 for "
-                   "one row, bf16 for more, so outputs can depend on the batch).")
+                   "batch size; fp16: exact weights, fastest for one or two sequences; auto: "
+                   "fp16 for 1-2 rows, bf16 for more, so outputs can depend on the batch).")
+@click.option("--kv-dtype", type=click.Choice(["model", "bf16"]), default="model",
+              show_default=True,
+              help="KV cache elements: the model's activation dtype (fp32 on CPU), or bf16: half "
+                   "the memory per token (twice the context or sequences), keys and values "
+                   "rounded to bf16.")
 def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
-              max_num_batched_tokens, no_prefix_caching, device, head_dtype):
+              max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype):
     """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
     from quantpipe.io import parse_size
     from runtime.server import ServeSpec, serve
@@ -234,7 +239,8 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
     try:
         spec = ServeSpec(model_dir, host, port, max_num_seqs, max_queue,
                          parse_size(kv_cache_memory) if kv_cache_memory else None, block_size,
-                         max_num_batched_tokens, not no_prefix_caching, device, head_dtype)
+                         max_num_batched_tokens, not no_prefix_caching, device, head_dtype,
+                         kv_dtype)
         click.echo(f"serving {model_dir} on http://{host}:{port}/v1", err=True)
         serve(spec)
     except ValueError as exc:

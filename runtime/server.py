@@ -56,6 +56,7 @@ class ServeSpec:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     head_dtype: str = "bf16"  # CPU: embedding table / output head precision (runtime.fp_head)
+    kv_dtype: str = "model"  # KV cache elements: the activation dtype, or "bf16" (half of fp32)
 
     def __post_init__(self) -> None:
         if self.head_dtype not in HEAD_DTYPES:
@@ -366,7 +367,7 @@ def serve(spec: ServeSpec) -> None:
     engine = LLMEngine(model, tok, EngineConfig(
         block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory=spec.kv_cache_memory,
-        enable_prefix_caching=spec.enable_prefix_caching,
+        enable_prefix_caching=spec.enable_prefix_caching, kv_dtype=spec.kv_dtype,
     ))
     app = build_app(engine, Path(spec.model_dir).name, spec.max_queue)
     uvicorn.run(app, host=spec.host, port=spec.port, log_level="warning")

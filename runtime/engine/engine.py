@@ -29,6 +29,10 @@ from runtime.heap import release_freed_memory
 log = logging.getLogger(__name__)
 
 
+# kv_dtype -> KV cache element type (None: the model's activation dtype)
+KV_DTYPES: dict[str, torch.dtype | None] = {"model": None, "bf16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per KV block
@@ -36,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     kv_cache_memory: int | None = None  # KV pool bytes; None -> kv_memory_fraction of free
     num_kv_blocks: int | None = None  # KV pool size in blocks, instead of kv_cache_memory
+    kv_dtype: str = "model"  # KV cache elements: "model" (activation dtype) or "bf16"
     kv_memory_fraction: float = 0.5  # of free device (or system) memory, when bytes not given
     enable_prefix_caching: bool = True  # reuse full KV blocks across requests
     max_model_len: int | None = None  # prompt + output limit; None -> the model's own limit
@@ -50,6 +55,8 @@ class EngineConfig:
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got "
                              f"{self.kv_memory_fraction}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: use one of {sorted(KV_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -110,14 +117,15 @@ class LLMEngine:
         if window and getattr(mcfg, "use_sliding_window", mcfg.model_type == "mistral"):
             limit = min(limit, window)  # no sliding-window attention here: stay inside one window
         self.max_model_len = min(config.max_model_len or limit, limit)
+        kv_dtype = KV_DTYPES[config.kv_dtype]
         num_blocks = config.num_kv_blocks
         if num_blocks is None:  # probe the KV layout with a 1-block pool to size it in bytes
-            probe = ModelRunner(model, config.block_size, 1)
+            probe = ModelRunner(model, config.block_size, 1, kv_dtype)
             kv_bytes = config.kv_cache_memory or int(
                 free_memory_bytes(probe.device) * config.kv_memory_fraction)
             num_blocks = probe.kv_spec.num_blocks_for(kv_bytes)
             del probe
-        self.runner = ModelRunner(model, config.block_size, num_blocks)
+        self.runner = ModelRunner(model, config.block_size, num_blocks, kv_dtype)
         block_bytes = self.runner.kv_spec.bytes_per_block
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -128,8 +136,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
         self._ids = itertools.count()
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, config.block_size,
-                 num_blocks * block_bytes / 2**20)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s)", num_blocks, config.block_size,
+                 num_blocks * block_bytes / 2**20, self.runner.kv_dtype)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,

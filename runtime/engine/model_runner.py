@@ -147,8 +147,9 @@ def paged_attention(
     idx = meta.gather_blocks.view(-1)  # [B * blocks_max]
     # Gather each sequence's blocks (whole blocks: one contiguous copy each) into a dense padded
     # context: [B * blocks_max, bs, KV, D] -> [B, ctx_max, KV, D] -> [B, KV, ctx_max, D]
-    k = k_pool.index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
-    v = v_pool.index_select(0, idx).view(B, ctx_max, KV, D).transpose(1, 2)
+    # (a bf16 KV cache is read back in q's dtype)
+    k = k_pool.index_select(0, idx).to(q.dtype).view(B, ctx_max, KV, D).transpose(1, 2)
+    v = v_pool.index_select(0, idx).to(q.dtype).view(B, ctx_max, KV, D).transpose(1, 2)
     q_pad = q.new_zeros(B * meta.q_max, H, D)
     q_pad[meta.q_index] = q
     # [B * q_max, H, D] -> [B, q_max, KV, G, D] -> [B, KV, G, q_max, D] -> [B, KV, G*q_max, D]
@@ -185,7 +186,8 @@ def fused_ops_status(layers, final_norm, dtype: torch.dtype,
 class ModelRunner:
     """Owns the HF module and the KV pools; ``forward(chunks) -> logits [B, vocab]``."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         if cfg.model_type not in FAMILIES:
             raise ValueError(
@@ -205,14 +207,17 @@ class ModelRunner:
         embed = self.decoder.embed_tokens
         # activation (and KV) dtype; runtime.fp_head's CastEmbedding stores fp16, returns this
         self.dtype = getattr(embed, "out_dtype", embed.weight.dtype)
+        # KV cache element type: the activation dtype, or bf16 (half the bytes of fp32; keys and
+        # values rounded once when written)
+        self.kv_dtype = kv_dtype or self.dtype
         self.kv_spec = KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim,
-                                   self.dtype, block_size)
+                                   self.kv_dtype, block_size)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
                                                          self.dtype, self.device)
-        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
-        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
 
     @torch.inference_mode()
@@ -239,8 +244,9 @@ class ModelRunner:
                 torch.ops.quantpipe_cpu.rope_(q, k, cos, sin)  # in place
             else:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k  # write into paged slots
-            self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v
+            # write into the paged slots (rounded to the KV dtype when it is narrower)
+            self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k.to(self.kv_dtype)
+            self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v.to(self.kv_dtype)
             if attn_kernel:  # read the paged blocks directly
                 o = torch.ops.quantpipe_cpu.paged_attention.default(
                     q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,

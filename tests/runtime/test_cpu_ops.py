@@ -263,6 +263,16 @@ def test_paged_attention_matches_float64_reference_decode_and_chunks():
                                                   0.125)
     want = _attention_reference(q, k_pool, v_pool, tables.tolist(), ctx_lens, q_lens, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    # a bf16 KV cache: the same attention over the bf16 values (read back exactly as fp32)
+    k16, v16 = k_pool.bfloat16(), v_pool.bfloat16()
+    got16 = torch.ops.quantpipe_cpu.paged_attention(q, k16, v16, tables, torch.tensor(ctx_lens),
+                                                    torch.tensor(q_lens), 0.125)
+    want16 = _attention_reference(q, k16.double(), v16.double(), tables.tolist(), ctx_lens,
+                                  q_lens, 0.125)
+    torch.testing.assert_close(got16.double(), want16, rtol=0, atol=2e-6)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        torch.ops.quantpipe_cpu.paged_attention(q, k16, v_pool, tables, torch.tensor(ctx_lens),
+                                                torch.tensor(q_lens), 0.125)
     with pytest.raises(RuntimeError, match="q_len"):
         torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, tables,
                                                 torch.tensor(ctx_lens), torch.tensor([2] * 5),

@@ -271,3 +271,27 @@ def test_fused_cpu_path_equals_torch_path(tiny, monkeypatch):
     eng = _engine(model, tok, 400, max_num_seqs=8, max_num_batched_tokens=64)
     assert not eng.runner.fused
     assert eng.generate(prompts, GREEDY) == ref
+
+
+def test_bf16_kv_cache_halves_the_pool_and_stays_close(tiny):
+    """kv_dtype="bf16": half the bytes per block; on short chunks (the kernel attention where
+    usable) and a long one (SDPA) the logits stay within bf16 rounding of the fp32 cache's, and
+    the engine runs to completion and frees its blocks."""
+    from runtime.engine.model_runner import ModelRunner, SeqChunk
+
+    model, tok, prompts, ref = tiny
+    fp32 = ModelRunner(model, 4, 64)
+    bf16 = ModelRunner(model, 4, 64, torch.bfloat16)
+    assert bf16.k_pools[0].dtype == torch.bfloat16
+    assert bf16.kv_spec.bytes_per_block * 2 == fp32.kv_spec.bytes_per_block
+    long = list(range(3, 40))  # 37 tokens: the SDPA path
+    steps = [[SeqChunk(prompts[1], 0, list(range(0, 5)))], [SeqChunk([9], 17, list(range(0, 5)))],
+             [SeqChunk(long, 0, list(range(20, 30)))]]
+    for chunks in steps:
+        want, got = fp32.forward(chunks), bf16.forward(chunks)
+        assert float((got - want).norm() / want.norm()) < 2e-2
+    eng = _engine(model, tok, 400, max_num_seqs=8, max_num_batched_tokens=64, kv_dtype="bf16")
+    outs = eng.generate(prompts, GREEDY)
+    assert [len(o) for o in outs] == [NEW] * len(prompts) and eng.pool.num_used == 0
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineConfig(kv_dtype="int8")

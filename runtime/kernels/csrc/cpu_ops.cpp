@@ -445,29 +445,44 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
 // --- paged_attention -------------------------------------------------------------------------
 // Short query chunks (decode tokens, small prefill chunks) over paged K/V, read straight from the
 // blocks. q [T, H, D]: the chunks of the B sequences one after another, q_lens[b] rows each;
-// k_pool / v_pool [num_blocks, block_size, KV, D]; block_tables [B, max_blocks] int64;
-// ctx_lens [B] int64 (tokens in the context after this step, the chunk's included). Query i of
-// sequence b sits at position ctx_lens[b] - q_lens[b] + i and sees keys 0 .. that position
-// (causal). Query head h reads KV head h / (H / KV) (HF's repeat_kv order).
+// k_pool / v_pool [num_blocks, block_size, KV, D] fp32 or bf16 (read as fp32); block_tables
+// [B, max_blocks] int64; ctx_lens [B] int64 (tokens in the context after this step, the chunk's
+// included). Query i of sequence b sits at position ctx_lens[b] - q_lens[b] + i and sees keys
+// 0 .. that position (causal). Query head h reads KV head h / (H / KV) (HF's repeat_kv order).
 // softmax(q k^T * scale) v in fp32. Work is O(q_len * ctx) per sequence: the runner sends long
 // prefill chunks to torch's SDPA instead.
 
-QP_TARGET float dot(const float* a, const float* b, int64_t D) {
+// K/V rows are fp32 or bf16 (a bf16 KV cache: half the bytes); both are read as fp32 lanes
+QP_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+QP_TARGET inline __m512 load16(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit left shift
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline float scalar(float v) { return v; }
+inline float scalar(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+QP_TARGET float dot(const float* a, const T* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= D; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + 16 <= D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
   float s = _mm512_reduce_add_ps(acc);
-  for (; i < D; ++i) s += a[i] * b[i];
+  for (; i < D; ++i) s += a[i] * scalar(b[i]);
   return s;
 }
 
-QP_TARGET void axpy(float alpha, const float* x, float* y, int64_t D) {
+template <typename T>
+QP_TARGET void axpy(float alpha, const T* x, float* y, int64_t D) {
   const __m512 a = _mm512_set1_ps(alpha);
   int64_t i = 0;
   for (; i + 16 <= D; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < D; ++i) y[i] += alpha * x[i];
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, load16(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < D; ++i) y[i] += alpha * scalar(x[i]);
 }
 
 // exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
@@ -532,21 +547,23 @@ QP_TARGET __m512 sum_lanes16(const __m512 (&v)[16]) {
 
 // Row pointers of keys (or values) j0 .. j0 + cnt - 1 of one KV head, walking the block table
 // (no division per key): slot = table[j / BS] * BS + j % BS, row = pool + (slot * KV + kvh) * D
+template <typename T>
 struct PagedRows {
-  const float* pool;
+  const T* pool;
   const int64_t* table;
   int64_t BS, KV, kvh, D;
-  const float* row(int64_t blk, int64_t off) const {
+  const T* row(int64_t blk, int64_t off) const {
     return pool + ((table[blk] * BS + off) * KV + kvh) * D;
   }
 };
 
 // p[g * n + j] = scale * q_g . k_j for the G query heads of one KV head and keys j < n, D a
 // multiple of 16: 16 keys at a time, their partial sums reduced together by sum_lanes16
-QP_TARGET void scores16(const float* q, int64_t G, const PagedRows& keys, int64_t n,
+template <typename T>
+QP_TARGET void scores16(const float* q, int64_t G, const PagedRows<T>& keys, int64_t n,
                         float scale, float* p) {
   const int64_t D = keys.D;
-  const float* rows[16];
+  const T* rows[16];
   int64_t blk = 0, off = 0;  // position of key j0 in the block table
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, n - j0);
@@ -561,8 +578,7 @@ QP_TARGET void scores16(const float* q, int64_t G, const PagedRows& keys, int64_
         __m512 acc = _mm512_setzero_ps();
         if (jj < cnt)
           for (int64_t d = 0; d < D; d += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), _mm512_loadu_ps(rows[jj] + d),
-                                  acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), load16(rows[jj] + d), acc);
         part[jj] = acc;
       }
       const __m512 sums = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
@@ -574,14 +590,15 @@ QP_TARGET void scores16(const float* q, int64_t G, const PagedRows& keys, int64_
 // out_g = softmax(scale * q_g . k_j over j < n) . v_j for the G query heads of one KV head
 // (out zeroed by the caller); p: [G, n] scratch. One target-specific function, so that the
 // vector helpers inline into its loops.
-QP_TARGET void attend(const float* q, int64_t G, const PagedRows& keys, const PagedRows& values,
-                      int64_t n, float scale, float* p, float* out) {
+template <typename T>
+QP_TARGET void attend(const float* q, int64_t G, const PagedRows<T>& keys,
+                      const PagedRows<T>& values, int64_t n, float scale, float* p, float* out) {
   const int64_t D = keys.D, BS = keys.BS;
   if (D % 16 == 0) {
     scores16(q, G, keys, n, scale, p);
   } else {
     for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
-      const float* kr = keys.row(j / BS, j % BS);
+      const T* kr = keys.row(j / BS, j % BS);
       for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(q + g * D, kr, D) * scale;
     }
   }
@@ -589,7 +606,7 @@ QP_TARGET void attend(const float* q, int64_t G, const PagedRows& keys, const Pa
   for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * n, n);
   for (int64_t j0 = 0, blk = 0; j0 < n; j0 += BS, ++blk) {  // block by block
     for (int64_t j = j0; j < std::min(n, j0 + BS); ++j) {
-      const float* vr = values.row(blk, j - j0);
+      const T* vr = values.row(blk, j - j0);
       for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, out + g * D, D);
     }
   }
@@ -602,9 +619,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
               "q must be contiguous fp32 [T, H, D]");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
-                  v_pool.scalar_type() == at::kFloat && k_pool.size(3) == q.size(2),
-              "k_pool / v_pool must be contiguous fp32 [blocks, block_size, KV, D]");
+                  v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == at::kFloat ||
+                   k_pool.scalar_type() == at::kBFloat16) &&
+                  k_pool.size(3) == q.size(2),
+              "k_pool / v_pool must be contiguous fp32 or bf16 [blocks, block_size, KV, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NBLK = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
   TORCH_CHECK(H % KV == 0 && H / KV <= 64, "query heads ", H,
@@ -634,26 +653,33 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(q_off[B] == T, "q has ", T, " rows but q_lens sum to ", q_off[B]);
   at::Tensor out = at::zeros_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p;  // [G, n] scores, then softmax numerators
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KV, kvh = i % KV;
-      const PagedRows keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
-      const PagedRows values{vp, bt + b * max_blocks, BS, KV, kvh, D};
-      for (int64_t t = 0; t < qlens[b]; ++t) {
-        const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
-        const int64_t row = q_off[b] + t;
-        p.resize(G * n);
-        // the G query heads of this KV head, in and out
-        attend(qp + (row * H + kvh * G) * D, G, keys, values, n, sc, p.data(),
-               op + (row * H + kvh * G) * D);
+  auto run = [&](const auto* kp, const auto* vp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> p;  // [G, n] scores, then softmax numerators
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / KV, kvh = i % KV;
+        const PagedRows<T> keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
+        const PagedRows<T> values{vp, bt + b * max_blocks, BS, KV, kvh, D};
+        for (int64_t t = 0; t < qlens[b]; ++t) {
+          const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
+          const int64_t row = q_off[b] + t;
+          p.resize(G * n);
+          // the G query heads of this KV head, in and out
+          attend(qp + (row * H + kvh * G) * D, G, keys, values, n, sc, p.data(),
+                 op + (row * H + kvh * G) * D);
+        }
       }
-    }
-  });
+    });
+  };
+  if (k_pool.scalar_type() == at::kFloat) {
+    run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()));
+  }
   return out;
 }
 
