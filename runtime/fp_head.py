@@ -45,23 +45,15 @@ import torch
 from torch import nn
 
 from runtime.kernels import cpu_ext
+from runtime.kernels.cpu import block_rows
 
 log = logging.getLogger(__name__)
 
 HEAD_DTYPES = ("fp32", "fp16", "bf16", "auto")
-BLOCK = 16  # vocabulary rows per block of the kernels' layouts
+BLOCK = 16  # vocabulary rows per block of the kernels' layouts (cpu.block_rows)
 # auto: rows up to which fp16 beats bf16 (kernels: 1.9 vs 2.3 ms at 2 rows, 3.6 vs 2.4 at 4;
 # torch: only at one row)
 AUTO_FP16_ROWS_KERNEL, AUTO_FP16_ROWS_TORCH = 2, 1
-
-
-def block_rows(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16] (rows padded with zeros to a multiple of 16)."""
-    n, k = w.shape
-    pad = -n % BLOCK
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, k)])  # [N + pad, K]
-    return w.view(-1, BLOCK, k).transpose(1, 2).contiguous()  # [N / 16, K, 16]
 
 
 def block_row_pairs(w: torch.Tensor) -> torch.Tensor:

@@ -256,7 +256,7 @@ class ModelRunner:
                                     self.scale)
             o = attn.o_proj(o.reshape(T, H * D))  # [T, H, D] -> [T, hidden]
             delta = layer.mlp(self._add_norm(h, o, layer.post_attention_layernorm))
-        h_last = (h[meta.last_index] + delta[meta.last_index])  # [B, hidden]: rows we sample
+        h_last = h[meta.last_index] + delta[meta.last_index]  # [B, hidden]: rows we sample
         last = self._add_norm(h_last, None, self.final_norm)
         return self.model.lm_head(last).float()  # [B, vocab] fp32 logits
 

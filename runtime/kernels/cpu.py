@@ -149,10 +149,14 @@ def unpack_qp4(packed: torch.Tensor) -> torch.Tensor:
     return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 4)  # [out, in]
 
 
-def _blocked(t: torch.Tensor) -> torch.Tensor:
-    """[out, G] -> [out / 16, G, 16] (16 output rows of a group side by side)."""
-    out_f, n_groups = t.shape
-    return t.view(out_f // QP4_ROWS, QP4_ROWS, n_groups).transpose(1, 2).contiguous()
+def block_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: 16 rows side by side per column, the layout of every
+    weight, scale and zero-point tensor of quantpipe's CPU kernels (rows zero-padded to 16)."""
+    n, k = t.shape
+    pad = -n % QP4_ROWS
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, k)])  # [N + pad, K]
+    return t.view(-1, QP4_ROWS, k).transpose(1, 2).contiguous()  # [N / 16, K, 16]
 
 
 def repack_qp4(p: PackedLinear) -> CpuQP4:
@@ -165,8 +169,8 @@ def repack_qp4(p: PackedLinear) -> CpuQP4:
     zf = None
     if not bool((zeros == 8).all()):
         # (8 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 8)
-        zf = _blocked((8.0 - zeros.float()) * p.scales.float())  # [out / 16, G, 16] fp32
-    return CpuQP4(pack_qp4(q.contiguous()), _blocked(p.scales), zf, perm, p.group_size)
+        zf = block_rows((8.0 - zeros.float()) * p.scales.float())  # [out / 16, G, 16] fp32
+    return CpuQP4(pack_qp4(q.contiguous()), block_rows(p.scales), zf, perm, p.group_size)
 
 
 def qp4_matmul(x2d: torch.Tensor, w: CpuQP4) -> torch.Tensor:
@@ -263,13 +267,13 @@ def repack_q8(p: PackedLinear) -> CpuQ8:
         perm = act_order_permutation(p)
         q = q[:, perm]  # [out, in] columns now in sequential groups
     q8 = (q.to(torch.int16) - 128).to(torch.int8)  # [out, in], exact
-    q8 = q8.view(-1, QP4_ROWS, p.in_features).transpose(1, 2).contiguous()  # [out/16, in, 16]
+    q8 = block_rows(q8)  # [out / 16, in, 16]
     zeros = p.zeros_u8()  # [out, G]
     zf = None
     if not bool((zeros == 128).all()):
         # (128 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 128)
-        zf = _blocked((128.0 - zeros.float()) * p.scales.float())
-    return CpuQ8(q8, _blocked(p.scales), zf, perm, p.group_size)
+        zf = block_rows((128.0 - zeros.float()) * p.scales.float())
+    return CpuQ8(q8, block_rows(p.scales), zf, perm, p.group_size)
 
 
 def q8_matmul(x2d: torch.Tensor, w: CpuQ8) -> torch.Tensor:

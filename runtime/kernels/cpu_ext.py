@@ -28,7 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-ENV = "QUANTPIPE_CPU_KERNELS"  # "torch": never build or use our kernel (comparisons, escape hatch)
+# "torch": never build or use our kernels (comparisons, escape hatch); "quantpipe" or unset:
+# use them where the CPU allows; anything else is an error
+ENV = "QUANTPIPE_CPU_KERNELS"
 BUILD_FLAGS_VERSION = "2"  # bump when the compiler flags below change (a new library name)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo spelling
 
@@ -54,8 +56,12 @@ def library_name() -> str:
 @functools.cache
 def kernel_status() -> tuple[bool, str]:
     """(usable, reason). Builds and loads the library on the first call of the process."""
-    if os.environ.get(ENV, "").strip().lower() == "torch":
+    choice = os.environ.get(ENV, "").strip().lower()
+    if choice == "torch":
         return False, f"{ENV}=torch"
+    if choice not in ("", "quantpipe"):
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: use 'torch' (torch's kernels only) or "
+                         "'quantpipe' / unset (quantpipe's where the CPU allows)")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"quantpipe's CPU kernels are x86-64 only (this is {platform.machine()})"
     flags = _cpu_flags()

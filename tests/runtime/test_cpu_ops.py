@@ -152,6 +152,10 @@ def test_dispatch_prefers_the_kernel_and_the_env_turns_it_off(monkeypatch):
         assert backend == "int4pack" and cpu_ext.ENV in why
         with pytest.raises(ValueError, match="not usable here"):
             QuantLinear(p, "cpu", backend="int4avx512")
+        monkeypatch.setenv(cpu_ext.ENV, "off")  # a typo is an error, not a silent choice
+        cpu_ext.kernel_status.cache_clear()
+        with pytest.raises(ValueError, match="QUANTPIPE_CPU_KERNELS='off'"):
+            cpu_ext.kernel_status()
     finally:
         monkeypatch.undo()  # the environment as the suite runs it, then a fresh status
         cpu_ext.kernel_status.cache_clear()

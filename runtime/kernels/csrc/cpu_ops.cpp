@@ -180,10 +180,14 @@ QP_TARGET void group_sums(const uint16_t* x, int64_t n_groups, int64_t group_siz
   }
 }
 
+// Checked by every op (hundreds of calls per decoded token): the CPU is probed once.
 bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return supported;
 }
 
 // scales fp16 [NB, G, 16] and zf fp32 like it, for K columns in groups of group_size
