@@ -206,7 +206,8 @@ def load_prompt_records(path: str | os.PathLike, column: str | None = None) -> l
         with resources.as_file(ref) as real:
             if not real.is_file():
                 raise ValueError(f"shipped prompt set {name!r} is missing at {real}; "
-                                 "reinstall quantpipe or run calibration/data/make_prompts.py")
+                                 "reinstall quantpipe (a source checkout regenerates it with "
+                                 "tools/make_prompts.py)")
             return load_prompt_records(real, column)
     p = Path(path)
     if not p.exists():

@@ -280,10 +280,16 @@ def test_shipped_set_packs_with_tiny_tokenizer(tok, shipped):
 
 
 def test_generator_reproduces_shipped_files(shipped):
-    from calibration.data import make_prompts
+    import importlib.util
 
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("make_prompts", root / "tools" /
+                                                  "make_prompts.py")
+    make_prompts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_prompts)
     calib, evals = make_prompts.split(make_prompts.generate())
-    data = Path(make_prompts.__file__).parent
+    data = make_prompts.HERE
+    assert data == root / "calibration" / "data"
     for name, recs in (("business_calib.jsonl", calib), ("business_eval.jsonl", evals)):
         want = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
         assert (data / name).read_text(encoding="utf-8") == want, f"regenerate {name}"

@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (Chinese data strings: ruff counts full-width characters as width 2)
 """Generate the shipped business prompt set (calibration/data/business_{calib,eval}.jsonl).
 
-Reproducible: ``python calibration/data/make_prompts.py`` with the fixed SEED rewrites both
+Reproducible: ``python tools/make_prompts.py`` with the fixed SEED rewrites both
 files byte for byte. Prompts are composed from realistic building blocks (clauses, policy
 sections, figures, documents) with varied company names, people, numbers and dates, in
 English and Chinese. The split is stratified by (category, lang): 25% of every stratum is
@@ -17,7 +17,8 @@ from string import Template
 
 SEED = 20260101
 EVAL_FRACTION = 0.25
-HERE = Path(__file__).resolve().parent
+# the shipped data lives in the calibration package; this generator is a tool, not part of it
+HERE = Path(__file__).resolve().parent.parent / "calibration" / "data"
 
 # how many prompts per category and language
 COUNTS: dict[str, tuple[int, int]] = {  # category -> (en, zh)
