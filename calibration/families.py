@@ -33,6 +33,15 @@ _LLAMA_GROUPS = (
     InputGroup(("mlp.down_proj",), "mlp.up_proj", ""),
 )
 
+# Gemma 2: the MLP reads pre_feedforward_layernorm's output; post_attention_layernorm scales
+# the attention output before the residual add, so AWQ must not fold MLP scales into it
+_GEMMA2_GROUPS = (
+    _LLAMA_GROUPS[0],
+    _LLAMA_GROUPS[1],
+    InputGroup(("mlp.gate_proj", "mlp.up_proj"), "pre_feedforward_layernorm", "mlp"),
+    _LLAMA_GROUPS[3],
+)
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("model.layers", _LLAMA_GROUPS),
     "mistral": Family("model.layers", _LLAMA_GROUPS),
@@ -40,7 +49,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("model.layers", _LLAMA_GROUPS),
     # Gemma's RMSNorm multiplies by (1 + weight): AWQ folding must scale (1 + w), see awq.py
     "gemma": Family("model.layers", _LLAMA_GROUPS),
-    "gemma2": Family("model.layers", _LLAMA_GROUPS),
+    "gemma2": Family("model.layers", _GEMMA2_GROUPS),
 }
 
 # Norms whose effective gain is (1 + weight) rather than weight.

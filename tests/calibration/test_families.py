@@ -1,0 +1,69 @@
+"""Every family in calibration/families.py: AWQ's folds leave the FP model's function unchanged.
+
+For each input group the table names the op that produces the group's input; folding random
+per-channel scales into that op (and their inverse into the group's linears) must not change
+the model's logits. A wrong table entry (a norm that does not feed the group) changes them.
+"""
+
+import pytest
+import torch
+
+from calibration.awq import fold_scales
+from calibration.families import FAMILIES, ONE_PLUS_NORM_FAMILIES, family_for, get_blocks
+
+# float64 end to end: any change well above rounding is a wrong fold, not noise
+MAX_REL_ERR = 1e-5
+
+
+def _tiny_model(model_type: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # MHA (kv heads = heads) so that v_proj -> o_proj can be folded too
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64,
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:  # distinct gains, so a fold into the wrong norm shows
+                p.copy_(0.5 + torch.rand_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_awq_folds_keep_logits(model_type):
+    model = _tiny_model(model_type)
+    family = family_for(model_type)
+    block = get_blocks(model, family)[0]
+    ids = torch.randint(0, 96, (2, 12))  # [batch, seq]
+    with torch.no_grad():
+        ref = model(ids).logits  # [2, 12, vocab] fp64
+    gen = torch.Generator().manual_seed(1)
+    for group in family.groups:
+        prev = block.get_submodule(group.prev_op)
+        linears = [block.get_submodule(n) for n in group.linears]
+        if isinstance(prev, torch.nn.Linear):
+            kind = "linear"
+        else:
+            kind = "one_plus_norm" if model_type in ONE_PLUS_NORM_FAMILIES else "norm"
+        s = 0.5 + 1.5 * torch.rand(linears[0].in_features, generator=gen, dtype=torch.float64)
+        bias = getattr(prev, "bias", None)
+        res = fold_scales(prev.weight.data, kind, [lin.weight.data for lin in linears], s,
+                          bias.data if bias is not None else None)
+        prev.weight.data = res.prev_weight
+        if bias is not None:
+            prev.bias.data = res.prev_bias
+        for lin, w in zip(linears, res.weights):
+            lin.weight.data = w
+    with torch.no_grad():
+        out = model(ids).logits
+    rel = float((out - ref).abs().max() / ref.abs().max())
+    assert rel <= MAX_REL_ERR, f"{model_type}: folding changed the logits (max rel err {rel:.2e})"
