@@ -210,6 +210,22 @@ def load_prompt_records(path: str | os.PathLike, column: str | None = None) -> l
                                  "tools/make_prompts.py)")
             return load_prompt_records(real, column)
     p = Path(path)
+    fmt = _check_readable(p)
+    ds = _open_dataset(p, fmt)
+    text_col, use_messages = _text_column(p, fmt, list(ds.column_names), column)
+    locs = _row_locations(p, fmt, ds.num_rows)
+    records = []
+    for i, row in enumerate(ds):
+        if fmt == "txt" and not row["text"].strip():
+            continue  # runs of 3+ newlines leave whitespace-only blocks
+        records.append(_to_record(row, text_col, use_messages, locs[i], f"{p.stem}-{i}"))
+    if not records:
+        raise ValueError(f"{p}: holds only blank blocks; {_EXPECTED}")
+    return records
+
+
+def _check_readable(p: Path) -> str:
+    """The prompt file's format, after checking it exists, is readable, non-empty UTF-8."""
     if not p.exists():
         raise ValueError(f"{p}: no such file or folder; give a prompt file or one of "
                          f"{sorted(SHIPPED_SETS)}")
@@ -220,6 +236,11 @@ def load_prompt_records(path: str | os.PathLike, column: str | None = None) -> l
         raise ValueError(f"{p}: file is empty; {_EXPECTED}")
     if fmt in ("json", "csv", "tsv", "txt"):
         _check_utf8(p)
+    return fmt
+
+
+def _open_dataset(p: Path, fmt: str):
+    """One non-empty ``datasets.Dataset`` from the file or folder."""
     import datasets
 
     try:
@@ -236,34 +257,26 @@ def load_prompt_records(path: str | os.PathLike, column: str | None = None) -> l
         ds = next(iter(ds.values()))
     if ds.num_rows == 0:
         raise ValueError(f"{p}: holds no records; {_EXPECTED}")
+    return ds
 
-    columns = list(ds.column_names)
+
+def _text_column(p: Path, fmt: str, columns: list[str], column: str | None) -> tuple[str, bool]:
+    """(text column, whether a ``messages`` chat column is used)."""
     if fmt == "txt":
         if column is not None:
             raise ValueError(f"{p}: a .txt file has no columns (one prompt per blank-line-"
                              f"separated block); drop column={column!r}")
-        text_col, use_messages = "text", False
-    elif column is not None:
+        return "text", False
+    if column is not None:
         if column not in columns:
             raise ValueError(f"{p}: column {column!r} not found; available columns: {columns}")
-        text_col, use_messages = column, False
-    elif "prompt" in columns or "messages" in columns:
-        text_col, use_messages = "prompt", "messages" in columns
-    else:
-        raise ValueError(
-            f"{p}: no 'prompt' or 'messages' column; available columns: {columns}; "
-            "pick the text column with column=... (CLI: --column)"
-        )
-
-    locs = _row_locations(p, fmt, ds.num_rows)
-    records = []
-    for i, row in enumerate(ds):
-        if fmt == "txt" and not row["text"].strip():
-            continue  # runs of 3+ newlines leave whitespace-only blocks
-        records.append(_to_record(row, text_col, use_messages, locs[i], f"{p.stem}-{i}"))
-    if not records:
-        raise ValueError(f"{p}: holds only blank blocks; {_EXPECTED}")
-    return records
+        return column, False
+    if "prompt" in columns or "messages" in columns:
+        return "prompt", "messages" in columns
+    raise ValueError(
+        f"{p}: no 'prompt' or 'messages' column; available columns: {columns}; "
+        "pick the text column with column=... (CLI: --column)"
+    )
 
 
 # ---------------------------------------------------------------------------------------
