@@ -315,63 +315,20 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
     files = _safetensors_files(folder, problems)
     tensors, where = _read_tensors(folder, files, problems)
 
-    plan: dict[str, QuantSpec] = {}
-    lays: list[_Layer] = []
-    if fmt == "native":
-        plan, lays = _native_layers(qcfg, tensors, problems)
-    elif fmt == "gptq":
-        plan, lays = _gptq_layers(qcfg, tensors, problems)
-    elif fmt == "compressed-tensors":
-        plan, lays = _ct_layers(qcfg, tensors, problems)
-
+    plan, lays = _LAYERS_OF_FORMAT[fmt](qcfg, tensors, problems) if fmt else ({}, [])
     layers: dict[str, QuantizedWeight] = {}
     used: set[str] = set()
     q_bytes = q_weights = 0
     for lay in lays:
-        ok = True
-        for tname, (shape, dtypes) in lay.expected.items():
-            t = tensors.get(tname)
-            if t is None:
-                problems.append(f"{lay.name}: missing tensor {tname} (expected "
-                                f"{_dt(dtypes)} {list(shape)}, spec {lay.spec.label()})")
-                ok = False
-            elif tuple(t.shape) != shape or t.dtype not in dtypes:
-                problems.append(f"{where[tname]}: {tname} is {str(t.dtype)[6:]} "
-                                f"{list(t.shape)}, expected {_dt(dtypes)} {list(shape)} "
-                                f"(spec {lay.spec.label()})")
-                ok = False
-        if f"{lay.name}.weight" in tensors:
-            problems.append(f"{where[f'{lay.name}.weight']}: {lay.name}.weight present next to "
-                            "its quantized tensors (a layer is either quantized or FP)")
-        if not ok:
+        u = _checked_layer(fmt, lay, tensors, where, qcfg, problems)
+        if u is None:
             continue
-        u = _unpack(fmt, lay, tensors, qcfg)
-        out_f, in_f = u.q.shape
-        gs = lay.spec.group_size
-        if gs != -1 and in_f % gs:
-            problems.append(f"{lay.name}: group_size {gs} does not divide in_features {in_f}; "
-                            "the scales cannot cover the columns")
-            continue
-        found = _check_values(lay, u, where)
-        problems.extend(found)
         used.update(lay.expected)
-        q_weights += out_f * in_f
+        q_weights += u.q.numel()
         q_bytes += sum(tensors[t].numel() * tensors[t].element_size() for t in lay.expected)
-        if not found:
-            layers[lay.name] = _quantized_weight(lay.spec, u)
-
-    if manifest is not None and "layers" in manifest:
-        want = {n: s.to_dict() for n, s in plan.items()}
-        if manifest["layers"] != want:
-            diff = sorted(n for n in set(want) | set(manifest["layers"])
-                          if want.get(n) != manifest["layers"].get(n))
-            problems.append(f"{folder / MANIFEST_NAME}: plan differs from config.json for "
-                            f"{len(diff)} layer(s), e.g. {diff[:3]}")
-    if manifest is not None and fmt == "gptq" and "gptq_checkpoint_format" in manifest:
-        if manifest["gptq_checkpoint_format"] != qcfg.get("checkpoint_format", "gptq"):
-            problems.append(f"{folder / MANIFEST_NAME}: gptq_checkpoint_format "
-                            f"{manifest['gptq_checkpoint_format']!r} but config.json says "
-                            f"{qcfg.get('checkpoint_format')!r}")
+        layers[lay.name] = _quantized_weight(lay.spec, u)
+    if manifest is not None:
+        _check_manifest_agrees(folder, fmt, manifest, plan, qcfg, problems)
     if problems:
         listed = "\n  - ".join(problems[:MAX_LISTED])
         extra = len(problems) - MAX_LISTED
@@ -390,6 +347,59 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
         total_bytes=sum((folder / f).stat().st_size for f in files),
     )
     return Inspection(report, config, manifest, plan, layers, fp_tensors)
+
+
+_LAYERS_OF_FORMAT = {"native": _native_layers, "gptq": _gptq_layers,
+                     "compressed-tensors": _ct_layers}
+
+
+def _checked_layer(fmt: str, lay: _Layer, tensors: dict, where: dict, qcfg: dict,
+                   problems: list[str]):
+    """The layer's unpacked tensors, or None after appending what is wrong with it."""
+    ok = True
+    for tname, (shape, dtypes) in lay.expected.items():
+        t = tensors.get(tname)
+        if t is None:
+            problems.append(f"{lay.name}: missing tensor {tname} (expected "
+                            f"{_dt(dtypes)} {list(shape)}, spec {lay.spec.label()})")
+            ok = False
+        elif tuple(t.shape) != shape or t.dtype not in dtypes:
+            problems.append(f"{where[tname]}: {tname} is {str(t.dtype)[6:]} "
+                            f"{list(t.shape)}, expected {_dt(dtypes)} {list(shape)} "
+                            f"(spec {lay.spec.label()})")
+            ok = False
+    if f"{lay.name}.weight" in tensors:
+        problems.append(f"{where[f'{lay.name}.weight']}: {lay.name}.weight present next to "
+                        "its quantized tensors (a layer is either quantized or FP)")
+    if not ok:
+        return None
+    u = _unpack(fmt, lay, tensors, qcfg)
+    in_f = u.q.shape[1]
+    gs = lay.spec.group_size
+    if gs != -1 and in_f % gs:
+        problems.append(f"{lay.name}: group_size {gs} does not divide in_features {in_f}; "
+                        "the scales cannot cover the columns")
+        return None
+    found = _check_values(lay, u, where)
+    problems.extend(found)
+    return None if found else u
+
+
+def _check_manifest_agrees(folder: Path, fmt: str | None, manifest: dict,
+                           plan: dict[str, QuantSpec], qcfg: dict, problems: list[str]) -> None:
+    """The manifest's plan and GPTQ layout must say what config.json says."""
+    if "layers" in manifest:
+        want = {n: s.to_dict() for n, s in plan.items()}
+        if manifest["layers"] != want:
+            diff = sorted(n for n in set(want) | set(manifest["layers"])
+                          if want.get(n) != manifest["layers"].get(n))
+            problems.append(f"{folder / MANIFEST_NAME}: plan differs from config.json for "
+                            f"{len(diff)} layer(s), e.g. {diff[:3]}")
+    if fmt == "gptq" and "gptq_checkpoint_format" in manifest:
+        if manifest["gptq_checkpoint_format"] != qcfg.get("checkpoint_format", "gptq"):
+            problems.append(f"{folder / MANIFEST_NAME}: gptq_checkpoint_format "
+                            f"{manifest['gptq_checkpoint_format']!r} but config.json says "
+                            f"{qcfg.get('checkpoint_format')!r}")
 
 
 def _dt(dtypes: tuple[torch.dtype, ...]) -> str:
