@@ -1,0 +1,246 @@
+"""Every stage on random-weight models of real shapes: peak RSS and seconds per stage.
+
+    python bench/scale.py --shapes tinyllama-4,tinyllama-16 --algos rtn,gptq \
+        --work /tmp/qp-scale --json bench/results/scale.json
+
+For each shape a source folder is written shard by shard (random fp16 weights, a small BPE
+tokenizer trained on the shipped prompts; never the whole model in memory), then
+``export-fp16 -> calibrate (each --algo) -> export --bits 4 -> verify -> generate`` run as
+separate ``quantpipe`` processes. Each process's peak RSS comes from the kernel
+(``os.wait4``'s ``ru_maxrss``), so it counts everything the stage touched, mmapped shards
+included. Calibration's seconds per block are read from its block records. A stage that fails
+is recorded with its last error line and the stages that need its output are skipped.
+
+Shapes (``--shapes``): tinyllama-4 / tinyllama-16 (TinyLlama-1.1B widths, 4 or 16 layers),
+llama2-7b (32 layers, 4096 / 11008, MHA), qwen2.5-7b (28 layers, 3584 / 18944, GQA 28/4, qkv
+bias), llama3-70b-slice (2 layers of a 70B: 8192 / 28672, GQA 64/8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from quantpipe.io import save_safetensors_atomic, write_json_atomic  # noqa: E402
+
+SHAPES: dict[str, dict] = {
+    "smoke": dict(model_type="llama", hidden_size=256, intermediate_size=512,
+                  num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                  vocab_size=2048),  # checks this script in seconds
+    "tinyllama-4": dict(model_type="llama", hidden_size=2048, intermediate_size=5632,
+                        num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=4,
+                        vocab_size=32000),
+    "tinyllama-16": dict(model_type="llama", hidden_size=2048, intermediate_size=5632,
+                         num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=16,
+                         vocab_size=32000),
+    "llama2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
+                      num_attention_heads=32, num_key_value_heads=32, num_hidden_layers=32,
+                      vocab_size=32000),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
+                       vocab_size=152064),
+    "llama3-70b-slice": dict(model_type="llama", hidden_size=8192, intermediate_size=28672,
+                             num_attention_heads=64, num_key_value_heads=8,
+                             num_hidden_layers=2, vocab_size=128256),
+}
+SHARD_BYTES = 2 * 10**9
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer():
+    """A 2k-token byte-level BPE trained on the shipped calibration prompts (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from calibration.prompts import load_prompt_records
+
+    texts = [r.prompt or " ".join(c for _, c in r.messages)
+             for r in load_prompt_records("business-calib")]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=["<unk>", "<s>", "<|im_end|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    if len(shape) == 2:  # linears and embeddings: small weights keep activations finite
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.float16)
+    if "norm" in name:
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.float16)
+    return (torch.randn(shape, generator=gen) * 0.02).to(torch.float16)  # biases
+
+
+def make_source(shape: str, out: Path) -> int:
+    """Write a random-weight HF folder of ``shape`` shard by shard; returns bytes of weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "model.safetensors.index.json").is_file():
+        idx = json.loads((out / "model.safetensors.index.json").read_text())
+        return int(idx["metadata"]["total_size"])
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, max_position_embeddings=4096,
+                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                               pad_token_id=2, dtype="float16", **kw)
+    with init_empty_weights():  # shapes only: no memory for the weights
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shp in shapes.items():
+        nbytes = shp.numel() * 2
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, names in enumerate(groups, start=1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        shard = {n: _random_tensor(n, shapes[n], gen) for n in names}  # one shard in memory
+        save_safetensors_atomic(shard, tmp / fname, metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in shard.values())
+        weight_map.update({n: fname for n in names})
+        del shard
+    cfg.save_pretrained(tmp)
+    _tokenizer().save_pretrained(tmp)
+    write_json_atomic(tmp / "model.safetensors.index.json",
+                      {"metadata": {"total_size": total}, "weight_map": weight_map})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return total
+
+
+def run_stage(args: list[str], log_path: Path) -> dict:
+    """One `quantpipe` command in a child process: seconds, peak RSS (MB), exit code."""
+    cmd = [sys.executable, "-m", "quantpipe.cli", *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - t0
+    lines = log_path.read_text(errors="replace").strip().splitlines()
+    rec = {"cmd": " ".join(["quantpipe", *args]), "rc": proc.returncode,
+           "seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+    if proc.returncode != 0:
+        rec["error"] = lines[-1] if lines else ""
+    print(f"  {args[0]:<12} rc={rec['rc']} {rec['seconds']:8.1f}s  peak RSS "
+          f"{rec['peak_rss_mb']:8.0f} MB" + (f"  {rec.get('error', '')}" if rec["rc"] else ""),
+          flush=True)
+    return rec
+
+
+def block_seconds(calib_dir: Path) -> list[float]:
+    out = []
+    for p in sorted((calib_dir / "blocks").glob("block-*.json")):
+        out.append(float(json.loads(p.read_text()).get("seconds", 0.0)))
+    return out
+
+
+def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: int,
+              keep: bool) -> dict:
+    base = work / shape
+    base.mkdir(parents=True, exist_ok=True)
+    print(f"{shape}: writing the random source", flush=True)
+    t0 = time.perf_counter()
+    weight_bytes = make_source(shape, base / "source")
+    res: dict = {"shape": SHAPES[shape], "weight_bytes_fp16": weight_bytes,
+                 "source_seconds": round(time.perf_counter() - t0, 1), "stages": {}}
+    fp16 = base / "fp16"
+    st = res["stages"]
+    st["export-fp16"] = run_stage(["export-fp16", str(base / "source"), "--out", str(fp16),
+                                   "--force"], base / "export-fp16.log")
+    if st["export-fp16"]["rc"] != 0:
+        return res
+    for algo in algos:
+        calib, qdir = base / f"calib-{algo}", base / f"int4-{algo}"
+        shutil.rmtree(calib, ignore_errors=True)
+        key = f"calibrate-{algo}"
+        st[key] = run_stage(["calibrate", str(fp16), "--out", str(calib), "--algo", algo,
+                             "--samples", str(samples), "--seq-len", str(seq_len),
+                             "--group-size", "128", "--batch-size", str(min(8, samples))],
+                            base / f"{key}.log")
+        if st[key]["rc"] != 0:
+            continue
+        secs = block_seconds(calib)
+        st[key]["seconds_per_block"] = {"mean": round(sum(secs) / len(secs), 2),
+                                        "max": round(max(secs), 2), "blocks": len(secs)}
+        st[f"export-{algo}"] = run_stage(["export", str(calib), "--bits", "4", "--out",
+                                          str(qdir), "--force"], base / f"export-{algo}.log")
+        if st[f"export-{algo}"]["rc"] != 0:
+            continue
+        st[f"verify-{algo}"] = run_stage(["verify", str(qdir)], base / f"verify-{algo}.log")
+        st[f"generate-{algo}"] = run_stage(
+            ["generate", str(qdir), "--prompt", "Summarise the contract in one line.",
+             "--max-new-tokens", "8"], base / f"generate-{algo}.log")
+    if not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return res
+
+
+def cpu_info() -> dict:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        text = ""
+    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {"model": info.get("Model name", "").strip(), "cpus": os.cpu_count(),
+            "flags": info.get("Flags", "").strip(), "machine": platform.machine()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="tinyllama-4,tinyllama-16",
+                    help=f"comma-separated, from {sorted(SHAPES)}")
+    ap.add_argument("--algos", default="rtn", help="comma-separated: rtn, gptq, awq")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qp-scale"))
+    ap.add_argument("--keep", action="store_true", help="keep the model folders")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scale.json")
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    algos = [a for a in args.algos.split(",") if a]
+    out = {"cpu": cpu_info(), "torch": torch.__version__, "samples": args.samples,
+           "seq_len": args.seq_len, "results": {}}
+    for shape in shapes:
+        out["results"][shape] = run_shape(shape, algos, args.work, args.samples, args.seq_len,
+                                          args.keep)
+        write_json_atomic(args.json, out)  # after every shape: a long run keeps what it has
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
