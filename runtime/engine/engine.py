@@ -3,6 +3,12 @@
 ``LLMEngine`` is single-threaded (``add_request`` / ``abort`` / ``step``). ``EngineLoop`` runs it
 in a background thread for the server: other threads submit and abort through a thread-safe
 command queue, and receive outputs through the callback they registered.
+
+Failures stay with the requests they hit: an exception while sampling or detokenizing one
+sequence finishes that sequence with ``finish_reason == "error"``; an exception in a step's
+forward pass finishes every sequence of that step the same way (their KV blocks are freed) and
+the engine goes on. Only an error outside both (the scheduler's bookkeeping), or
+``MAX_CONSECUTIVE_STEP_FAILURES`` failed forwards in a row (a broken device), stops the loop.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from runtime.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 
+
+# Forward passes failing back to back mean the device or model is broken, not one request:
+# the loop then stops and reports itself dead (/health 503) instead of failing every request.
+MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 # kv_dtype -> KV cache element type (None: the model's activation dtype)
 KV_DTYPES: dict[str, torch.dtype | None] = {"model": None, "bf16": torch.bfloat16}
@@ -67,10 +77,18 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens generated since the previous output of this request
     new_text: str  # text delta (held back while it might still become a stop string)
     finished: bool
-    finish_reason: str | None  # "stop" (EOS / stop string), "length", "abort"
+    finish_reason: str | None  # "stop" (EOS / stop string), "length", "abort", "error"
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    error: str | None = None  # what failed, when finish_reason == "error"
+
+
+def failed_output(request_id: str, message: str, prompt_tokens: int = 0,
+                  completion_tokens: int = 0) -> RequestOutput:
+    """The last output of a request that failed (no text: the client gets an error)."""
+    return RequestOutput(request_id, [], "", True, "error", prompt_tokens, completion_tokens, 0,
+                         error=message)
 
 
 @dataclass
@@ -136,6 +154,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
         self._ids = itertools.count()
+        self.num_failed = 0  # requests finished with finish_reason "error"
+        self.consecutive_step_failures = 0  # forward passes failed in a row (reset on success)
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s)", num_blocks, config.block_size,
                  num_blocks * block_bytes / 2**20, self.runner.kv_dtype)
 
@@ -194,21 +214,40 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self.runner.forward([
-            SeqChunk(c.seq.all_ids[c.seq.num_computed : c.seq.num_computed + c.num_tokens],
-                     c.seq.num_computed, list(c.seq.block_table))
-            for c in chunks
-        ])  # [B, vocab] fp32
+        try:
+            logits = self.runner.forward([
+                SeqChunk(c.seq.all_ids[c.seq.num_computed : c.seq.num_computed + c.num_tokens],
+                         c.seq.num_computed, list(c.seq.block_table))
+                for c in chunks
+            ])  # [B, vocab] fp32
+        except Exception as exc:  # fail this step's requests, keep serving the others
+            log.exception("forward step over %d sequences failed", len(chunks))
+            self.consecutive_step_failures += 1
+            return [self._fail(c.seq, f"forward pass failed: {type(exc).__name__}: {exc}")
+                    for c in chunks]
+        self.consecutive_step_failures = 0
         self.scheduler.after_forward(chunks)
         outputs = []
         for row, c in enumerate(chunks):
             seq = c.seq
             if seq.num_computed < seq.num_tokens:
                 continue  # a prefill chunk with more to come: nothing to sample yet
-            tok = sample_token(logits[row], seq.params, seq.generator)
-            seq.output_ids.append(tok)
-            outputs.append(self._emit(seq, tok))
+            try:
+                tok = sample_token(logits[row], seq.params, seq.generator)
+                seq.output_ids.append(tok)
+                outputs.append(self._emit(seq, tok))
+            except Exception as exc:  # this request fails alone
+                log.exception("sampling request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Finish ``seq`` with an error and free its blocks (idempotent)."""
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        self.num_failed += 1
+        return failed_output(seq.request_id, message, len(seq.prompt_ids), len(seq.output_ids))
 
     def _emit(self, seq: Sequence, tok: int) -> RequestOutput:
         p = seq.params
@@ -263,6 +302,7 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "prefix_cache_hit_rate": self.pool.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_failed": self.num_failed,
         }
 
 
@@ -324,13 +364,19 @@ Callback = Callable[[RequestOutput], None]
 
 
 class EngineLoop:
-    """Steps an ``LLMEngine`` in a daemon thread; submit/abort are thread-safe."""
+    """Steps an ``LLMEngine`` in a daemon thread; submit/abort are thread-safe.
+
+    Every submitted request gets exactly one finished output through its callback, also when
+    the loop dies: ``error`` is then set (the server answers /health with 503) and every
+    pending and later request is finished with ``finish_reason == "error"``.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cmds: queue.Queue = queue.Queue()
         self._callbacks: dict[str, Callback] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # orders submit() against the loop's death
         self._thread = threading.Thread(target=self._run, name="quantpipe-engine", daemon=True)
         self.stats: dict[str, float] = engine.stats()
         self.error: BaseException | None = None
@@ -345,7 +391,12 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                callback: Callback) -> None:
-        self._cmds.put(("add", request_id, prompt_ids, params, callback))
+        with self._lock:
+            if self.error is None:
+                self._cmds.put(("add", request_id, prompt_ids, params, callback))
+                return
+        _deliver(callback, failed_output(request_id, f"engine stopped: {self.error}",
+                                         len(prompt_ids)))
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -355,8 +406,10 @@ class EngineLoop:
             _, rid, ids, params, cb = cmd
             try:
                 self.engine.add_request(ids, params, rid)
-            except ValueError as exc:  # validated up front by the server; report, never crash
-                cb(RequestOutput(rid, [], f"error: {exc}", True, "abort", len(ids), 0, 0))
+            except Exception as exc:  # validated up front by the server; fail it, never crash
+                log.exception("adding request %s failed", rid)
+                _deliver(cb, failed_output(rid, f"request rejected by the engine: {exc}",
+                                           len(ids)))
                 return
             self._callbacks[rid] = cb
         elif cmd[0] == "abort":
@@ -366,6 +419,20 @@ class EngineLoop:
             pass
         else:
             raise AssertionError(f"unknown engine command {cmd[0]!r}")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        outs = self.engine.step() if self.engine.has_work() else []
+        for out in outs:
+            cb = self._callbacks.get(out.request_id)
+            if out.finished:
+                self._callbacks.pop(out.request_id, None)
+            if cb is not None:
+                _deliver(cb, out)
+        if self.engine.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self.engine.consecutive_step_failures} forward passes failed "
+                               "in a row; restart the server (see its log for the cause)")
+        self.stats = {**self.engine.stats(), "step_seconds": time.perf_counter() - t0}
 
     def _run(self) -> None:
         try:
@@ -378,18 +445,32 @@ class EngineLoop:
                         self._apply(self._cmds.get_nowait())
                 except queue.Empty:
                     pass
-                t0 = time.perf_counter()
-                outs = self.engine.step() if self.engine.has_work() else []
-                for out in outs:
-                    cb = self._callbacks.get(out.request_id)
-                    if out.finished:
-                        self._callbacks.pop(out.request_id, None)
-                    if cb is not None:
-                        cb(out)
-                self.stats = {**self.engine.stats(), "step_seconds": time.perf_counter() - t0}
+                self._step()
         except BaseException as exc:  # surface engine crashes through /health, never hang
             log.exception("engine loop crashed")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
             self.error = exc
-            for rid, cb in list(self._callbacks.items()):
-                cb(RequestOutput(rid, [], "", True, "abort", 0, 0, 0))
-            self._callbacks.clear()
+            pending = []
+            while True:
+                try:
+                    pending.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+        message = f"engine stopped: {type(exc).__name__}: {exc}"
+        for cmd in pending:
+            if cmd[0] == "add":
+                _deliver(cmd[4], failed_output(cmd[1], message, len(cmd[2])))
+        for rid, cb in list(self._callbacks.items()):
+            _deliver(cb, failed_output(rid, message))
+        self._callbacks.clear()
+
+
+def _deliver(callback: Callback, out: RequestOutput) -> None:
+    """Hand one output to its request; a broken callback must not stop the engine."""
+    try:
+        callback(out)
+    except Exception:
+        log.exception("delivering an output of request %s failed", out.request_id)

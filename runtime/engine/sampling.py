@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -20,14 +23,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a count, got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got "
+                             f"{self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -54,13 +61,32 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return out
 
 
+def scale_logits(logits32: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` shifted so the largest is 0, finite for any temperature > 0.
+
+    logits32: [vocab] fp32 -> [vocab] fp32 (max 0; the others <= 0, possibly -inf).
+    Dividing first overflows for tiny temperatures (1e-40: every logit becomes +-inf and the
+    softmax is nan); after subtracting the max every value is <= 0, so the quotient can only
+    go to -inf, i.e. probability 0, which is the greedy limit. The division runs in float64
+    because a temperature below fp32's smallest subnormal (1.4e-45) rounds to 0 in fp32.
+    """
+    shifted = logits32 - logits32.max()  # [vocab] fp32, <= 0 (softmax is shift-invariant)
+    return (shifted.double() / temperature).float()  # [vocab] fp64 -> fp32
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution: ``logits: [vocab]`` (any float dtype) -> [vocab] fp32."""
+    assert not params.greedy, "greedy decoding takes the argmax; there is no distribution"
+    scaled = filter_logits(scale_logits(logits.float(), params.temperature), params.top_k,
+                           params.top_p)
+    return torch.softmax(scaled, dim=-1)  # [vocab] fp32
+
+
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
     """One token id from ``logits: [vocab]`` (any float dtype; computed in fp32)."""
-    logits32 = logits.float()
     if params.greedy:
-        return int(torch.argmax(logits32))
-    scaled = filter_logits(logits32 / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(scaled, dim=-1)  # [vocab] fp32
+        return int(torch.argmax(logits.float()))
+    probs = token_probs(logits, params)  # [vocab] fp32
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -295,3 +295,136 @@ def test_bf16_kv_cache_halves_the_pool_and_stays_close(tiny):
     assert [len(o) for o in outs] == [NEW] * len(prompts) and eng.pool.num_used == 0
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int8")
+
+
+# --- failures stay with the requests they hit (issue #13) -------------------------------------
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-8, 0.3, 1.0, 7.0, 1e30])
+def test_sampling_distribution_matches_float64_for_any_temperature(temperature):
+    """token_probs against softmax(logits / T) in float64 (subtracting the max there too, as
+    float64 itself overflows at T = 1e-300); tiny temperatures give the argmax one-hot."""
+    from runtime.engine.sampling import token_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(384, generator=g) * 4  # [vocab] fp32
+    for top_k, top_p in ((0, 1.0), (20, 1.0), (0, 0.8)):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        got = token_probs(logits, params)  # [vocab] fp32
+        l64 = logits.double()
+        ref = torch.softmax(filter_logits((l64 - l64.max()) / temperature, top_k, top_p), -1)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-6)
+        tok = sample_token(logits, params, torch.Generator().manual_seed(1))
+        assert 0 <= tok < 384
+    if temperature <= 1e-8:  # the greedy limit: all mass on the argmax
+        assert sample_token(logits, SamplingParams(temperature=temperature), None) == int(
+            logits.argmax())
+
+
+def test_sampling_params_reject_non_finite_temperature_and_huge_seed():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("inf"))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(temperature=1.0, seed=2**64)
+
+
+def _hf_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+def _run_all(eng: LLMEngine, prompts, params) -> dict:
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    got = {r: {"ids": [], "reason": None, "error": None} for r in rids}
+    while eng.has_work():
+        for out in eng.step():
+            got[out.request_id]["ids"] += out.new_token_ids
+            if out.finished:
+                got[out.request_id].update(reason=out.finish_reason, error=out.error)
+    return [got[r] for r in rids]
+
+
+def test_sampling_failure_fails_only_that_request(monkeypatch):
+    import runtime.engine.engine as engine_mod
+
+    model, tok = make_model("llama")
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 27)), [40, 41, 42]]
+    ref = _hf_greedy(model, prompts, 6)
+    real = engine_mod.sample_token
+
+    def failing(logits, params, gen):
+        if params.seed == 99:
+            raise RuntimeError("injected sampling fault")
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(engine_mod, "sample_token", failing)
+    eng = _engine(model, tok, 64, max_num_seqs=4, max_num_batched_tokens=64)
+    bad = SamplingParams(max_tokens=6, temperature=1.0, seed=99, ignore_eos=True)
+    good = SamplingParams(max_tokens=6, ignore_eos=True)
+    res = _run_all(eng, prompts, [good, bad, good])
+    assert res[1]["reason"] == "error" and "injected sampling fault" in res[1]["error"]
+    assert [res[0]["ids"], res[2]["ids"]] == [ref[0], ref[2]]
+    assert res[0]["reason"] == res[2]["reason"] == "length"
+    assert eng.pool.num_used == 0 and eng.num_failed == 1
+    assert eng.generate(prompts, good) == ref  # the engine goes on
+
+
+def test_forward_failure_fails_the_step_frees_blocks_and_engine_goes_on():
+    model, tok = make_model("llama")
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 27))]
+    ref = _hf_greedy(model, prompts, 6)
+    eng = _engine(model, tok, 64, max_num_seqs=4, max_num_batched_tokens=64)
+    real = eng.runner.forward
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a decode step with both sequences holding blocks
+            raise RuntimeError("injected device fault")
+        return real(chunks)
+
+    eng.runner.forward = flaky
+    res = _run_all(eng, prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * 2)
+    assert [r["reason"] for r in res] == ["error", "error"]
+    assert all("injected device fault" in r["error"] for r in res)
+    assert eng.pool.num_used == 0 and not eng.has_work()
+    assert eng.consecutive_step_failures == 1
+    assert eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True)) == ref
+    assert eng.consecutive_step_failures == 0
+
+
+def test_engine_loop_survives_failures_and_fails_every_request_when_it_dies():
+    import queue as queue_mod
+
+    from runtime.engine import EngineLoop
+
+    model, tok = make_model("llama")
+    eng = _engine(model, tok, 64, max_num_seqs=4, max_num_batched_tokens=64)
+    el = EngineLoop(eng)
+    el.start()
+    outs: queue_mod.Queue = queue_mod.Queue()
+
+    def run(rid: str, params: SamplingParams):
+        el.submit(rid, [5, 6, 7], params, outs.put)
+        while True:
+            out = outs.get(timeout=30)
+            if out.finished:
+                return out
+
+    try:
+        # seed out of torch's range slipped past validation: only this request fails
+        bad = SamplingParams(temperature=1.0)
+        object.__setattr__(bad, "seed", 2**64)
+        assert run("a", bad).finish_reason == "error"
+        assert run("b", SamplingParams(max_tokens=3, ignore_eos=True)).finish_reason == "length"
+        assert el.error is None
+        # a scheduler bug is unrecoverable: the loop dies, every request gets an error
+        eng.scheduler.schedule = lambda: 1 / 0
+        died = run("c", SamplingParams(max_tokens=3))
+        assert died.finish_reason == "error" and "ZeroDivisionError" in died.error
+        assert isinstance(el.error, ZeroDivisionError)
+        late = run("d", SamplingParams(max_tokens=3))  # answered at once, never hangs
+        assert late.finish_reason == "error" and "engine stopped" in late.error
+    finally:
+        el.stop()
