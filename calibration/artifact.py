@@ -1,9 +1,11 @@
 """CALIB_DIR: the calibration artifact, written block by block and read by `export`.
 
-Layout::
+While it runs, `calibrate` writes into the hidden work folder ``.CALIB_DIR.work`` beside
+CALIB_DIR (:func:`work_dir`), which holds the resume state, and renames it to CALIB_DIR when
+it is complete (an existing CALIB_DIR is replaced only then). Layout::
 
     CALIB_DIR/
-      progress.json                 spec + finished blocks (while running; resume point)
+      progress.json                 settings + finished blocks (while running; resume point)
       state/hidden.safetensors      inputs of the next block (while running; deleted at the end)
       blocks/block-0000.safetensors per linear P and tag T in {w4, w8}:
                                       P.T.qweight int32 [out, in*bits/32], P.T.scales fp16
@@ -20,6 +22,7 @@ One calibration holds both the INT4 and the INT8 result of every linear, so `exp
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +34,12 @@ from quantpipe.io import read_manifest, save_safetensors_atomic, write_json_atom
 from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
 
 TAGS = {4: "w4", 8: "w8"}
+
+
+def work_dir(calib_dir: str | Path) -> Path:
+    """The hidden folder beside CALIB_DIR where `calibrate` builds (and resumes) it."""
+    out = Path(os.path.abspath(calib_dir))
+    return out.parent / f".{out.name}.work"
 
 
 def block_file(calib_dir: Path, index: int, ext: str) -> Path:
@@ -133,7 +142,9 @@ class Calibration:
 
 def read_calibration(folder: str | Path) -> Calibration:
     folder = Path(folder)
-    if (folder / "progress.json").is_file() and not (folder / "quantpipe.json").is_file():
+    unfinished = (folder / "progress.json").is_file() or (
+        work_dir(folder) / "progress.json").is_file()
+    if unfinished and not (folder / "quantpipe.json").is_file():
         raise ValueError(
             f"{folder} holds an unfinished calibration; re-run the same `quantpipe calibrate` "
             "command to resume it"

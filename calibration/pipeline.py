@@ -9,14 +9,22 @@ For each block, in order:
 4. compute the next block's inputs: through the INT4-quantized block for GPTQ (the original
    ``llama_sequential`` propagates quantized outputs), through the FP block otherwise;
 5. save the block's results and the next inputs, so a killed run resumes from here.
+
+Data safety: every option and input (FP16 manifest, config and shard hashes, group size
+against every layer, prompts and their token count) is checked before CALIB_DIR is touched.
+The run holds CALIB_DIR's output lock (quantpipe.io) and builds the calibration in the hidden
+work folder beside it (calibration.artifact.work_dir), which holds the resume state; the
+finished folder replaces CALIB_DIR only at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import time
@@ -24,10 +32,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from calibration.artifact import block_file, save_block
+from calibration.artifact import block_file, save_block, work_dir
 from calibration.awq import awq_clip_search, awq_search_scales, fold_scales
 from calibration.capture import (
     BlockContext,
@@ -36,15 +45,26 @@ from calibration.capture import (
     embed_inputs,
     run_block,
 )
-from calibration.families import ONE_PLUS_NORM_FAMILIES, Family, family_for, get_blocks
+from calibration.families import (
+    ONE_PLUS_NORM_FAMILIES,
+    Family,
+    block_linear_names,
+    family_for,
+    get_blocks,
+)
 from calibration.gptq import gptq
+from calibration.prompts import SHIPPED_SETS
 from calibration.result import QuantResult
 from calibration.rtn import rtn
 from quantpipe.io import (
-    MANIFEST_NAME,
-    OutputExistsError,
+    check_not_overlapping,
+    check_output_dir,
+    clean_stale_temps,
+    output_lock,
     read_manifest,
+    replace_dir,
     save_safetensors_atomic,
+    verify_shard_hashes,
     write_json_atomic,
     write_manifest,
 )
@@ -58,6 +78,16 @@ ALGOS = ("gptq", "awq", "rtn")
 GPTQ_ACT_ORDER_DEFAULT = True
 # GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
 GPTQ_MSE_CLIP_DEFAULT = True
+# INT4 group sizes calibrate accepts: -1 (one group per output row) or powers of two that
+# every writer stores and every kernel runs (quantpipe's CPU kernel needs multiples of 16,
+# torch's int4pack 32..256, Triton any size; other sizes take the dequantize path)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size} is not supported; use one of "
+                         f"{', '.join(map(str, GROUP_SIZES))} (-1: per output channel)")
 
 
 @dataclass(frozen=True)
@@ -85,12 +115,17 @@ class CalibrateSpec:
     # the group (on error-updated columns), None = static with act-order, dynamic without
     # (static act-order groups keep g_idx sequential: no g_idx is stored)
     static_groups: bool | None = None
-    force: bool = False  # discard an existing CALIB_DIR
+    # replace a finished CALIB_DIR (once the new one is complete) and discard an unfinished
+    # calibration with other settings; one with the same settings is resumed
+    force: bool = False
+    # a layer whose in_features is below group_size: quantize it per channel (-1) instead of
+    # failing (the per-layer choice is recorded like any group-size fallback)
+    per_channel_if_larger: bool = False
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
-        QuantSpec(4, self.group_size, self.sym)  # validates group size
+        check_group_size(self.group_size)
         if self.act_order and self.algo != "gptq":
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
         if self.mse_clip and self.algo == "awq":
@@ -98,12 +133,16 @@ class CalibrateSpec:
         if self.static_groups is not None and self.algo != "gptq":
             raise ValueError("--static-groups/--dynamic-groups apply to GPTQ only; drop it or "
                              "use --algo gptq")
-        for name in ("samples", "seq_len", "batch_size", "awq_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        lowest = {"samples": 1, "seq_len": 2, "min_tokens": 1, "seed": 0, "batch_size": 1,
+                  "awq_samples": 1}
+        for name, low in lowest.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low} "
+                                 f"(got {getattr(self, name)})")
 
     def resolved(self) -> CalibrateSpec:
-        """The same spec with every default (None) replaced by the value it stands for."""
+        """The same spec with every default (None) replaced by the value it stands for, and
+        the input paths resolved (so a relative and an absolute path resume the same run)."""
         gptq_algo = self.algo == "gptq"
         act_order = self.act_order if self.act_order is not None else (
             gptq_algo and GPTQ_ACT_ORDER_DEFAULT)
@@ -111,15 +150,24 @@ class CalibrateSpec:
             act_order if gptq_algo else None)
         mse = self.mse_clip if self.mse_clip is not None else (
             gptq_algo and GPTQ_MSE_CLIP_DEFAULT)
-        return replace(self, act_order=act_order, static_groups=static, mse_clip=mse)
+        prompts = self.prompts
+        if prompts not in SHIPPED_SETS and Path(prompts).expanduser().exists():
+            prompts = str(Path(prompts).expanduser().resolve())
+        return replace(self, fp16_dir=Path(self.fp16_dir).expanduser().resolve(),
+                       prompts=prompts, act_order=act_order, static_groups=static, mse_clip=mse)
 
     @property
     def int4(self) -> QuantSpec:
         return QuantSpec(4, self.group_size, self.sym, bool(self.resolved().act_order))
 
+    def resume_settings(self) -> dict[str, str]:
+        """The settings that must match for a partial run to resume (paths resolved)."""
+        return {k: str(v) for k, v in asdict(self.resolved()).items()
+                if k not in ("out", "force")}
+
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
-        keep = {k: str(v) for k, v in asdict(self).items() if k not in ("out", "force")}
+        keep = self.resume_settings()
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -137,44 +185,164 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _prepare_out(spec: CalibrateSpec) -> int:
-    """Create CALIB_DIR or find the resume point; returns the first block to compute."""
-    out = spec.out
-    progress = out / "progress.json"
-    if (out / MANIFEST_NAME).is_file() or (out.exists() and not progress.is_file()
-                                          and out.is_dir() and any(out.iterdir())):
-        if not spec.force:
-            raise OutputExistsError(
-                f"{out} exists and holds other files or a finished calibration; pass --force "
-                "to replace it or choose another --out"
-            )
-    if spec.force and out.exists():
-        shutil.rmtree(out)
+@dataclass(frozen=True)
+class _Inputs:
+    """What calibrate read and checked before touching CALIB_DIR."""
+
+    fp16_manifest: dict
+    model_type: str
+    num_blocks: int
+    input_ids: torch.Tensor  # [samples, seq_len] int64: the packed calibration windows
+    data_summary: dict  # calibration.prompts.CalibSummary as a dict
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One calibrate run: the resolved spec, where it builds CALIB_DIR, what resume matches."""
+
+    spec: CalibrateSpec
+    work: Path  # hidden folder beside spec.out (calibration.artifact.work_dir)
+    settings: dict[str, str]  # spec.resume_settings() + the FP16 shards' hashes
+
+
+def _read_config(fp16_dir: Path) -> dict:
+    path = fp16_dir / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing; re-run export-fp16 to rebuild FP16_DIR") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); re-run export-fp16") from None
+
+
+def _linear_in_features(fp16_dir: Path, manifest: dict, family: Family) -> tuple[dict, int]:
+    """``({linear name: in_features}, number of blocks)`` from the shard headers alone."""
+    names = set(block_linear_names(family))
+    pattern = re.compile(rf"{re.escape(family.blocks)}\.(\d+)\.(.+)\.weight")
+    in_features: dict[str, int] = {}
+    blocks: set[int] = set()
+    for entry in manifest["shards"]:
+        with safe_open(str(fp16_dir / entry["file"]), framework="pt") as f:
+            for key in f.keys():
+                m = pattern.fullmatch(key)
+                if m and m.group(2) in names:
+                    blocks.add(int(m.group(1)))
+                    in_features[key[: -len(".weight")]] = int(f.get_slice(key).get_shape()[1])
+    if not in_features:
+        raise ValueError(f"{fp16_dir}: its shards hold no {family.blocks}.N.* linears; "
+                         "re-run export-fp16")
+    return in_features, len(blocks)
+
+
+def _fitting_sizes(in_features: int) -> str:
+    ok = [str(g) for g in GROUP_SIZES if g != -1 and in_features % g == 0]
+    return ", ".join(ok + ["-1 (per channel)"])
+
+
+def layer_group_size(spec: CalibrateSpec, name: str, in_features: int) -> int:
+    """The INT4 group size used for one linear.
+
+    A request that does not divide ``in_features`` falls back to the largest divisor below it
+    (576 with 128 -> 64; an error with ``strict_group_size``); a request above ``in_features``
+    is an error unless ``per_channel_if_larger``, which quantizes that layer per channel.
+    """
+    gs = spec.group_size
+    if gs != -1 and gs > in_features:
+        if spec.per_channel_if_larger:
+            return -1
+        raise ValueError(
+            f"--group-size {gs} is larger than in_features {in_features} of {name}; use "
+            f"{_fitting_sizes(in_features)}, or --per-channel-if-larger to quantize such "
+            "layers per channel"
+        )
+    try:
+        return resolve_group_size(gs, in_features, spec.strict_group_size)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _check_inputs(spec: CalibrateSpec) -> _Inputs:
+    """Every check on the options and inputs, before CALIB_DIR (or its lock) is touched."""
+    from transformers import AutoTokenizer
+
+    from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+
+    prompts_path = None if spec.prompts in SHIPPED_SETS else spec.prompts
+    check_not_overlapping(spec.out, {"FP16_DIR": spec.fp16_dir, "--prompts": prompts_path})
+    check_output_dir(spec.out, spec.force)
+    records = load_prompt_records(spec.prompts, column=spec.column)
+    manifest = read_manifest(spec.fp16_dir, "fp16")
+    config = _read_config(spec.fp16_dir)
+    family = family_for(config.get("model_type"))
+    verify_shard_hashes(spec.fp16_dir, manifest["shards"])  # reads every byte: logged at -v
+    in_features, num_blocks = _linear_in_features(spec.fp16_dir, manifest, family)
+    for name, in_f in in_features.items():
+        layer_group_size(spec, name, in_f)
+    max_pos = config.get("max_position_embeddings")
+    if max_pos and spec.seq_len > max_pos:
+        raise ValueError(f"--seq-len {spec.seq_len} is above the model's "
+                         f"max_position_embeddings {max_pos}; use at most {max_pos}")
+    calib = build_calibration_set(
+        AutoTokenizer.from_pretrained(spec.fp16_dir), records,
+        CalibDataSpec(n_samples=spec.samples, seq_len=spec.seq_len,
+                      min_tokens=spec.min_tokens, seed=spec.seed),
+    )
+    assert torch.is_tensor(calib.input_ids), "pack mode returns one [n, seq_len] tensor"
+    return _Inputs(manifest, config["model_type"], num_blocks, calib.input_ids,
+                   asdict(calib.summary))
+
+
+def _resume_settings(spec: CalibrateSpec, fp16_manifest: dict) -> dict[str, str]:
+    shards = json.dumps([[s["file"], s["sha256"]] for s in fp16_manifest["shards"]])
+    return {**spec.resume_settings(),
+            "fp16_shards": hashlib.sha256(shards.encode()).hexdigest()[:16]}
+
+
+def _differences(before: dict, now: dict) -> list[str]:
+    keys = sorted((set(before) | set(now)) - {"out", "force"})
+    return [f"{k}: {before.get(k)!r} before, {now.get(k)!r} now"
+            for k in keys if before.get(k) != now.get(k)]
+
+
+def _prepare_work(run: _Run, num_blocks: int) -> int:
+    """Find the resume point in the work folder, or start it afresh; returns the first block.
+
+    Same settings: resume (with or without --force). Other settings: an error naming them,
+    or with --force the unfinished run is discarded. CALIB_DIR itself is never touched here.
+    """
+    progress = run.work / "progress.json"
     if progress.is_file():
         state = json.loads(progress.read_text())
-        if state["fingerprint"] != spec.fingerprint():
+        diffs = _differences(state.get("spec", {}), run.settings)
+        nxt = int(state["next_block"])
+        has_state = (run.work / "state" / "hidden.safetensors").is_file()
+        if not diffs and (has_state or nxt >= num_blocks):
+            log.info("resuming %s at block %d (work folder %s)", run.spec.out, nxt, run.work)
+            return nxt
+        if diffs and not run.spec.force:
             raise ValueError(
-                f"{out} holds an unfinished calibration with other settings "
-                f"({state['spec']}); re-run with those settings to resume, or pass --force"
+                f"{run.spec.out} has an unfinished calibration with other settings ("
+                + "; ".join(diffs) + "); re-run with the earlier settings to resume it, or "
+                "pass --force to discard it"
             )
-        if (out / "state" / "hidden.safetensors").is_file():
-            log.info("resuming %s at block %d", out, state["next_block"])
-            return int(state["next_block"])
-    out.mkdir(parents=True, exist_ok=True)
+        log.warning("discarding the unfinished calibration in %s", run.work)
+    if run.work.exists():
+        shutil.rmtree(run.work)
+    run.work.mkdir(parents=True)
     return 0
 
 
-def _save_progress(spec: CalibrateSpec, next_block: int, extra: dict) -> None:
+def _save_progress(run: _Run, next_block: int, extra: dict) -> None:
     write_json_atomic(
-        spec.out / "progress.json",
-        {"fingerprint": spec.fingerprint(), "next_block": next_block,
-         "spec": {k: str(v) for k, v in asdict(spec).items()}, **extra},
+        run.work / "progress.json",
+        {"fingerprint": run.spec.fingerprint(), "next_block": next_block,
+         "spec": run.settings, **extra},
     )
 
 
 def _layer_spec(spec: CalibrateSpec, name: str, in_features: int,
                 fallbacks: dict[str, int]) -> QuantSpec:
-    gs = resolve_group_size(spec.group_size, in_features, spec.strict_group_size)
+    gs = layer_group_size(spec, name, in_features)
     if gs != spec.group_size:
         fallbacks[name] = gs
     return spec.int4.with_group_size(gs)
@@ -301,103 +469,121 @@ def _quantize_block(spec: CalibrateSpec, block, family: Family, collector: Stats
 
 
 def calibrate(spec: CalibrateSpec) -> CalibrateResult:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
-
+    """Calibrate ``spec.fp16_dir`` into ``spec.out`` (see the module docstring)."""
     t0 = time.perf_counter()
     spec = spec.resolved()  # the manifest and the resume fingerprint record concrete values
-    fp16_manifest = read_manifest(spec.fp16_dir, "fp16")
-    # read the prompts first: a bad file fails before CALIB_DIR exists or the model loads
-    records = load_prompt_records(spec.prompts, column=spec.column)
-    start = _prepare_out(spec)
-    tokenizer = AutoTokenizer.from_pretrained(spec.fp16_dir)
+    inputs = _check_inputs(spec)
+    run = _Run(spec, work_dir(spec.out), _resume_settings(spec, inputs.fp16_manifest))
+    with output_lock(spec.out):
+        clean_stale_temps(spec.out)
+        check_output_dir(spec.out, spec.force)  # again: another run may have finished
+        start = _prepare_work(run, inputs.num_blocks)
+        try:
+            result = _calibrate_into_work(run, inputs, start, t0)
+        except BaseException:
+            if not (run.work / "progress.json").is_file():
+                shutil.rmtree(run.work, ignore_errors=True)  # nothing to resume from
+            raise
+        replace_dir(run.work, spec.out)
+        with contextlib.suppress(FileNotFoundError):  # the resume point, kept as a record
+            os.replace(spec.out / "progress.json", spec.out / "blocks" / "progress-final.json")
+    return result
+
+
+def _calibrate_into_work(run: _Run, inputs: _Inputs, start: int, t0: float) -> CalibrateResult:
+    data_summary, earlier_seconds = inputs.data_summary, 0.0
+    if start > 0:
+        progress = json.loads((run.work / "progress.json").read_text())
+        data_summary = progress.get("data", data_summary)
+        earlier_seconds = float(progress.get("seconds", 0.0))  # time spent before the kill
+    if start < inputs.num_blocks:
+        _run_blocks(run, inputs, start, t0, earlier_seconds, data_summary)
+    return _finish(run, inputs, data_summary, earlier_seconds + time.perf_counter() - t0, start)
+
+
+def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_seconds: float,
+                data_summary: dict) -> None:
+    """Blocks ``start..`` one by one; after each, its results and the next inputs are saved."""
+    from transformers import AutoModelForCausalLM
+
+    spec = run.spec
     model = AutoModelForCausalLM.from_pretrained(
         spec.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa"
     ).eval()
-    model_type = model.config.model_type
-    family = family_for(model_type)
+    family = family_for(model.config.model_type)
     blocks = get_blocks(model, family)
-    prefix = family.blocks
-    data_summary = {}
-    earlier_seconds = 0.0
-    state_file = spec.out / "state" / "hidden.safetensors"
+    if len(blocks) != inputs.num_blocks:
+        raise ValueError(f"{spec.fp16_dir}: config.json describes {len(blocks)} blocks, the "
+                         f"shards hold {inputs.num_blocks}; re-run export-fp16")
+    state_file = run.work / "state" / "hidden.safetensors"
     if start == 0:
-        calib = build_calibration_set(
-            tokenizer, records,
-            CalibDataSpec(n_samples=spec.samples, seq_len=spec.seq_len,
-                          min_tokens=spec.min_tokens, seed=spec.seed),
-        )
-        input_ids = calib.input_ids
-        if not torch.is_tensor(input_ids):
-            raise ValueError("calibration needs equal-length sequences; use pack mode")
-        data_summary = asdict(calib.summary)
-        hidden, ctx = embed_inputs(model, input_ids)
-        (spec.out / "state").mkdir(parents=True, exist_ok=True)
+        input_ids = inputs.input_ids  # [n, L] int64
+        hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d]
+        state_file.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
-        _save_progress(spec, 0, {"data": data_summary})
+        _save_progress(run, 0, {"data": data_summary})
     else:
         saved = load_file(str(state_file))
         hidden, input_ids = saved["hidden"], saved["input_ids"]
         _, ctx = embed_inputs(model, input_ids[:1])
-        progress = json.loads((spec.out / "progress.json").read_text())
-        data_summary = progress.get("data", {})
-        earlier_seconds = float(progress.get("seconds", 0.0))  # time spent before the kill
-    fallbacks: dict[str, int] = {}
-    total_raises = 0
     for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
                   initial=start, total=len(blocks)):
-        tb = time.perf_counter()
-        block = blocks[i]
-        collector = StatsCollector(block, family.groups, seed=spec.seed + i)
-        inspect_names = [g.inspect for g in family.groups if g.inspect]
-        recorder = (InputRecorder(block, inspect_names, spec.awq_samples)
-                    if spec.algo == "awq" else None)
-        fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
-        collector.remove()
-        if recorder is not None:
-            recorder.remove()
-        awq_info: dict = {}
-        fp_changed: dict[str, torch.Tensor] = {}
-        if spec.algo == "awq":
-            before = {k: v.detach().clone() for k, v in block.state_dict().items()}
-            awq_info = _awq_block(block, family, model_type, collector, recorder, ctx,
-                                  lambda in_f: _layer_spec(spec, "", in_f, {}))
-            for k, v in block.state_dict().items():
-                if not torch.equal(v, before[k]):
-                    fp_changed[f"{prefix}.{i}.{k}"] = v.detach().to(torch.float16).clone()
-        results: dict[str, dict[int, QuantResult]] = {}
-        block_raises = 0
-        # GPTQ runs many small column operations: with several OpenMP threads each one pays
-        # thread wake-ups (and spins when cores are shared), which was measured to cost 20x
-        # the work itself on 2 cores. Large forwards keep all threads.
-        threads = torch.get_num_threads()
-        if spec.algo == "gptq":  # AWQ's clip search is large matmuls: keep all threads
-            torch.set_num_threads(1)
-        try:
-            results, block_raises = _quantize_block(spec, block, family, collector, prefix, i,
-                                                    fallbacks)
-        finally:
-            torch.set_num_threads(threads)
-        total_raises += block_raises
-        if spec.algo == "gptq":
-            hidden = run_block(block, hidden, ctx, spec.batch_size)
-        else:
-            hidden = fp_out
-        save_block(spec.out, i, results, fp_changed, {
-            "seconds": time.perf_counter() - tb, "awq": awq_info,
-            "damp_raises": block_raises,
-        })
+        hidden = _calibrate_block(run, blocks[i], i, family, model.config.model_type, hidden,
+                                  ctx)
         save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
-        _save_progress(spec, i + 1, {"data": data_summary,
-                                     "seconds": earlier_seconds + time.perf_counter() - t0})
-    # finished: the manifest marks the folder valid; the resume state is no longer needed
-    seconds = earlier_seconds + time.perf_counter() - t0
+        _save_progress(run, i + 1, {"data": data_summary,
+                                    "seconds": earlier_seconds + time.perf_counter() - t0})
+
+
+def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
+                     hidden: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    """Steps 1-5 of the module docstring for block ``i``; returns the next block's inputs."""
+    spec, prefix = run.spec, family.blocks
+    tb = time.perf_counter()
+    collector = StatsCollector(block, family.groups, seed=spec.seed + i)
+    inspect_names = [g.inspect for g in family.groups if g.inspect]
+    recorder = (InputRecorder(block, inspect_names, spec.awq_samples)
+                if spec.algo == "awq" else None)
+    fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
+    collector.remove()
+    if recorder is not None:
+        recorder.remove()
+    awq_info: dict = {}
+    fp_changed: dict[str, torch.Tensor] = {}
+    if spec.algo == "awq":
+        before = {k: v.detach().clone() for k, v in block.state_dict().items()}
+        awq_info = _awq_block(block, family, model_type, collector, recorder, ctx,
+                              lambda in_f: _layer_spec(spec, f"{prefix}.{i}", in_f, {}))
+        for k, v in block.state_dict().items():
+            if not torch.equal(v, before[k]):
+                fp_changed[f"{prefix}.{i}.{k}"] = v.detach().to(torch.float16).clone()
+    # GPTQ runs many small column operations: with several OpenMP threads each one pays
+    # thread wake-ups (and spins when cores are shared), which was measured to cost 20x
+    # the work itself on 2 cores. Large forwards keep all threads.
+    threads = torch.get_num_threads()
+    if spec.algo == "gptq":  # AWQ's clip search is large matmuls: keep all threads
+        torch.set_num_threads(1)
+    try:
+        results, block_raises = _quantize_block(spec, block, family, collector, prefix, i, {})
+    finally:
+        torch.set_num_threads(threads)
+    # GPTQ: the next block sees this block's quantized outputs
+    next_hidden = run_block(block, hidden, ctx, spec.batch_size) if spec.algo == "gptq" else fp_out
+    save_block(run.work, i, results, fp_changed, {
+        "seconds": time.perf_counter() - tb, "awq": awq_info, "damp_raises": block_raises,
+    })
+    return next_hidden
+
+
+def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
+            start: int) -> CalibrateResult:
+    """Write the manifest (last file; it marks the folder valid) and drop the resume state."""
+    spec = run.spec
     peak = _peak_rss_mb()
     # after a resume, this process saw only some blocks: the block files are the record
     fallbacks, total_raises = {}, 0
-    for j in range(len(blocks)):
-        info = json.loads(block_file(spec.out, j, "json").read_text())
+    for j in range(inputs.num_blocks):
+        info = json.loads(block_file(run.work, j, "json").read_text())
         total_raises += int(info.get("damp_raises", 0))
         for name, layer in info["layers"].items():
             gs = layer["w4"]["spec"]["group_size"]
@@ -405,17 +591,17 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
                 fallbacks[name] = gs
     if fallbacks:
         sizes = sorted(set(fallbacks.values()))
-        log.warning("group size %d does not divide %d layer(s); used %s there "
+        log.warning("group size %d does not fit %d layer(s); used %s there "
                     "(recorded per layer)", spec.group_size, len(fallbacks), sizes)
     write_manifest(
-        spec.out,
+        run.work,
         stage="calibration",
-        fp16_dir=str(Path(spec.fp16_dir).resolve()),
+        fp16_dir=str(spec.fp16_dir),
         fp16_shards=[{"file": s["file"], "sha256": s["sha256"]}
-                     for s in fp16_manifest["shards"]],
-        model_type=model_type,
-        num_blocks=len(blocks),
-        block_prefix=prefix,
+                     for s in inputs.fp16_manifest["shards"]],
+        model_type=inputs.model_type,
+        num_blocks=inputs.num_blocks,
+        block_prefix=family_for(inputs.model_type).blocks,
         algo=spec.algo,
         int4=spec.int4.to_dict(),
         int8=INT8_PER_CHANNEL.to_dict(),
@@ -426,6 +612,5 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
         seconds=seconds,
         peak_rss_mb=peak,
     )
-    shutil.rmtree(spec.out / "state", ignore_errors=True)
-    os.replace(spec.out / "progress.json", spec.out / "blocks" / "progress-final.json")
+    shutil.rmtree(run.work / "state", ignore_errors=True)
     return CalibrateResult(spec.out, seconds, peak, fallbacks, total_raises, start)

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calibration.artifact import read_calibration
+from calibration.artifact import Calibration, read_calibration
 from calibration.plan import Plan, PlanSpec, make_plan
+from quantpipe.io import check_not_overlapping, check_output_dir, output_lock
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,24 @@ class ExportResult:
 
 
 def export_quantized(spec: ExportSpec) -> ExportResult:
+    """Write QDIR from a calibration. Every check (inputs, --out, the FP16 shards' hashes
+    against those the calibration recorded) runs before QDIR is touched; the whole export
+    holds QDIR's output lock and writes through a hidden temp folder (quantpipe.io)."""
     t0 = time.perf_counter()
+    check_not_overlapping(spec.out, {"CALIB_DIR": spec.calib_dir})
     calib = read_calibration(spec.calib_dir)
-    plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides))
-    weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
+    check_not_overlapping(spec.out, {"FP16_DIR (of the calibration)": calib.fp16_dir})
+    check_output_dir(spec.out, spec.force)  # fail before reading the weights
+    with output_lock(spec.out):
+        plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides))
+        weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
+        _write(spec, calib, plan, weights)
+    size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))
+    return ExportResult(Path(spec.out), plan, size, time.perf_counter() - t0)
+
+
+def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: dict) -> None:
+    """Hand the plan's weights to the chosen format's writer."""
     manifest_fields = {
         "calibration": {
             "path": str(Path(spec.calib_dir).resolve()),
@@ -65,6 +80,10 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
     args = dict(
         fp_overrides=calib.fp_tensors(), manifest_fields=manifest_fields,
         max_shard_size=spec.max_shard_size, force=spec.force,
+        # export reads FP tensors from the FP16 folder: it must hold the very bytes the
+        # calibration was computed from, or the manifest would claim a wrong source hash
+        fp16_shards=calib.manifest["fp16_shards"],
+        recorded_by=f"the calibration {spec.calib_dir}",
     )
     if spec.fmt == "native":
         from quantpipe.native import write_native
@@ -80,5 +99,3 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
         write_compressed_tensors(spec.out, calib.fp16_dir, weights, **args)
     else:
         raise ValueError(f"unknown format {spec.fmt!r}")
-    size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))
-    return ExportResult(Path(spec.out), plan, size, time.perf_counter() - t0)

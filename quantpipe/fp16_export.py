@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 
 from quantpipe.io import (
     atomic_output_dir,
-    check_output_dir,
     save_sharded,
     sha256_file,
     write_manifest,
@@ -77,24 +76,26 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
+    """Write the FP16 folder; bad input fails before ``spec.out`` is touched, and the whole
+    export runs under the output lock inside a hidden temp folder (see quantpipe.io)."""
     t0 = time.perf_counter()
-    check_output_dir(spec.out, spec.force)  # fail before the slow load
     src = resolve_source(spec.source)
     dtype = DTYPES[spec.dtype]
-    log.info("loading %s (%s)", src.path, src.kind)
-    tokenizer = load_tokenizer(src, spec.trust_remote_code)
-    model = load_model(src, "auto", spec.trust_remote_code)
-    _convert_in_place(model, dtype)
-    model.config.dtype = dtype
-    state = unique_state_dict(model)
-    n_params = sum(t.numel() for t in state.values())
-    src_hash_file = src.hash_target()
-    log.info("hashing source %s", src_hash_file)
-    src_sha = sha256_file(src_hash_file) if src_hash_file else None
-    with atomic_output_dir(spec.out, spec.force) as tmp:
+    # checks --out (not the source, not inside or around it; empty unless --force) and takes
+    # the output lock before the slow load; SOURCE is the model folder or the .gguf file
+    with atomic_output_dir(spec.out, spec.force, inputs={"SOURCE": src.path}) as tmp:
+        log.info("loading %s (%s)", src.path, src.kind)
+        tokenizer = load_tokenizer(src, spec.trust_remote_code)
+        model = load_model(src, "auto", spec.trust_remote_code)
+        _convert_in_place(model, dtype)
+        model.config.dtype = dtype
+        state = unique_state_dict(model)
+        n_params = sum(t.numel() for t in state.values())
+        src_hash_file = src.hash_target()
+        log.info("hashing source %s", src_hash_file)
+        src_sha = sha256_file(src_hash_file) if src_hash_file else None
         model.config.save_pretrained(tmp)
-        gen = model.generation_config
-        gen.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         log.info("writing %d tensors (%d parameters)", len(state), n_params)
         shards = save_sharded(state, tmp, spec.max_shard_size)

@@ -1,22 +1,35 @@
-"""Atomic folder and file writes, hashing, sharded safetensors and manifests.
+"""Atomic folder and file writes, output locks, hashing, sharded safetensors and manifests.
 
 Every stage writes its output folder through :func:`atomic_output_dir`: files go into a hidden
 temporary folder beside the target, the manifest (``quantpipe.json``) is written last, and the
 folder is renamed into place only when everything succeeded. A killed run therefore never leaves
 a folder at the target path that looks valid.
+
+Around every write of an output folder ``DIR`` (and of files inside it, e.g. sensitivity.json)
+the writer holds :func:`output_lock`: an exclusive ``flock`` on ``.DIR.lock`` beside it. The OS
+drops the lock when the process dies, so a SIGKILL never leaves a stale lock; a second writer
+fails at once with the holder's pid. Under the lock, hidden ``.DIR.partial-*`` / ``.DIR.old-*``
+folders left by killed runs are removed (or, for an interrupted swap, put back).
+
+Failed writes (disk full, permission denied) raise ``OSError`` naming the file and remove their
+temporary files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -30,6 +43,10 @@ MANIFEST_VERSION = 1
 
 class OutputExistsError(ValueError):
     pass
+
+
+class OutputLockedError(ValueError):
+    """Another process holds the output lock of the folder."""
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -53,20 +70,41 @@ def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; outputs are ordinary readable files
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        _raise_write_error(exc, path)
 
 
 def save_safetensors_atomic(
     tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None
 ) -> None:
+    """Write a safetensors file via a temp file + rename; on failure remove the temp file and
+    raise ``OSError`` naming ``path`` (safetensors reports I/O errors as ``SafetensorError``)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        _raise_write_error(exc, path)
+
+
+def _raise_write_error(exc: BaseException, path: Path) -> None:
+    """Re-raise a failed write of ``path`` as an ``OSError`` that names it (when it is one)."""
+    if isinstance(exc, OSError):
+        if exc.filename:
+            raise exc
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    # safetensors' Rust writer: "Error while serializing: I/O error: ... (os error 28)"
+    m = re.search(r"os error (\d+)", str(exc)) if isinstance(exc, Exception) else None
+    if m:
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
+    raise exc
 
 
 def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
@@ -80,26 +118,176 @@ def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
     return out
 
 
+def check_not_overlapping(
+    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]
+) -> None:
+    """Refuse an output folder that is, is inside, or contains one of ``inputs``.
+
+    ``inputs``: label shown to the user (e.g. "FP16_DIR") -> an input file or folder (None:
+    skipped). Symlinks are resolved, so two spellings of one folder are caught.
+    """
+    out_real = Path(out).resolve()
+    for label, inp in inputs.items():
+        if inp is None:
+            continue
+        in_real = Path(inp).resolve()
+        if out_real == in_real:
+            relation = "is"
+        elif in_real in out_real.parents:
+            relation = "is inside"
+        elif out_real in in_real.parents:
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(
+            f"--out {out} {relation} the input {label} ({inp}); writing it would overwrite or "
+            "delete that input: choose another --out"
+        )
+
+
+def _absolute(path: str | os.PathLike) -> Path:
+    return Path(os.path.abspath(os.fspath(path)))  # normalises "..", keeps a symlinked leaf
+
+
+def lock_file_for(out: str | os.PathLike) -> Path:
+    """The lock file of output folder ``out``: ``.NAME.lock`` beside it."""
+    out = _absolute(out)
+    return out.parent.resolve() / f".{out.name}.lock"
+
+
+_held_locks: dict[tuple[int, str], int] = {}  # (pid, lock file) -> nesting depth
+_held_guard = threading.Lock()
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a temp folder beside ``out``; rename it to ``out`` on success, delete on failure."""
-    out = check_output_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders
+def output_lock(out: str | os.PathLike) -> Iterator[None]:
+    """Hold the exclusive write lock of output folder ``out`` (see the module docstring).
+
+    Re-entrant within one process (a stage that locks ``out`` may call a writer that locks it
+    again); raises :class:`OutputLockedError` at once when another process holds it.
+    """
+    path = lock_file_for(out)
+    key = (os.getpid(), str(path))
+    with _held_guard:
+        depth = _held_locks.get(key, 0)
+        _held_locks[key] = depth + 1
+    fd = None
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        # --force: move the old folder aside first so that a crash here loses nothing.
+        if depth == 0:
+            fd = _acquire_lock(path, out)
+        yield
+    finally:
+        with _held_guard:
+            _held_locks[key] -= 1
+            if not _held_locks[key]:
+                del _held_locks[key]
+        if fd is not None:
+            # unlink while still holding the lock: a process that opened the old file before
+            # this sees on acquiring it that the path names another file, and retries
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
+
+
+def _acquire_lock(path: Path, out: str | os.PathLike) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputLockedError(
+                f"{out} is being written by another quantpipe process (pid {holder}); wait for "
+                "it to finish or choose another --out"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        st = os.fstat(fd)
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            break
+        os.close(fd)  # the previous holder removed this file as we opened it: lock the new one
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def clean_stale_temps(out: str | os.PathLike) -> None:
+    """Remove ``.NAME.partial-*`` / ``.NAME.old-*`` folders of killed runs (hold the lock).
+
+    Only a run holding the lock has such folders, so under the lock they are stale. If ``out``
+    is missing and an ``.old-*`` folder exists, a run died between moving the old folder aside
+    and renaming the new one into place: the old folder is put back, so nothing is lost.
+    """
+    out = _absolute(out)
+    if not out.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(partial-[a-z0-9_]{{8}}|old-\d+)")
+    stale = [p for p in out.parent.iterdir() if pattern.fullmatch(p.name)]
+    olds = sorted((p for p in stale if ".old-" in p.name), key=lambda p: p.stat().st_mtime)
+    if olds and not (out.exists() or out.is_symlink()):
+        log.warning("restoring %s from %s (a replace was interrupted)", out, olds[-1].name)
+        os.replace(olds[-1], out)
+        stale.remove(olds[-1])
+    for p in stale:
+        log.info("removing %s, left by a killed run", p)
+        _remove(p)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
+def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Rename the finished folder ``tmp`` to ``out``. An existing ``out`` is moved aside first
+    and removed after, so a crash in between loses nothing (see :func:`clean_stale_temps`)."""
+    tmp, out = Path(tmp), Path(out)
+    if out.exists() or out.is_symlink():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            _remove(old)
+        except OSError as exc:  # the new folder is in place; only the old copy is left over
+            log.warning("could not remove %s (%s); delete it by hand", old, exc)
     else:
         os.replace(tmp, out)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    out: str | os.PathLike,
+    force: bool = False,
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
+) -> Iterator[Path]:
+    """Yield a temp folder beside ``out``; rename it to ``out`` on success, delete on failure.
+
+    Holds :func:`output_lock` throughout; refuses an ``out`` overlapping any of ``inputs``
+    (label -> path, see :func:`check_not_overlapping`) before touching anything.
+    """
+    check_not_overlapping(out, inputs or {})
+    out = check_output_dir(out, force)
+    with output_lock(out):
+        clean_stale_temps(out)
+        check_output_dir(out, force)  # again: another run may have finished before the lock
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        try:
+            os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        replace_dir(tmp, out)
 
 
 def parse_size(text: str | int) -> int:
@@ -220,21 +408,34 @@ def read_manifest(folder: str | os.PathLike, expect_stage: str | None = None) ->
     return manifest
 
 
-def verify_shard_hashes(folder: str | os.PathLike, shards: list[dict]) -> None:
-    """Raise ValueError naming the first shard whose size or sha256 differs from the manifest."""
+def verify_shard_hashes(
+    folder: str | os.PathLike, shards: list[dict], recorded_by: str | None = None
+) -> None:
+    """Raise ValueError naming the first shard whose size or sha256 differs from ``shards``.
+
+    ``shards``: entries ``{"file", "sha256"[, "bytes"]}`` from the folder's manifest, or the
+    hashes another stage recorded (``recorded_by`` names it in the error). Hashing reads every
+    byte (I/O-bound); the time is logged at info level.
+    """
     folder = Path(folder)
+    source = recorded_by or MANIFEST_NAME
+    t0 = time.perf_counter()
+    total = 0
     for entry in shards:
         path = folder / entry["file"]
         if not path.is_file():
-            raise ValueError(f"{path}: missing shard listed in {MANIFEST_NAME}")
-        if path.stat().st_size != entry["bytes"]:
+            raise ValueError(f"{path}: missing shard listed in {source}")
+        size = path.stat().st_size
+        if "bytes" in entry and size != entry["bytes"]:
             raise ValueError(
-                f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']} "
-                "(truncated or replaced file)"
+                f"{path}: {size} bytes, {source} says {entry['bytes']} (truncated or replaced file)"
             )
         digest = sha256_file(path)
         if digest != entry["sha256"]:
             raise ValueError(
-                f"{path}: sha256 {digest[:16]}... does not match the manifest's "
-                f"{entry['sha256'][:16]}... (corrupted file)"
+                f"{path}: sha256 {digest[:16]}... does not match {entry['sha256'][:16]}... in "
+                f"{source} (corrupted or replaced file); re-export it or restore the original"
             )
+        total += size
+    log.info("checked sha256 of %d shard(s) in %s (%.1f MB) in %.2f s", len(shards), folder,
+             total / 1e6, time.perf_counter() - t0)

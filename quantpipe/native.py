@@ -33,6 +33,8 @@ from quantpipe.io import (
     atomic_output_dir,
     read_manifest,
     save_sharded,
+    verify_shard_hashes,
+    write_json_atomic,
     write_manifest,
 )
 from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
@@ -78,18 +80,43 @@ def read_fp_state(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_fp16_shards(fp16_dir: str | Path, fp16_manifest: dict,
+                      recorded: list[dict] | None = None, recorded_by: str = "") -> None:
+    """Hash the FP16 shards: against the hashes another stage ``recorded`` (the calibration's
+    ``fp16_shards``: the folder must be the one it was made from), else the folder's manifest.
+
+    A mismatch is a ValueError naming the file.
+    """
+    fp16_dir = Path(fp16_dir)
+    if recorded is None:
+        verify_shard_hashes(fp16_dir, fp16_manifest["shards"])
+        return
+    now = sorted(s["file"] for s in fp16_manifest["shards"])
+    then = sorted(s["file"] for s in recorded)
+    if now != then:
+        raise ValueError(
+            f"{fp16_dir} holds shards {now}, but {recorded_by} was made from {then}: the FP16 "
+            "folder was re-exported since; calibrate again from this folder"
+        )
+    verify_shard_hashes(fp16_dir, recorded, recorded_by=recorded_by)
+
+
 def load_fp16_source(
     fp16_dir: str | Path,
     weights: dict[str, QuantizedWeight],
     fp_overrides: dict[str, torch.Tensor] | None = None,
+    fp16_shards: list[dict] | None = None,
+    recorded_by: str = "",
 ) -> tuple[dict, dict[str, torch.Tensor], dict]:
     """The FP16 folder's ``(config, state, manifest)`` with ``fp_overrides`` applied.
 
-    Checks that every quantized layer has a ``.weight`` of the same shape in the folder.
-    Shared by every export format (native, GPTQ, compressed-tensors).
+    First checks the shards' sha256 (:func:`check_fp16_shards`; ``fp16_shards``: the hashes
+    the calibration recorded, named by ``recorded_by``), then that every quantized layer has a
+    ``.weight`` of the same shape in the folder. Shared by every export format.
     """
     fp16_dir = Path(fp16_dir)
     fp16_manifest = read_manifest(fp16_dir, "fp16")
+    check_fp16_shards(fp16_dir, fp16_manifest, fp16_shards, recorded_by)
     config = json.loads((fp16_dir / "config.json").read_text())
     state = read_fp_state(fp16_dir)
     for k, v in (fp_overrides or {}).items():
@@ -129,15 +156,18 @@ def write_native(
     manifest_fields: dict | None = None,
     max_shard_size: str = "2GB",
     force: bool = False,
+    fp16_shards: list[dict] | None = None,
+    recorded_by: str = "",
 ) -> dict:
     """Write a native quantized checkpoint.
 
     ``weights``: linear name (no ``.weight``) -> its quantized weight. ``fp_overrides``: FP
     tensors that replace the FP16 folder's (e.g. AWQ-scaled norms and kept-FP16 linears).
-    Returns the manifest.
+    ``fp16_shards``/``recorded_by``: see :func:`load_fp16_source`. Returns the manifest.
     """
     fp16_dir = Path(fp16_dir)
-    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides)
+    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
+                                                    fp16_shards, recorded_by)
     tensors: dict[str, torch.Tensor] = {}
     for k, v in state.items():
         lin = k[: -len(".weight")] if k.endswith(".weight") else None
@@ -151,8 +181,8 @@ def write_native(
         "format_version": NATIVE_FORMAT_VERSION,
         "layers": layers,
     }
-    with atomic_output_dir(out, force) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_output_dir(out, force, inputs={"FP16_DIR": fp16_dir}) as tmp:
+        write_json_atomic(tmp / "config.json", config)  # OSErrors name the file
         copy_side_files(fp16_dir, tmp)
         shards = save_sharded(tensors, tmp, max_shard_size)
         manifest = write_manifest(

@@ -64,9 +64,16 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     from reports.eval import EvalSpec, load_texts, run_eval
 
     out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
     fp16, calib = out / "fp16", out / "calib"
     qdir = out / (f"int{spec.bits}" if spec.budget_bits is None else f"mixed-{spec.budget_bits}")
+    # every stage's spec is built (and its options validated) before the first stage runs
+    fp16_spec = Fp16ExportSpec(spec.source, fp16, force=fp16.exists())
+    calib_spec = CalibrateSpec(fp16, calib, spec.prompts, algo=spec.algo,
+                               group_size=spec.group_size, sym=spec.sym, samples=spec.samples,
+                               seq_len=spec.seq_len)
+    export_spec = ExportSpec(calib, qdir, bits=spec.bits, budget_bits=spec.budget_bits,
+                             overrides=spec.overrides, force=qdir.exists())
+    out.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
 
     def stage(name: str, done: bool, fn) -> None:
@@ -79,19 +86,14 @@ def run_pipeline(spec: RunSpec) -> RunResult:
         fn()
         stages[name] = time.perf_counter() - t0
 
-    stage("export-fp16", _done(fp16),
-          lambda: export_fp16(Fp16ExportSpec(spec.source, fp16, force=fp16.exists())))
-    stage("calibrate", _done(calib), lambda: calibrate(CalibrateSpec(
-        fp16, calib, spec.prompts, algo=spec.algo, group_size=spec.group_size, sym=spec.sym,
-        samples=spec.samples, seq_len=spec.seq_len)))
+    stage("export-fp16", _done(fp16), lambda: export_fp16(fp16_spec))
+    stage("calibrate", _done(calib), lambda: calibrate(calib_spec))
     if spec.budget_bits is not None:
         from calibration.sensitivity import SensitivitySpec, measure_sensitivity
 
         stage("sensitivity", (calib / "sensitivity.json").is_file(),
               lambda: measure_sensitivity(SensitivitySpec(calib)))
-    stage("export", _done(qdir), lambda: export_quantized(ExportSpec(
-        calib, qdir, bits=spec.bits, budget_bits=spec.budget_bits, overrides=spec.overrides,
-        force=qdir.exists())))
+    stage("export", _done(qdir), lambda: export_quantized(export_spec))
     eval_json = out / "eval.json"
 
     def do_eval() -> None:

@@ -15,6 +15,7 @@ from quantpipe.formats.common import (
     replace_quantized,
     write_quantized_folder,
 )
+from quantpipe.io import check_not_overlapping
 from quantpipe.native import load_fp16_source, source_fp16_entry
 from quantpipe.qformat import QuantizedWeight
 
@@ -82,13 +83,18 @@ def write_gptq(
     max_shard_size: str = "2GB",
     force: bool = False,
     checkpoint_format: str = "auto",
+    fp16_shards: list[dict] | None = None,
+    recorded_by: str = "",
 ) -> dict:
     """GPTQ checkpoint (see :mod:`quantpipe.formats.gptq`); returns the manifest.
 
     ``checkpoint_format``: "auto" (v1 "gptq" unless an asymmetric zero point is 0, then
-    "gptq_v2"), "gptq" or "gptq_v2".
+    "gptq_v2"), "gptq" or "gptq_v2". ``fp16_shards``/``recorded_by``: the FP16 hashes to
+    check (see :func:`quantpipe.native.load_fp16_source`).
     """
-    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides)
+    check_not_overlapping(out, {"FP16_DIR": fp16_dir})
+    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
+                                                    fp16_shards, recorded_by)
     fields = {"source_fp16": source_fp16_entry(fp16_dir, fp16_manifest), **(manifest_fields or {})}
     return _write_gptq(out, config, state, weights, Path(fp16_dir), fields, max_shard_size,
                        force, checkpoint_format)
@@ -102,10 +108,15 @@ def write_compressed_tensors(
     manifest_fields: dict | None = None,
     max_shard_size: str = "2GB",
     force: bool = False,
+    fp16_shards: list[dict] | None = None,
+    recorded_by: str = "",
 ) -> dict:
     """compressed-tensors pack-quantized checkpoint (see
-    :mod:`quantpipe.formats.compressed_tensors`); returns the manifest."""
-    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides)
+    :mod:`quantpipe.formats.compressed_tensors`); returns the manifest. ``fp16_shards``/
+    ``recorded_by``: as for :func:`write_gptq`."""
+    check_not_overlapping(out, {"FP16_DIR": fp16_dir})
+    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
+                                                    fp16_shards, recorded_by)
     fields = {"source_fp16": source_fp16_entry(fp16_dir, fp16_manifest), **(manifest_fields or {})}
     return _write_ct(out, config, state, weights, Path(fp16_dir), fields, max_shard_size, force)
 
@@ -119,6 +130,7 @@ def convert_native(
 
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format {fmt!r}; convert to one of {EXPORT_FORMATS}")
+    check_not_overlapping(out, {"QDIR": qdir})
     ckpt = load_quantized(qdir)
     # quantized layers need a placeholder ".weight" so that the tensor order is kept
     state = dict(ckpt.fp_tensors)

@@ -36,7 +36,8 @@ def prompt_file(tmp_path_factory):
 
 
 def _spec(fp16_dir, prompt_file, out, **kw):
-    base = dict(samples=8, seq_len=32, min_tokens=4, batch_size=4, awq_samples=4)
+    # group size 32: the tiny models' layers are 64 and 128 wide
+    base = dict(samples=8, seq_len=32, min_tokens=4, batch_size=4, awq_samples=4, group_size=32)
     base.update(kw)
     return CalibrateSpec(fp16_dir, out, str(prompt_file), **base)
 
@@ -112,7 +113,7 @@ def test_resume_after_kill(fp16_dir, prompt_file, tmp_path):
         "p._save_progress = prog\n"
         f"p.calibrate(p.CalibrateSpec(Path({str(fp16_dir)!r}), Path({str(out)!r}), "
         f"{str(prompt_file)!r}, algo='gptq', samples=8, seq_len=32, min_tokens=4, "
-        "batch_size=4, awq_samples=4))\n"
+        "batch_size=4, awq_samples=4, group_size=32))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), timeout=300)
     assert proc.returncode == -signal.SIGKILL
@@ -135,9 +136,11 @@ def test_errors(fp16_dir, prompt_file, tmp_path):
         _spec(fp16_dir, prompt_file, tmp_path / "c", algo="smoothquant")
     with pytest.raises(ValueError, match="act-order"):
         _spec(fp16_dir, prompt_file, tmp_path / "c", algo="rtn", act_order=True)
-    with pytest.raises(ValueError, match="does not divide"):
+    # the tiny model's layers are 64 and 128 wide: 128 does not fit the 64-wide ones
+    with pytest.raises(ValueError, match="larger than in_features 64"):
         calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="rtn", group_size=128,
                         strict_group_size=True))
+    assert not (tmp_path / "c").exists()
 
 
 def test_resumed_manifest_counts_every_block(fp16_dir, prompt_file, tmp_path):
@@ -145,7 +148,9 @@ def test_resumed_manifest_counts_every_block(fp16_dir, prompt_file, tmp_path):
     import calibration.pipeline as p
 
     out = tmp_path / "calib"
-    spec = _spec(fp16_dir, prompt_file, out, algo="rtn", group_size=128)  # 64-wide: fallback
+    # 64-wide layers: per-channel fallback
+    spec = _spec(fp16_dir, prompt_file, out, algo="rtn", group_size=128,
+                 per_channel_if_larger=True)
     calls = []
     orig = p._save_progress
 

@@ -104,7 +104,8 @@ def test_killed_export_leaves_nothing_valid(tmp_path, tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), timeout=300)
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists()
-    leftovers = [p.name for p in tmp_path.iterdir()]
+    # the lock file stays behind, unlocked: the OS released the lock with the process
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != ".fp16.lock"]
     assert all(name.startswith(".fp16.partial-") for name in leftovers)
     with pytest.raises(ValueError, match="no quantpipe.json"):
         read_manifest(leftovers and tmp_path / leftovers[0])
