@@ -67,7 +67,7 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--algo", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq",
               show_default=True)
 @click.option("--group-size", default=128, show_default=True,
-              help="INT4 group size: 32, 64, 128 or -1 (per channel).")
+              help="INT4 group size: 16, 32, 64, 128, 256, 512, 1024 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ: columns by decreasing Hessian diagonal [default: on for gptq].")
@@ -79,15 +79,19 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
                    "reaches the group [default: static with --act-order, else dynamic].")
 @click.option("--strict-group-size", is_flag=True,
               help="Error if the group size does not divide a layer (default: fall back).")
+@click.option("--per-channel-if-larger", is_flag=True,
+              help="Quantize layers narrower than the group size per channel (default: error).")
 @click.option("--samples", default=128, show_default=True, help="Calibration sequences.")
 @click.option("--seq-len", default=512, show_default=True, help="Tokens per sequence.")
 @click.option("--min-tokens", default=16, show_default=True, help="Drop shorter prompts.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per forward.")
-@click.option("--force", is_flag=True, help="Discard an existing CALIB_DIR.")
+@click.option("--force", is_flag=True,
+              help="Replace a finished CALIB_DIR (only once the new one is complete) and "
+                   "discard an unfinished run with other settings.")
 def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
-                  static_groups, strict_group_size, samples, seq_len, min_tokens, seed,
-                  batch_size, force):
+                  static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
+                  min_tokens, seed, batch_size, force):
     """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
     from calibration.pipeline import CalibrateSpec, calibrate
 
@@ -96,6 +100,7 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
             fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
             strict_group_size, samples, seq_len, min_tokens, seed, batch_size,
             static_groups=static_groups, force=force,
+            per_channel_if_larger=per_channel_if_larger,
         )
         res = calibrate(spec)
     except ValueError as exc:
