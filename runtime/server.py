@@ -2,25 +2,39 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> SSE ending in
 ``data: [DONE]``), GET /v1/models, /health, /metrics (Prometheus text). The engine steps in a
-background thread (:class:`runtime.engine.EngineLoop`); each HTTP request owns an asyncio queue
-that the engine thread fills through ``loop.call_soon_threadsafe``. Admission control: at most
-``max_num_seqs + max_queue`` requests in flight, the rest get 429 with ``Retry-After``. A client
-that disconnects has its sequence aborted, which frees its KV blocks.
+background thread (:class:`runtime.engine.EngineLoop`); each HTTP request iterates an async
+generator of its outputs, which the engine thread fills through ``loop.call_soon_threadsafe``.
+
+What protects the server (docs/serving.md, "Failure behaviour"):
+
+* every request body is read in full by :class:`_BodyLimit` before the app sees it: at most
+  ``max_request_bytes`` (Content-Length checked up front, chunked bodies counted) -> 413, and
+  within ``request_timeout`` seconds -> 408, while the event loop keeps serving others;
+* prompts longer than ``max_prompt_chars`` are refused before tokenizing (400); tokenizing and
+  the chat template run in a worker thread, never on the event loop;
+* admission control: at most ``max_num_seqs + max_queue`` requests in flight, the rest get 429
+  with ``Retry-After``; an unknown ``model`` gets 404;
+* a request the engine fails gets 500 (or, once its SSE stream has started, an error event and
+  the end of the stream); the engine goes on. /health is 503 only once the engine loop died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
+import re
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,13 +48,33 @@ from prometheus_client import (
 )
 from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.engine import EngineLoop, LLMEngine, RequestOutput, SamplingParams
+from quantpipe.io import MANIFEST_NAME, read_manifest
+from runtime.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams
+from runtime.engine.engine import KV_DTYPES
+from runtime.engine.sampling import SEED_MAX, SEED_MIN
 from runtime.fp_head import HEAD_DTYPES
 
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_request_bytes: int = 2**20  # request body bytes; more -> 413
+    max_prompt_chars: int = 2**18  # prompt (or all chat messages) characters; more -> 400
+    request_timeout: float = 30.0  # seconds for a request body to arrive in full; then 408
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1 KiB, got {self.max_request_bytes}")
+        if self.max_prompt_chars < 1:
+            raise ValueError(f"--max-prompt-chars must be >= 1, got {self.max_prompt_chars}")
+        if not 0 < self.request_timeout <= 3600:
+            raise ValueError(f"--request-timeout must be in (0, 3600] seconds, got "
+                             f"{self.request_timeout}")
 
 
 @dataclass(frozen=True)
@@ -57,40 +91,108 @@ class ServeSpec:
     device: str = "cpu"
     head_dtype: str = "bf16"  # CPU: embedding table / output head precision (runtime.fp_head)
     kv_dtype: str = "model"  # KV cache elements: the activation dtype, or "bf16" (half of fp32)
+    max_request_bytes: int = 2**20  # RequestLimits.max_request_bytes
+    max_prompt_chars: int = 2**18  # RequestLimits.max_prompt_chars
+    request_timeout: float = 30.0  # RequestLimits.request_timeout
 
     def __post_init__(self) -> None:
-        if self.head_dtype not in HEAD_DTYPES:
-            raise ValueError(f"head dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
-        if not (Path(self.model_dir) / "config.json").is_file():
-            raise ValueError(f"{self.model_dir} has no config.json; pass a model folder written "
-                             "by export-fp16 or export")
+        # Everything here is cheap and runs before the model loads (minutes for a big one).
+        self._check_options()
+        self.engine_config()  # EngineConfig's own checks
+        self.request_limits()
+        check_model_dir(Path(self.model_dir))
+
+    def _check_options(self) -> None:
         if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"--block-size must be in 1..1024 tokens, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be "
+                             f">= --max-num-seqs ({self.max_num_seqs})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"--head-dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype {self.kv_dtype!r}: use one of {sorted(KV_DTYPES)}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device {self.device!r}: use cpu, cuda or cuda:N")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory=self.kv_cache_memory,
+            enable_prefix_caching=self.enable_prefix_caching, kv_dtype=self.kv_dtype,
+        )
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_request_bytes, self.max_prompt_chars, self.request_timeout)
+
+
+def check_model_dir(folder: Path) -> None:
+    """Cheap checks that ``folder`` can be served (reads config.json and the manifest only)."""
+    remedy = "pass a model folder written by export-fp16 or export"
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{folder} has no config.json; {remedy}")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{cfg_path} is not valid JSON ({exc}); {remedy}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise ValueError(f"{cfg_path} has no model_type; {remedy}")
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "quantpipe"):
+        raise ValueError(f"{folder} uses quant_method {method!r}; the engine serves FP16 folders "
+                         "and quantpipe-native quantized folders")
+    if method == "quantpipe" or (folder / MANIFEST_NAME).is_file():
+        try:
+            read_manifest(folder)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{folder / MANIFEST_NAME} is not valid JSON ({exc}); re-run the "
+                             "stage that wrote the folder") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} has no *.safetensors weights (quantpipe loads only "
+                         f"safetensors); {remedy}")
+    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{folder} has no tokenizer (tokenizer.json); {remedy}")
 
 
 # --- request bodies (OpenAI fields + vLLM's top_k / ignore_eos extensions) --------------------
+# Strict: a string "16" is not a number here, as in the OpenAI API.
+StopString = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None  # must name the served model (GET /v1/models) when given
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopString | list[StopString] | None = None
     stream: bool = False
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=1)
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    # A string, one string in a list (batches are not supported), or token ids.
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)])
 
 
 class ChatMessage(BaseModel):
-    role: str
+    model_config = ConfigDict(strict=True)
+    role: str = Field(min_length=1)
     content: str
 
 
@@ -99,10 +201,116 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
+# --- response bodies (for the OpenAPI schema; handlers build the same dicts) ------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"]
+
+
+_ERROR_TYPES = {429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+_SSE_DOC = ("with stream: true, server-sent events: one `data: {chunk}` per token, the last with "
+            "finish_reason and usage, then `data: [DONE]`; a failure after the stream started "
+            "is one `data: {\"error\": {...}}` event, then the stream ends without [DONE]")
+
+
+def _generation_responses(ok: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    err = {"model": ErrorResponse}
+    return {
+        200: {"model": ok, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+              "description": "the completion; " + _SSE_DOC},
+        400: {**err, "description": "invalid request (schema, limits, prompt + max_tokens)"},
+        404: {**err, "description": "unknown model (code model_not_found)"},
+        408: {**err, "description": "the request body did not arrive within --request-timeout"},
+        413: {**err, "description": "request body over --max-request-bytes"},
+        429: {**err, "description": "max_num_seqs + max_queue requests in flight; Retry-After"},
+        500: {**err, "description": "the engine failed this request (others are unaffected)"},
+        503: {**err, "description": "the engine loop stopped; restart the server"},
+    }
+
+
+class ApiError(Exception):
+    """An error answer with the OpenAI body; raised by checks, turned into a response."""
+
+    def __init__(self, status: int, message: str, code: int | str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
+        body = {"message": self.message, "type": kind, "param": None,
+                "code": self.status if self.code is None else self.code}
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "rate_limit_exceeded" if status == 429 else "invalid_request_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status, headers=headers)
+    return ApiError(status, message, headers=headers).response()
 
 
 def _sampling(req: _Common, default_max: int) -> SamplingParams:
@@ -110,6 +318,41 @@ def _sampling(req: _Common, default_max: int) -> SamplingParams:
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+
+
+def _prompt_chars(req: CompletionRequest | ChatRequest) -> int:
+    if isinstance(req, ChatRequest):
+        return sum(len(m.role) + len(m.content) for m in req.messages)
+    if isinstance(req.prompt, str):
+        return len(req.prompt)
+    return len(req.prompt[0]) if isinstance(req.prompt[0], str) else 0
+
+
+def _checked_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the prompt is not valid Unicode (an unpaired surrogate such as "
+                         "\\ud800); send UTF-8 text") from None
+    return text
+
+
+def _encode_prompt(tok, prompt: str) -> list[int]:
+    """Runs in the tokenizer thread."""
+    return tok.encode(_checked_text(prompt))
+
+
+def _encode_chat(tok, messages: list[dict[str, str]]) -> list[int]:
+    """Runs in the tokenizer thread; a template that refuses the messages is the caller's 400."""
+    import jinja2
+
+    for m in messages:
+        _checked_text(m["role"] + m["content"])
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
+    return tok.encode(text, add_special_tokens=False)
 
 
 class _Metrics:
@@ -138,27 +381,203 @@ class _Metrics:
                                  registry=r)
 
 
-def build_app(engine: LLMEngine, model_name: str, max_queue: int) -> FastAPI:
-    """The FastAPI app; the engine loop starts and stops with the app's lifespan."""
-    loop_box: dict[str, EngineLoop] = {}
-    metrics = _Metrics()
-    # The engine thread decodes with engine.tokenizer; a Rust tokenizer object may refuse
-    # concurrent use ("Already borrowed"), so the HTTP side encodes with its own copy.
-    tok = copy.deepcopy(engine.tokenizer)
-    capacity = engine.config.max_num_seqs + max_queue
-    state = {"in_flight": 0}
+class _Slot:
+    """One admission slot (``in_flight`` counts them); ``release`` is idempotent."""
+
+    def __init__(self, state: dict[str, int]) -> None:
+        self._state = state
+        self._held = True
+        state["in_flight"] += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._state["in_flight"] -= 1
+
+
+class _Server:
+    """What the handlers share: the engine and its loop, the tokenizer thread, the metrics."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_queue: int,
+                 limits: RequestLimits) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.limits = limits
+        self.capacity = engine.config.max_num_seqs + max_queue
+        self.state = {"in_flight": 0}
+        self.metrics = _Metrics()
+        self.loop: EngineLoop | None = None
+        # The engine thread decodes with engine.tokenizer; a Rust tokenizer object may refuse
+        # concurrent use ("Already borrowed"), so the HTTP side encodes with its own copy, in
+        # one worker thread (off the event loop, never two encodes at once).
+        self.tok = copy.deepcopy(engine.tokenizer)
+        self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantpipe-tokenize")
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        el = EngineLoop(engine)
+    async def lifespan(self, app: FastAPI):
+        el = EngineLoop(self.engine)
         el.start()
-        loop_box["loop"] = el
+        self.loop = el
         app.state.engine_loop = el
         yield
         el.stop()
+        self.tok_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="quantpipe", lifespan=lifespan)
-    app.state.in_flight = state
+    def admissible(self, req: CompletionRequest | ChatRequest, chat: bool) -> SamplingParams:
+        """The checks that need neither a slot nor the tokenizer (raise ApiError)."""
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist", "model_not_found")
+        try:
+            params = _sampling(req, default_max=256 if chat else 16)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        n_chars, limit = _prompt_chars(req), self.limits.max_prompt_chars
+        if n_chars > limit:
+            raise ApiError(400, f"the prompt has {n_chars:,} characters; this server takes at "
+                                f"most {limit:,} (--max-prompt-chars)")
+        if chat and not getattr(self.tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        assert self.loop is not None, "the app's lifespan starts the engine loop"
+        if self.loop.error is not None:
+            raise ApiError(503, f"engine stopped: {self.loop.error}; restart the server")
+        if self.state["in_flight"] >= self.capacity:
+            self.metrics.requests.labels("rejected").inc()
+            raise ApiError(429, f"server busy: {self.capacity} requests in flight; retry "
+                                "shortly", headers={"Retry-After": "1"})
+        return params
+
+    async def prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            job = (_encode_chat, self.tok, [m.model_dump() for m in req.messages])
+        elif isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
+            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+            job = (_encode_prompt, self.tok, text)
+        else:
+            return list(req.prompt)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tok_pool, *job)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    async def outputs(self, request: Request, rid: str, prompt_ids: list[int],
+                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit the request and yield its outputs; abort it if the consumer stops early."""
+        el = self.loop
+        assert el is not None
+        aloop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        el.submit(rid, prompt_ids, params, lambda out: aloop.call_soon_threadsafe(q.put_nowait,
+                                                                                  out))
+        timing = _Timing(self.metrics)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    out = await asyncio.wait_for(q.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return  # the finally aborts the sequence, which frees its KV blocks
+                    continue
+                finished = out.finished
+                timing.observe(out)
+                yield out
+        finally:
+            if not finished:
+                el.abort(rid)
+                self.metrics.requests.labels("disconnected").inc()
+
+    async def generate(self, request: Request, req: CompletionRequest | ChatRequest,
+                       chat: bool) -> Response:
+        params = self.admissible(req, chat)
+        slot = _Slot(self.state)
+        handed_off = False  # a started stream releases its slot when it ends
+        try:
+            prompt_ids = await self.prompt_ids(req)
+            try:
+                self.engine.validate(prompt_ids, params)
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from None
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            outputs = self.outputs(request, rid, prompt_ids, params)
+            head = _Head(rid, int(time.time()), self.model_name, chat)
+            if not req.stream:
+                return await _complete(outputs, head)
+            response = await _stream(outputs, head, slot.release)
+            handed_off = isinstance(response, _SSEResponse)
+            return response
+        finally:
+            if not handed_off:
+                slot.release()
+
+    def model_list(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "owned_by": "quantpipe",
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.runner.decoder.embed_tokens.num_embeddings,
+        }]}
+
+    def health(self) -> Response:
+        el = self.loop
+        if el is None or el.error is not None:
+            return _error(503, f"engine not running: {el.error if el else 'starting'}")
+        return JSONResponse({"status": "ok"})
+
+    def prometheus(self) -> Response:
+        assert self.loop is not None
+        s, m = self.loop.stats, self.metrics
+        m.queue.set(s["num_waiting"])
+        m.running.set(s["num_running"])
+        m.in_flight.set(self.state["in_flight"])
+        m.kv_used.set(s["kv_blocks_used"])
+        m.kv_total.set(s["kv_blocks_total"])
+        m.hit_rate.set(s["prefix_cache_hit_rate"])
+        m.preemptions.set(s["num_preemptions"])
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(engine: LLMEngine, model_name: str, max_queue: int = 64,
+              limits: RequestLimits | None = None) -> FastAPI:
+    """The FastAPI app; the engine loop starts and stops with the app's lifespan."""
+    limits = limits or RequestLimits()
+    srv = _Server(engine, model_name, max_queue, limits)
+    app = FastAPI(title="quantpipe", lifespan=srv.lifespan)
+    app.state.in_flight = srv.state
+    app.add_middleware(_BodyLimit, limits=limits)
+    _add_error_handlers(app)
+    _tighten_openapi(app, model_name, engine, limits)
+
+    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await srv.generate(request, req, chat=False)
+
+    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
+    async def chat_completions(req: ChatRequest, request: Request) -> Response:
+        return await srv.generate(request, req, chat=True)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict[str, Any]:
+        return srv.model_list()
+
+    @app.get("/health", response_model=HealthStatus,
+             responses={503: {"model": ErrorResponse, "description": "engine loop stopped"}})
+    async def health() -> Response:
+        return srv.health()
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {
+                 "schema": {"type": "string"}}}, "description": "Prometheus text format"}})
+    async def prom() -> Response:
+        return srv.prometheus()
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error the app answers has the OpenAI body ``{"error": {...}}``."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -166,153 +585,150 @@ def build_app(engine: LLMEngine, model_name: str, max_queue: int) -> FastAPI:
                  for e in exc.errors()]
         return _error(400, "; ".join(parts))
 
-    async def _run(request: Request, prompt_ids: list[int], params: SamplingParams,
-                   chat: bool, stream: bool) -> Response:
-        el = loop_box["loop"]
-        if el.error is not None:
-            return _error(503, f"engine stopped: {el.error}")
-        try:
-            engine.validate(prompt_ids, params)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        if state["in_flight"] >= capacity:
-            metrics.requests.labels("rejected").inc()
-            return _error(429, f"server busy: {capacity} requests in flight; retry shortly",
-                          headers={"Retry-After": "1"})
-        state["in_flight"] += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        aloop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        t0 = time.perf_counter()
-        el.submit(rid, prompt_ids, params, lambda out: aloop.call_soon_threadsafe(q.put_nowait,
-                                                                                  out))
-        timing = {"first": None, "n": 0}
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
-        def observe(out: RequestOutput) -> None:
-            now = time.perf_counter()
-            if timing["first"] is None and out.new_token_ids:
-                timing["first"] = now
-                metrics.ttft.observe(now - t0)
-            timing["n"] += len(out.new_token_ids)
-            if out.finished:
-                metrics.requests.labels(out.finish_reason or "unknown").inc()
-                if timing["first"] is not None and timing["n"] > 1:
-                    metrics.tpot.observe((now - timing["first"]) / (timing["n"] - 1))
+    @app.exception_handler(Exception)
+    async def _server_error(_req: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error", exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-        created = int(time.time())
-        if stream:
-            done = {"finished": False, "cleaned": False}
 
-            def cleanup() -> None:
-                # Idempotent; runs when the response ends for any reason, also when the client
-                # hung up before the body started (an unstarted generator has no finally).
-                if done["cleaned"]:
-                    return
-                done["cleaned"] = True
-                if not done["finished"]:
-                    el.abort(rid)
-                    metrics.requests.labels("disconnected").inc()
-                state["in_flight"] -= 1
+def _tighten_openapi(app: FastAPI, model_name: str, engine: LLMEngine,
+                     limits: RequestLimits) -> None:
+    """The served schema states this server's real limits (so a schema fuzzer aims well).
 
-            return _SSEResponse(_sse(q, rid, created, model_name, chat, observe, done), cleanup)
-        finished = False
-        try:
-            text, reason, out = [], None, None
-            while True:
-                try:
-                    out = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
-                observe(out)
-                text.append(out.new_text)
-                if out.finished:
-                    finished, reason = True, out.finish_reason
-                    break
-        finally:
-            if not finished:
-                el.abort(rid)
-                metrics.requests.labels("disconnected").inc()
-            state["in_flight"] -= 1
-        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                 "total_tokens": out.prompt_tokens + out.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": out.cached_prompt_tokens}}
-        body_text = "".join(text)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": body_text},
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": body_text, "logprobs": None, "finish_reason": reason}
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model_name, "choices": [choice], "usage": usage,
-        })
+    The request models are shared by every app, so the per-model facts (the one accepted
+    ``model``, the vocabulary, the length limits) are patched into the generated schema; the
+    unused 422 response FastAPI adds is dropped (validation errors answer 400).
+    """
+    generate = app.openapi
+    vocab = engine.runner.decoder.embed_tokens.num_embeddings
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        try:
-            params = _sampling(req, default_max=16)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-            if len(req.prompt) != 1:
-                return _error(400, "prompt: send one prompt per request (batches of strings "
-                                   "are not supported)")
-            prompt_ids = tok.encode(req.prompt[0])
-        elif isinstance(req.prompt, str):
-            prompt_ids = tok.encode(req.prompt)
-        else:
-            prompt_ids = list(req.prompt)
-        return await _run(request, prompt_ids, params, chat=False, stream=req.stream)
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            _drop_422(schema)
+            _state_limits(schema["components"]["schemas"], model_name, engine.max_model_len,
+                          vocab, limits.max_prompt_chars)
+            app.openapi_schema = schema
+        return app.openapi_schema
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request) -> Response:
-        try:
-            params = _sampling(req, default_max=256)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        if not getattr(tok, "chat_template", None):
-            return _error(400, "this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template([m.model_dump() for m in req.messages],
-                                       add_generation_prompt=True, tokenize=False)
-        prompt_ids = tok.encode(text, add_special_tokens=False)
-        return await _run(request, prompt_ids, params, chat=True, stream=req.stream)
+    app.openapi = openapi  # type: ignore[method-assign]
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "owned_by": "quantpipe",
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.runner.decoder.embed_tokens.num_embeddings,
-        }]}
 
-    @app.get("/health")
-    async def health() -> Response:
-        el = loop_box.get("loop")
-        if el is None or el.error is not None:
-            return _error(503, f"engine not running: {el.error if el else 'starting'}")
-        return JSONResponse({"status": "ok"})
+def _drop_422(schema: dict[str, Any]) -> None:
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(name, None)
+    for path in schema["paths"].values():
+        for op in path.values():
+            op["responses"].pop("422", None)
 
-    @app.get("/metrics")
-    async def prom() -> Response:
-        s = loop_box["loop"].stats
-        metrics.queue.set(s["num_waiting"])
-        metrics.running.set(s["num_running"])
-        metrics.in_flight.set(state["in_flight"])
-        metrics.kv_used.set(s["kv_blocks_used"])
-        metrics.kv_total.set(s["kv_blocks_total"])
-        metrics.hit_rate.set(s["prefix_cache_hit_rate"])
-        metrics.preemptions.set(s["num_preemptions"])
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+def _state_limits(comps: dict[str, Any], model_name: str, max_model_len: int, vocab: int,
+                  max_chars: int) -> None:
+    for name in ("CompletionRequest", "ChatRequest"):
+        props = comps[name]["properties"]
+        props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
+                          "title": "Model"}
+        for key in ("max_tokens", "max_completion_tokens"):
+            if key in props:
+                props[key]["anyOf"][0]["maximum"] = max_model_len - 1
+    for alt in comps["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if alt["type"] == "string":
+            alt["maxLength"] = max_chars
+        elif alt["items"]["type"] == "integer":
+            alt["items"]["maximum"] = vocab - 1
+            alt["maxItems"] = max_model_len - 1
+    comps["ChatMessage"]["properties"]["content"]["maxLength"] = max_chars
+
+
+class _Timing:
+    """TTFT / TPOT histograms and the outcome counter for one request."""
+
+    def __init__(self, metrics: _Metrics) -> None:
+        self.metrics = metrics
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.n = 0
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if self.first is None and out.new_token_ids:
+            self.first = now
+            self.metrics.ttft.observe(now - self.t0)
+        self.n += len(out.new_token_ids)
+        if out.finished:
+            self.metrics.requests.labels(out.finish_reason or "unknown").inc()
+            if self.first is not None and self.n > 1:
+                self.metrics.tpot.observe((now - self.first) / (self.n - 1))
+
+
+@dataclass(frozen=True)
+class _Head:
+    rid: str
+    created: int
+    model_name: str
+    chat: bool
+
+
+def _generation_failed(out: RequestOutput) -> ApiError:
+    return ApiError(500, f"generation failed: {out.error}; the request was not completed "
+                         "(the server goes on; retry or report the server log)")
+
+
+async def _complete(outputs: AsyncIterator[RequestOutput], head: _Head) -> Response:
+    """Collect a whole completion; 500 if the engine failed it, 499 if the client left."""
+    text: list[str] = []
+    last: RequestOutput | None = None
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            text.append(out.new_text)
+            last = out
+    if last is None or not last.finished:
+        return Response(status_code=499)  # client closed the connection; nobody reads this
+    if last.finish_reason == "error":
+        raise _generation_failed(last)
+    usage = _usage(last)
+    usage["prompt_tokens_details"] = {"cached_tokens": last.cached_prompt_tokens}
+    body_text = "".join(text)
+    if head.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": body_text},
+                  "finish_reason": last.finish_reason}
+    else:
+        choice = {"index": 0, "text": body_text, "logprobs": None,
+                  "finish_reason": last.finish_reason}
+    return JSONResponse({
+        "id": head.rid, "object": "chat.completion" if head.chat else "text_completion",
+        "created": head.created, "model": head.model_name, "choices": [choice], "usage": usage,
+    })
+
+
+async def _stream(outputs: AsyncIterator[RequestOutput], head: _Head,
+                  release: Callable[[], None]) -> Response:
+    """SSE response, started once the first output is there: a request that fails before
+    its first token gets a plain 500, like a non-streamed one."""
+    try:
+        first = await anext(outputs)
+    except StopAsyncIteration:
+        return Response(status_code=499)  # hung up while queued
+    if first.finish_reason == "error":
+        await outputs.aclose()
+        raise _generation_failed(first)
+
+    async def cleanup() -> None:
+        await outputs.aclose()  # aborts the sequence unless it finished
+        release()
+
+    return _SSEResponse(_sse(first, outputs, head), cleanup)
 
 
 class _SSEResponse(StreamingResponse):
     """A text/event-stream response that always runs ``cleanup`` when it ends."""
 
-    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str],
+                 cleanup: Callable[[], Awaitable[None]]) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._cleanup = cleanup
 
@@ -320,54 +736,161 @@ class _SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._cleanup()
+            await self._cleanup()
 
 
-async def _sse(q: asyncio.Queue, rid: str, created: int, model_name: str, chat: bool,
-               observe: Callable[[RequestOutput], None], done: dict) -> AsyncIterator[str]:
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput],
+               head: _Head) -> AsyncIterator[str]:
     """One SSE event per generated token; the last carries finish_reason and usage."""
-    first = True
+    out = first
+    is_first = True
     while True:
-        out: RequestOutput = await q.get()
-        observe(out)
+        if out.finish_reason == "error":
+            err = _generation_failed(out)
+            body = {"message": err.message, "type": "server_error", "param": None, "code": 500}
+            yield f"data: {json.dumps({'error': body}, ensure_ascii=False)}\n\n"
+            return  # no [DONE]: the stream did not complete
         reason = out.finish_reason if out.finished else None
-        if chat:
+        if head.chat:
             delta: dict[str, str] = {"content": out.new_text}
-            if first:
+            if is_first:
                 delta["role"] = "assistant"
             choice = {"index": 0, "delta": delta, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": out.new_text, "logprobs": None,
                       "finish_reason": reason}
-        first = False
+        is_first = False
         event: dict[str, Any] = {
-            "id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model_name, "choices": [choice],
+            "id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
+            "created": head.created, "model": head.model_name, "choices": [choice],
         }
         if out.finished:
-            done["finished"] = True  # the engine has released the sequence
-            event["usage"] = {"prompt_tokens": out.prompt_tokens,
-                              "completion_tokens": out.completion_tokens,
-                              "total_tokens": out.prompt_tokens + out.completion_tokens}
+            event["usage"] = _usage(out)
         yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         if out.finished:
             break
+        out = await anext(rest)
     yield "data: [DONE]\n\n"
 
 
+# --- request bodies: size and time limits ------------------------------------------------------
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(receive, max_bytes: int) -> bytes | None:
+    """The whole body (None if the client hung up); raises _BodyTooLarge past ``max_bytes``."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise _BodyTooLarge(size)
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+class _BodyLimit:
+    """ASGI middleware: reads each request body in full before the app runs.
+
+    A declared Content-Length over the limit is refused before reading anything; a chunked
+    body is counted as it arrives; a body that has not arrived within ``request_timeout``
+    seconds (a stalled or slow client) gets 408. Waiting is asynchronous, so other requests
+    (/health included) are served meanwhile. Errors close the connection: the rest of an
+    unread body would otherwise be parsed as the next request.
+    """
+
+    def __init__(self, app, limits: RequestLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        lim = self.limits
+        close = {"Connection": "close"}
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > lim.max_request_bytes:
+            await _error(413, _too_large_message(int(declared), lim), close)(scope, receive, send)
+            return
+        try:
+            body = await asyncio.wait_for(_read_body(receive, lim.max_request_bytes),
+                                          lim.request_timeout)
+        except asyncio.TimeoutError:
+            msg = (f"the request body did not arrive within {lim.request_timeout:g} s "
+                   "(--request-timeout); send the whole body at once")
+            await _error(408, msg, close)(scope, receive, send)
+            return
+        except _BodyTooLarge as exc:
+            msg = _too_large_message(exc.args[0], lim, counted=True)
+            await _error(413, msg, close)(scope, receive, send)
+            return
+        if body is None:
+            return  # the client left before sending its body; there is no one to answer
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _too_large_message(size: int, lim: RequestLimits, counted: bool = False) -> str:
+    what = f"more than {lim.max_request_bytes:,}" if counted else f"{size:,}"
+    return (f"request body is {what} bytes; this server takes at most "
+            f"{lim.max_request_bytes:,} (--max-request-bytes): shorten the prompt")
+
+
+def _replay(body: bytes, receive):
+    """A receive() that hands out ``body`` once, then the connection's own events."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+# --- the command ---------------------------------------------------------------------------------
+def _check_listen(host: str, port: int) -> None:
+    """Fail in a second, not after the model load, when the address cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve ({exc}); use 127.0.0.1") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another "
+                             "--port or stop the process using it") from None
+
+
 def serve(spec: ServeSpec) -> None:
-    """Load the model, build the app and run uvicorn until interrupted."""
+    """Check the address, load the model, build the app and run uvicorn until interrupted."""
+    import torch
     import uvicorn
 
-    from runtime.engine import EngineConfig, load_model_for_serving
+    from runtime.engine import load_model_for_serving
 
     if spec.host not in LOOPBACK_HOSTS:
         log.warning("binding to %s exposes the server beyond this machine", spec.host)
+    _check_listen(spec.host, spec.port)
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec.device}: no CUDA device is visible; use --device cpu")
     model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype)
-    engine = LLMEngine(model, tok, EngineConfig(
-        block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens, kv_cache_memory=spec.kv_cache_memory,
-        enable_prefix_caching=spec.enable_prefix_caching, kv_dtype=spec.kv_dtype,
-    ))
-    app = build_app(engine, Path(spec.model_dir).name, spec.max_queue)
+    engine = LLMEngine(model, tok, spec.engine_config())
+    app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits())
     uvicorn.run(app, host=spec.host, port=spec.port, log_level="warning")
