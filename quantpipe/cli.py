@@ -235,17 +235,29 @@ def verify_cmd(qdir):
               help="KV cache elements: the model's activation dtype (fp32 on CPU), or bf16: half "
                    "the memory per token (twice the context or sequences), keys and values "
                    "rounded to bf16.")
+@click.option("--max-request-bytes", default="1MiB", show_default=True,
+              help="Largest request body (e.g. 1MiB); larger ones get 413.")
+@click.option("--max-prompt-chars", default=262144, show_default=True, type=int,
+              help="Longest prompt (chat: all messages) in characters, checked before "
+                   "tokenizing; longer ones get 400.")
+@click.option("--request-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds for a request body to arrive in full; a stalled client gets 408.")
 def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
-              max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype):
+              max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype,
+              max_request_bytes, max_prompt_chars, request_timeout):
     """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
     from quantpipe.io import parse_size
     from runtime.server import ServeSpec, serve
 
-    try:
-        spec = ServeSpec(model_dir, host, port, max_num_seqs, max_queue,
-                         parse_size(kv_cache_memory) if kv_cache_memory else None, block_size,
-                         max_num_batched_tokens, not no_prefix_caching, device, head_dtype,
-                         kv_dtype)
+    try:  # every option and the folder are checked here, before the model loads
+        spec = ServeSpec(
+            model_dir, host=host, port=port, max_num_seqs=max_num_seqs, max_queue=max_queue,
+            kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
+            block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=not no_prefix_caching, device=device, head_dtype=head_dtype,
+            kv_dtype=kv_dtype, max_request_bytes=parse_size(max_request_bytes),
+            max_prompt_chars=max_prompt_chars, request_timeout=request_timeout,
+        )
         click.echo(f"serving {model_dir} on http://{host}:{port}/v1", err=True)
         serve(spec)
     except ValueError as exc:
