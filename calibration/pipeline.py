@@ -216,22 +216,22 @@ def _read_config(fp16_dir: Path) -> dict:
 
 
 def _linear_in_features(fp16_dir: Path, manifest: dict, family: Family) -> tuple[dict, int]:
-    """``({linear name: in_features}, number of blocks)`` from the shard headers alone."""
-    names = set(block_linear_names(family))
+    """``({linear name: in_features}, number of blocks)`` from the shard headers alone, in
+    model order (block by block, linears in the family's order)."""
+    names = block_linear_names(family)
     pattern = re.compile(rf"{re.escape(family.blocks)}\.(\d+)\.(.+)\.weight")
-    in_features: dict[str, int] = {}
-    blocks: set[int] = set()
+    found: dict[tuple[int, int], tuple[str, int]] = {}  # (block, linear) -> (name, in)
     for entry in manifest["shards"]:
         with safe_open(str(fp16_dir / entry["file"]), framework="pt") as f:
             for key in f.keys():
                 m = pattern.fullmatch(key)
                 if m and m.group(2) in names:
-                    blocks.add(int(m.group(1)))
-                    in_features[key[: -len(".weight")]] = int(f.get_slice(key).get_shape()[1])
-    if not in_features:
+                    in_f = int(f.get_slice(key).get_shape()[1])  # weight: [out, in]
+                    found[int(m.group(1)), names.index(m.group(2))] = (key[: -len(".weight")], in_f)
+    if not found:
         raise ValueError(f"{fp16_dir}: its shards hold no {family.blocks}.N.* linears; "
                          "re-run export-fp16")
-    return in_features, len(blocks)
+    return dict(found[k] for k in sorted(found)), len({b for b, _ in found})
 
 
 def _fitting_sizes(in_features: int) -> str:
