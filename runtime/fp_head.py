@@ -98,10 +98,20 @@ class HalfHead(nn.Module):
         self.mode = mode
         self.out_dtype = out_dtype
         self.out_features, self.in_features = weight_fp16.shape
-        # our kernels take fp32 activations on an AVX-512 BF16 CPU (bf16_mm: an even K)
+        # our kernels take fp32 activations (bf16_mm: an even K)
         self.kernel = (weight_fp16.device.type == "cpu" and out_dtype == torch.float32
                        and self.in_features % 2 == 0 and cpu_ext.kernel_status()[0])
-        limit = AUTO_FP16_ROWS_KERNEL if self.kernel else AUTO_FP16_ROWS_TORCH
+        if not self.kernel:
+            limit = AUTO_FP16_ROWS_TORCH
+        elif cpu_ext.active_isa() == "avx2":
+            # no bf16 dot product on AVX2: both heads cost one FMA per weight, fp16 is exact
+            limit = float("inf")
+        else:
+            limit = AUTO_FP16_ROWS_KERNEL
+        # the active ISA build's ops, looked up once (the head runs once per step)
+        ops = cpu_ext.ops() if self.kernel else None
+        self._fp16_mm = ops.fp16_mm.default if ops is not None else None
+        self._bf16_mm = ops.bf16_mm.default if ops is not None else None
         # fp16 for rows <= this, bf16 above
         self.fp16_rows = {"fp16": float("inf"), "bf16": 0, "auto": limit}[mode]
         w16 = w_bf16 = None
@@ -127,9 +137,9 @@ class HalfHead(nn.Module):
         if self.kernel:
             x2d = x.reshape(rows, self.in_features).float().contiguous()  # [M, in] fp32
             if use16:
-                y = torch.ops.quantpipe_cpu.fp16_mm.default(x2d, self.w16)  # [M, padded out]
+                y = self._fp16_mm(x2d, self.w16)  # [M, padded out]
             else:
-                y = torch.ops.quantpipe_cpu.bf16_mm.default(x2d, self.w_bf16)
+                y = self._bf16_mm(x2d, self.w_bf16)
             if y.shape[1] != self.out_features:
                 y = y[:, :self.out_features].contiguous()
             y = y.view(*x.shape[:-1], self.out_features)

@@ -3,14 +3,20 @@
 Backend per layer, chosen once at construction from the device and the layer's layout
 (visible dispatch in :func:`choose_backend`):
 
-| device | backend      | kernel                                                       |
-|--------|--------------|--------------------------------------------------------------|
-| cuda   | ``triton``   | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot / dequant+mm) |
-| cpu    | ``int4avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; AVX-512 BF16, built on first use) |
-| cpu    | ``int4pack`` | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16 activations) |
-| cpu    | ``int8avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; exact int8, fp32 activations) |
-| cpu    | ``int8pack`` | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
-| any    | ``dequant``  | dequantize in fp32 + matmul per call (layouts the above reject) |
+| device | backend          | kernel                                                       |
+|--------|------------------|--------------------------------------------------------------|
+| cuda   | ``triton``       | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot)      |
+| cpu    | ``int4a8avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; W4A8, AVX-512 VNNI)      |
+| cpu    | ``int4a8avx2``   | ``kernels/csrc/cpu_ops_avx2.cpp`` (ours; W4A8, AVX2)         |
+| cpu    | ``int4avx512``   | ``kernels/csrc/cpu_ops.cpp`` (ours; W4A16, bf16 activations) |
+| cpu    | ``int4pack``     | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16)        |
+| cpu    | ``int8avx512``   | ours, AVX-512 build (exact int8 weights, fp32 activations)   |
+| cpu    | ``int8avx2``     | ours, AVX2 build (the same numerics)                         |
+| cpu    | ``int8pack``     | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
+| any    | ``dequant``      | dequantize in fp32 + matmul per call (layouts the above reject) |
+
+Our kernels are built on first use, one library per instruction set
+(``kernels/cpu_ext.py``: the best the CPU has, or ``QUANTPIPE_CPU_ISA``).
 
 The repacked tensors are built on the target device at construction; no dequantized copy of
 the weight outlives a forward call.
@@ -28,7 +34,16 @@ from runtime.kernels.layout import PackedLinear, repack_for_triton
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "int4avx512", "int4pack", "int8avx512", "int8pack", "dequant")
+BACKENDS = ("triton", "int4a8avx512", "int4a8avx2", "int4avx512", "int4pack", "int8avx512",
+            "int8avx2", "int8pack", "dequant")
+# quantpipe's C++ backends: (repack, the ISA build that runs it)
+_QP_REPACKS = {
+    "int4a8avx512": (cpu_kernels.repack_a8w4, "avx512"),
+    "int4a8avx2": (cpu_kernels.repack_a8w4, "avx2"),
+    "int4avx512": (lambda p, isa: cpu_kernels.repack_qp4(p), "avx512"),
+    "int8avx512": (cpu_kernels.repack_q8, "avx512"),
+    "int8avx2": (cpu_kernels.repack_q8, "avx2"),
+}
 
 
 def _triton_available() -> bool:
@@ -70,12 +85,16 @@ class QuantLinear(nn.Module):
         self.reason = reason
         if backend == "triton":
             self._w = repack_for_triton(packed, device)
-        elif backend in ("int4avx512", "int8avx512"):
+        elif backend in _QP_REPACKS:
+            repack, isa = _QP_REPACKS[backend]
             usable, why = cpu_kernels.cpu_ext.kernel_status()
+            if usable and cpu_kernels.cpu_ext.cpu_can_run(isa):
+                usable, why = cpu_kernels.cpu_ext.build_status(isa)
+            elif usable:
+                usable, why = False, f"the CPU cannot run the {isa} build"
             if not usable:
                 raise ValueError(f"backend {backend} is not usable here: {why}")
-            repack = cpu_kernels.repack_qp4 if backend == "int4avx512" else cpu_kernels.repack_q8
-            self._w = repack(packed)
+            self._w = repack(packed, isa)
         elif backend == "int4pack":
             self._w = cpu_kernels.repack_int4(packed)
         elif backend == "int8pack":
@@ -125,9 +144,12 @@ def _triton_matmul(x2d: torch.Tensor, w) -> torch.Tensor:
 # backend -> (x2d [M, in], repacked weights) -> [M, out]
 MATMULS = {
     "triton": _triton_matmul,
+    "int4a8avx512": cpu_kernels.a8w4_matmul,
+    "int4a8avx2": cpu_kernels.a8w4_matmul,
     "int4avx512": cpu_kernels.qp4_matmul,
     "int4pack": cpu_kernels.int4_matmul,
     "int8avx512": cpu_kernels.q8_matmul,
+    "int8avx2": cpu_kernels.q8_matmul,
     "int8pack": cpu_kernels.int8_matmul,
     "dequant": cpu_kernels.dequant_matmul,
 }

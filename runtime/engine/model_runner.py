@@ -215,6 +215,7 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
                                                          self.dtype, self.device)
+        self.ops = cpu_ext.ops() if self.fused else None  # the active ISA build's ops
         self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
         self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -241,14 +242,14 @@ class ModelRunner:
             k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
             v = attn.v_proj(x).view(T, KV, D)
             if self.fused:
-                torch.ops.quantpipe_cpu.rope_(q, k, cos, sin)  # in place
+                self.ops.rope_(q, k, cos, sin)  # in place
             else:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             # write into the paged slots (rounded to the KV dtype when it is narrower)
             self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k.to(self.kv_dtype)
             self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v.to(self.kv_dtype)
             if attn_kernel:  # read the paged blocks directly
-                o = torch.ops.quantpipe_cpu.paged_attention.default(
+                o = self.ops.paged_attention.default(
                     q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
                     meta.q_lens, self.scale)  # [T, H, D]
             else:
@@ -264,8 +265,7 @@ class ModelRunner:
                   norm: torch.nn.Module) -> torch.Tensor:
         """h += delta (in place: h is this step's residual stream), then norm(h)."""
         if self.fused:
-            return torch.ops.quantpipe_cpu.add_rms_norm_(h, delta, norm.weight,
-                                                         norm.variance_epsilon)
+            return self.ops.add_rms_norm_(h, delta, norm.weight, norm.variance_epsilon)
         if delta is not None:
             h += delta
         return norm(h)

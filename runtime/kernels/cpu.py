@@ -60,7 +60,9 @@ int4pack for every M.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,6 +70,9 @@ from runtime.kernels import cpu_ext
 from runtime.kernels.layout import PackedLinear
 
 QP4_ROWS = 16  # int4avx512: output rows per block, and the group size's multiple
+A8_BLOCK = 32  # W4A8: activations quantized per block of 32 columns (the group size's multiple)
+# "int8" (default): 4-bit layers run W4A8; "bf16": W4A16 (int4avx512) on AVX-512 hosts
+INT4_ACT_ENV = "QUANTPIPE_CPU_INT4_ACT"
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2  # int4pack tiling; needs in % (16 * INNER_K_TILES) == 0
 # rows from which dequantize-once + bf16 matmul beats int4pack: measured on SmolLM2's shapes,
@@ -91,6 +96,35 @@ def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
     return perm
 
 
+def _int4_act() -> str:
+    """int8 (W4A8, the default) or bf16 (W4A16: AVX-512 only) activations for 4-bit layers."""
+    act = os.environ.get(INT4_ACT_ENV, "int8").strip().lower() or "int8"
+    if act not in ("int8", "bf16"):
+        raise ValueError(f"{INT4_ACT_ENV}={os.environ[INT4_ACT_ENV]!r}: use int8 (W4A8, "
+                         "default) or bf16 (W4A16, AVX-512 hosts)")
+    return act
+
+
+def _quantpipe_backend(p: PackedLinear) -> tuple[str | None, str]:
+    """(quantpipe kernel backend or None, reason) for a layer with sequential-able groups."""
+    bits, gs, out_f = p.spec.bits, p.group_size, p.out_features
+    if gs % QP4_ROWS or out_f % QP4_ROWS:
+        return None, f"quantpipe's kernels need out and group size % {QP4_ROWS} == 0"
+    usable, why = cpu_ext.kernel_status()
+    if not usable:
+        return None, why
+    isa = cpu_ext.active_isa()
+    if bits == 8:
+        return f"int8{isa}", why
+    a8_ok, act = gs % A8_BLOCK == 0, _int4_act()  # the setting is checked on every ISA
+    if isa == "avx512" and (act == "bf16" or not a8_ok):
+        return "int4avx512", why + ("" if a8_ok else f" (W4A16: group size {gs} % {A8_BLOCK})")
+    if a8_ok:
+        vnni = cpu_ext.a8_uses_vnni(isa)
+        return f"int4a8{isa}", f"{why}, W4A8{' VNNI' if vnni else ''}"
+    return None, f"{why}: W4A8 needs group size % {A8_BLOCK} == 0, not {gs}"
+
+
 def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
     """(backend, reason) for one layer on CPU."""
     bits, gs, in_f, out_f = p.spec.bits, p.group_size, p.in_features, p.out_features
@@ -99,12 +133,9 @@ def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
     if p.g_idx is not None and act_order_permutation(p) is None:
         return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
     # quantpipe's kernels first (same conditions for both widths), then torch's
-    if gs % QP4_ROWS or out_f % QP4_ROWS:
-        why = f"quantpipe's kernels need out and group size % {QP4_ROWS} == 0"
-    else:
-        usable, why = cpu_ext.kernel_status()
-        if usable:
-            return f"int{bits}avx512", why
+    backend, why = _quantpipe_backend(p)
+    if backend is not None:
+        return backend, why
     if bits == 4:
         if gs not in INT4PACK_GROUP_SIZES:
             return "dequant", f"int4pack takes group sizes {INT4PACK_GROUP_SIZES}, not {gs}"
@@ -187,6 +218,63 @@ def qp4_matmul(x2d: torch.Tensor, w: CpuQP4) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class CpuA8W4:
+    """The W4A8 layout: w = q * scale + mz, activations quantized to int8 per 32 columns."""
+
+    packed: torch.Tensor  # uint8 [out / 16, in / 8, 64] (pack_a8w4)
+    scales: torch.Tensor  # fp32 [out / 16, G, 16]
+    mz: torch.Tensor  # fp32 [out / 16, G, 16] = -z * scale
+    perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
+    group_size: int
+    op: Any  # int4_a8_mm of the ISA it was packed for (torch OpOverload)
+    vnni: bool  # int4_a8_mm's instruction choice (cpu_ext.a8_uses_vnni)
+
+
+def pack_a8w4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] q in [0, 16) -> uint8 [out / 16, in / 8, 64] (csrc/common.h layout).
+
+    Byte ``4 r + e`` of chunk (b, c) holds q[16 b + r, 8 c + e] (low nibble) and
+    q[16 b + r, 8 c + 4 + e] (high nibble).
+    """
+    out_f, in_f = q.shape
+    v = q.view(out_f // QP4_ROWS, QP4_ROWS, in_f // 8, 2, 4)  # [b, r, c, h, e]: k = 8c + 4h + e
+    v = v.permute(0, 2, 1, 4, 3)  # [b, c, r, e, h]
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(out_f // QP4_ROWS, in_f // 8, 64).contiguous()
+
+
+def unpack_a8w4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_a8w4`: uint8 [out / 16, in / 8, 64] -> uint8 [out, in]."""
+    nb, chunks, _ = packed.shape
+    v = packed.view(nb, chunks, QP4_ROWS, 4)  # [b, c, r, e]
+    q = torch.stack([v & 15, v >> 4], dim=-1)  # [b, c, r, e, h]
+    return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 8)  # [out, in]
+
+
+def repack_a8w4(p: PackedLinear, isa: str | None = None) -> CpuA8W4:
+    """``isa``: the build whose ``int4_a8_mm`` runs it (default: the active one)."""
+    isa = isa or cpu_ext.active_isa()
+    q = p.unpacked_q()  # uint8 [out, in] in [0, 16)
+    perm = None
+    if p.g_idx is not None:
+        perm = act_order_permutation(p)
+        q = q[:, perm]  # [out, in] columns now in sequential groups
+    scales = p.scales.float()  # [out, G], exact
+    # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16)
+    mz = -p.zeros_u8().float() * scales  # [out, G]
+    return CpuA8W4(pack_a8w4(q.contiguous()), block_rows(scales), block_rows(mz), perm,
+                   p.group_size, cpu_ext.ops(isa).int4_a8_mm.default, cpu_ext.a8_uses_vnni(isa))
+
+
+def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:
+    """x2d [M, in] float -> [M, out] in x's dtype (the kernel quantizes x to int8 itself)."""
+    x = x2d if x2d.dtype == torch.float32 else x2d.float()
+    if w.perm is not None:
+        x = x[:, w.perm]  # [M, in] columns in the repacked order
+    y = w.op(x.contiguous(), w.packed, w.scales, w.mz, w.group_size, w.vnni)  # [M, out] fp32
+    return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
+
+
+@dataclass(frozen=True)
 class CpuInt4:
     packed: torch.Tensor  # uint8 [out, in / 2] int4pack layout
     scales_and_zeros: torch.Tensor  # [G, out, 2] in the activation dtype (bf16)
@@ -258,9 +346,11 @@ class CpuQ8:
     zf: torch.Tensor | None  # fp32 [out / 16, G, 16] = (128 - z) * scale; None when all z == 128
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
+    op: Any = None  # the int8_mm op of the ISA it was packed for (torch OpOverload)
 
 
-def repack_q8(p: PackedLinear) -> CpuQ8:
+def repack_q8(p: PackedLinear, isa: str | None = None) -> CpuQ8:
+    """``isa``: the build whose ``int8_mm`` runs it (default: the active one)."""
     q = p.unpacked_q()  # uint8 [out, in]
     perm = None
     if p.g_idx is not None:
@@ -273,7 +363,8 @@ def repack_q8(p: PackedLinear) -> CpuQ8:
     if not bool((zeros == 128).all()):
         # (128 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 128)
         zf = block_rows((128.0 - zeros.float()) * p.scales.float())
-    return CpuQ8(q8, block_rows(p.scales), zf, perm, p.group_size)
+    op = cpu_ext.ops(isa).int8_mm.default
+    return CpuQ8(q8, block_rows(p.scales), zf, perm, p.group_size, op)
 
 
 def q8_matmul(x2d: torch.Tensor, w: CpuQ8) -> torch.Tensor:
@@ -281,8 +372,7 @@ def q8_matmul(x2d: torch.Tensor, w: CpuQ8) -> torch.Tensor:
     x = x2d if x2d.dtype == torch.float32 else x2d.float()
     if w.perm is not None:
         x = x[:, w.perm]  # [M, in] columns in the repacked order
-    y = torch.ops.quantpipe_cpu.int8_mm.default(x.contiguous(), w.q8, w.scales, w.zf,
-                                                w.group_size)  # [M, out] fp32
+    y = w.op(x.contiguous(), w.q8, w.scales, w.zf, w.group_size)  # [M, out] fp32
     return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 

@@ -1,14 +1,20 @@
-"""quantpipe's C++ CPU ops (runtime/kernels/csrc/cpu_ops.cpp) vs float64 references.
+"""quantpipe's C++ CPU ops (runtime/kernels/csrc/) vs float64 references, on each ISA build.
 
-The int4 kernel rounds the activations to bf16 and accumulates in fp32; everything else is exact
-(q - 8 in bf16, fp16 scales, zf = (8 - z) * s in fp32). So the reference is the float64
-product of the *bf16-rounded* activations with the float64 dequantized weight, and the only
-tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of products. The int8
-kernel keeps fp32 activations (no rounding at all); the other ops (head matmuls, add +
-RMSNorm, RoPE, paged attention) are checked the same way at the end.
+Every op runs on every ISA build this CPU can run (``avx512``: cpu_ops.cpp, ``avx2``:
+cpu_ops_avx2.cpp; an AVX-512 host runs both), at every activation-row tile (M = 1..17 covers
+tiles of 1..8 rows and the remainders after full tiles).
+
+The W4A16 int4 kernel (AVX-512) rounds the activations to bf16 and accumulates in fp32;
+everything else is exact (q - 8 in bf16, fp16 scales, zf = (8 - z) * s in fp32). So the
+reference is the float64 product of the *bf16-rounded* activations with the float64 dequantized
+weight, and the only tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of
+products. The W4A8 kernel quantizes the activations to int8 per 32 columns: the quantizer is
+checked bit-exactly against the same fp32 arithmetic in torch, and the matmul against the
+float64 product of the dequantized int8 activations. The int8 kernel keeps fp32 activations (no
+rounding at all); the other ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked
+the same way at the end.
 """
 
-import os
 import zlib
 
 import pytest
@@ -21,27 +27,28 @@ from runtime.kernels.layout import dequantize_reference
 from runtime.quant_linear import QuantLinear
 from tests.runtime._quant_helpers import random_packed
 
-CAPABLE = cpu_ext._cpu_flags() is not None and set(cpu_ext.CPU_FLAGS) <= cpu_ext._cpu_flags()
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ext.cpu_can_run(isa),
+                                                   reason=f"the CPU cannot run the {isa} build"))
+        for isa in cpu_ext.ISAS]
+CAPABLE_512 = cpu_ext.cpu_can_run("avx512")
 
 
-@pytest.fixture(scope="module")
-def built():
-    """Build and load the ops even when QUANTPIPE_CPU_KERNELS=torch runs the rest of the suite
-    on torch's kernels (the ops stay registered; the status is recomputed afterwards)."""
-    saved = os.environ.pop(cpu_ext.ENV, None)
-    cpu_ext.kernel_status.cache_clear()
-    try:
-        yield cpu_ext.kernel_status()
-    finally:
-        if saved is not None:
-            os.environ[cpu_ext.ENV] = saved
-        cpu_ext.kernel_status.cache_clear()
+@pytest.fixture
+def ops(request):
+    """The op namespace of the test's ISA, built and loaded even when QUANTPIPE_CPU_KERNELS=torch
+    runs the rest of the suite on torch's kernels (builds do not depend on that variable)."""
+    isa = request.node.callspec.params["isa"]
+    usable, why = cpu_ext.build_status(isa)
+    assert usable, why  # a broken source fails here instead of silently falling back
+    return cpu_ext.ops(isa)
 
 
-def needs_kernel(test):
-    """Skip on CPUs without AVX-512 BF16; elsewhere run with the ops built and loaded."""
-    test = pytest.mark.usefixtures("built")(test)
-    return pytest.mark.skipif(not CAPABLE, reason="the CPU lacks AVX-512 BF16")(test)
+def _a8_variants(isa):
+    """int4_a8_mm's instruction choices on this ISA build: AVX2 runs pmaddubsw, and AVX-VNNI
+    where the CPU has it; AVX-512 always VNNI."""
+    if isa == "avx512":
+        return [True]
+    return [False, True] if cpu_ext.a8_uses_vnni("avx2") else [False]
 
 
 @pytest.mark.parametrize("out_f,in_f", [(16, 16), (48, 64), (96, 256), (64, 1536)])
@@ -56,23 +63,42 @@ def test_pack_unpack_exact_round_trip(out_f, in_f):
     assert packed[b, c, 2 * r + e] >> 4 == q[16 * b + r, 4 * c + 2 + e]
 
 
-@needs_kernel
-def test_kernel_builds_and_loads_on_this_cpu(built):
-    """On an AVX-512 BF16 CPU with a compiler the kernel must be usable (a broken source fails
-    here instead of silently falling back to int4pack)."""
-    usable, why = built
-    assert usable, why
-    assert torch.ops.quantpipe_cpu.int4_supported()
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_builds_and_loads_on_this_cpu(isa, ops):
+    """On a CPU with the ISA's features and a compiler the build must be usable."""
+    assert ops.supported()
+
+
+@pytest.mark.parametrize("out_f,in_f", [(16, 8), (48, 64), (96, 256), (64, 1536)])
+def test_a8w4_pack_unpack_exact_round_trip(out_f, in_f):
+    q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(out_f + in_f))
+    packed = cpu_kernels.pack_a8w4(q)
+    assert packed.shape == (out_f // 16, in_f // 8, 64) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_kernels.unpack_a8w4(packed), q)
+    # one element by hand: q[16 b + r, 8 c + 4 + e] is the high nibble of byte 4 r + e
+    b, c, r, e = out_f // 16 - 1, in_f // 8 - 1, 13, 3
+    assert packed[b, c, 4 * r + e] >> 4 == q[16 * b + r, 8 * c + 4 + e]
+    assert packed[b, c, 4 * r + e] & 15 == q[16 * b + r, 8 * c + e]
 
 
 LAYOUTS = [QuantSpec(4, gs, sym, act) for gs in (16, 32, 64, 128, 256, -1)
            for sym in (True, False) for act in (False, True) if not (act and gs == -1)]
 
 
-@needs_kernel
+needs_512 = pytest.mark.skipif(not CAPABLE_512, reason="the CPU cannot run the avx512 build")
+
+
+@pytest.fixture
+def avx512():
+    usable, why = cpu_ext.build_status("avx512")
+    assert usable, why
+
+
+@needs_512
 @pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: s.label())
-def test_kernel_matches_float64_reference_every_tile(spec):
-    """M = 1..17 covers every row tile (1..8) and the remainders after full tiles of 8."""
+def test_kernel_matches_float64_reference_every_tile(spec, avx512):
+    """W4A16 (AVX-512 only). M = 1..17 covers every row tile (1..8) and the remainders."""
     out_f, in_f = 48, 256
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
     w = cpu_kernels.repack_qp4(p)
@@ -89,15 +115,99 @@ def test_kernel_matches_float64_reference_every_tile(spec):
         assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
 
 
-@needs_kernel
+def _quantize_a8_reference(x: torch.Tensor, group_size: int):
+    """The W4A8 activation quantizer in torch's fp32 arithmetic (the kernels' exact steps)."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)  # [M, blocks, 32]
+    amax = xb.abs().amax(-1)  # [M, blocks] fp32
+    dx = amax / 127  # fp32 division, as a / 127.0f
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # fp32
+    xq = torch.round(xb * inv[..., None])  # fp32 product, rounded half to even
+    return xq.view(m, k).to(torch.int8), dx
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a8_quantizer_is_bit_exact_and_sums_per_group(isa, ops):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 256, generator=gen) * 5
+    x[1, :32] = 0  # an all-zero block: scale 0, xq 0
+    x[2, 40] = 1e4  # one outlier: the rest of its block rounds to (nearly) 0
+    x[3, :64] = torch.arange(64) - 31.5  # exact .5 ties after scaling
+    xq, dx, qsum = ops.quantize_a8(x, 64)
+    want_q, want_d = _quantize_a8_reference(x, 64)
+    assert torch.equal(xq, want_q) and torch.equal(dx, want_d)
+    assert int(xq.abs().max()) <= 127 and float(dx[1, 0]) == 0.0
+    # qsum: per group of 64 (two blocks), sum of d * sum(xq), fp32
+    want_qsum = (want_d.double() * want_q.double().view(7, 8, 32).sum(-1)).view(7, 4, 2).sum(-1)
+    torch.testing.assert_close(qsum.double(), want_qsum, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quantize_a8(x, 48)
+
+
+A8_LAYOUTS = [QuantSpec(4, gs, sym, act) for gs in (32, 64, 128, -1)
+              for sym in (True, False) for act in (False, True) if not (act and gs == -1)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("spec", A8_LAYOUTS, ids=lambda s: s.label())
+def test_a8w4_kernel_matches_float64_reference_every_tile(isa, spec, ops):
+    """W4A8: the float64 product of the kernel's int8 activations (dequantized, bit-exact per
+    the test above) with the float64 weight; only fp32 accumulation differs: relative 1e-5 of
+    the absolute sum of products. M = 1..17: every tile (1..8 rows AVX-512, 1..4 AVX2) and
+    remainders; every instruction choice of the ISA."""
+    out_f, in_f = 48, 256
+    p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
+    w = cpu_kernels.repack_a8w4(p, isa)
+    w64 = dequantize_reference(p)  # [out, in] float64
+    gen = torch.Generator().manual_seed(9)
+    for vnni in _a8_variants(isa):
+        w = cpu_kernels.CpuA8W4(w.packed, w.scales, w.mz, w.perm, w.group_size, w.op, vnni)
+        for m in range(1, 18):
+            x = torch.randn(m, in_f, generator=gen) * 3
+            got = cpu_kernels.a8w4_matmul(x, w)  # [m, out] fp32
+            xp = x if w.perm is None else x[:, w.perm]  # the kernel quantizes permuted columns
+            xq, dx = _quantize_a8_reference(xp.contiguous(), w.group_size)
+            xhat = (xq.double().view(m, -1, 32) * dx.double()[..., None]).view(m, in_f)
+            w64p = w64 if w.perm is None else w64[:, w.perm]
+            want = xhat @ w64p.T
+            bound = 1e-5 * (xhat.abs() @ w64p.abs().T) + 1e-30
+            assert got.dtype == torch.float32 and got.shape == (m, out_f)
+            err = (got.double() - want).abs()
+            assert (err <= bound).all(), (vnni, m, float(err.max()))
+            # and the int8 activations' own error stays at the scale of int8 rounding
+            exact = x.double() @ w64.T
+            assert float((got.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a8w4_kernel_rejects_bad_inputs_with_a_message(isa, ops):
+    p = random_packed(32, 128, QuantSpec(4, 32, False), seed=1)
+    w = cpu_kernels.repack_a8w4(p, isa)
+    op = ops.int4_a8_mm
+    vnni = _a8_variants(isa)[-1]
+    with pytest.raises(RuntimeError, match="packed holds K = 128"):
+        op(torch.randn(2, 64), w.packed, w.scales, w.mz, 32, vnni)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(2, 128), w.packed, w.scales, w.mz, 16, vnni)
+    with pytest.raises(RuntimeError, match="scales"):
+        op(torch.randn(2, 128), w.packed, w.scales.half(), w.mz, 32, vnni)
+    with pytest.raises(RuntimeError, match="fp32"):
+        op(torch.randn(2, 128).bfloat16(), w.packed, w.scales, w.mz, 32, vnni)
+    assert op(torch.empty(0, 128), w.packed, w.scales, w.mz, 32, vnni).shape == (0, 32)
+    if isa == "avx512":
+        with pytest.raises(RuntimeError, match="vnni=True"):
+            op(torch.randn(2, 128), w.packed, w.scales, w.mz, 32, False)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("spec", [QuantSpec(8, gs, sym, act) for gs in (16, 64, -1)
                                   for sym in (True, False) for act in (False, True)
                                   if not (act and gs == -1)], ids=lambda s: s.label())
-def test_int8_kernel_matches_float64_reference_every_tile(spec):
+def test_int8_kernel_matches_float64_reference_every_tile(isa, spec, ops):
     """int8_mm: exact int8 weights, fp32 activations: only fp32 accumulation differs."""
     out_f, in_f = 48, 128
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
-    w = cpu_kernels.repack_q8(p)
+    w = cpu_kernels.repack_q8(p, isa)
     assert (w.zf is None) == spec.sym and w.q8.shape == (3, in_f, 16)
     w64 = dequantize_reference(p)
     gen = torch.Generator().manual_seed(8)
@@ -109,8 +219,8 @@ def test_int8_kernel_matches_float64_reference_every_tile(spec):
         assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
 
 
-@needs_kernel
-def test_kernel_takes_bf16_input_and_empty_batches():
+@needs_512
+def test_kernel_takes_bf16_input_and_empty_batches(avx512):
     p = random_packed(32, 128, QuantSpec(4, 32, False), seed=11)
     w = cpu_kernels.repack_qp4(p)
     x = torch.randn(5, 128)
@@ -121,8 +231,8 @@ def test_kernel_takes_bf16_input_and_empty_batches():
     assert cpu_kernels.qp4_matmul(torch.empty(0, 128), w).shape == (0, 32)
 
 
-@needs_kernel
-def test_kernel_rejects_bad_shapes_with_a_message():
+@needs_512
+def test_kernel_rejects_bad_shapes_with_a_message(avx512):
     p = random_packed(32, 128, QuantSpec(4, 32, True), seed=1)
     w = cpu_kernels.repack_qp4(p)
     op = torch.ops.quantpipe_cpu.int4_mm
@@ -136,87 +246,138 @@ def test_kernel_rejects_bad_shapes_with_a_message():
         op(torch.randn(2, 128).half(), w.packed, w.scales, None, 32)
 
 
-@needs_kernel
-def test_dispatch_prefers_the_kernel_and_the_env_turns_it_off(monkeypatch):
+@pytest.fixture
+def fresh_status(monkeypatch):
+    """The kernel environment variables unset and the cached choice forgotten; restored after."""
+    for name in (cpu_ext.ENV, cpu_ext.ISA_ENV, cpu_kernels.INT4_ACT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    cpu_ext.reset()
+    yield monkeypatch
+    monkeypatch.undo()  # the environment as the suite runs it, then a fresh status
+    cpu_ext.reset()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_dispatch_takes_the_forced_isa_and_the_env_turns_it_off(isa, fresh_status):
+    monkeypatch = fresh_status
     p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
-    try:
-        monkeypatch.delenv(cpu_ext.ENV, raising=False)
-        cpu_ext.kernel_status.cache_clear()
-        assert cpu_kernels.cpu_backend_for(p)[0] == "int4avx512"
-        # out % 16 != 0 (and group sizes int4pack takes) keep int4pack / dequant
-        assert cpu_kernels.cpu_backend_for(
-            random_packed(24, 256, QuantSpec(4, 64, True), 1))[0] == "dequant"
-        monkeypatch.setenv(cpu_ext.ENV, "torch")
-        cpu_ext.kernel_status.cache_clear()
-        backend, why = cpu_kernels.cpu_backend_for(p)
-        assert backend == "int4pack" and cpu_ext.ENV in why
-        with pytest.raises(ValueError, match="not usable here"):
-            QuantLinear(p, "cpu", backend="int4avx512")
-        monkeypatch.setenv(cpu_ext.ENV, "off")  # a typo is an error, not a silent choice
-        cpu_ext.kernel_status.cache_clear()
-        with pytest.raises(ValueError, match="QUANTPIPE_CPU_KERNELS='off'"):
-            cpu_ext.kernel_status()
-    finally:
-        monkeypatch.undo()  # the environment as the suite runs it, then a fresh status
-        cpu_ext.kernel_status.cache_clear()
+    p8 = random_packed(96, 256, QuantSpec(8, 64, False), seed=3)
+    monkeypatch.setenv(cpu_ext.ISA_ENV, isa)
+    cpu_ext.reset()
+    assert cpu_ext.active_isa() == isa
+    backend, why = cpu_kernels.cpu_backend_for(p)
+    assert backend == f"int4a8{isa}" and f"{cpu_ext.ISA_ENV}={isa}" in why and "W4A8" in why
+    assert cpu_kernels.cpu_backend_for(p8)[0] == f"int8{isa}"
+    layer = QuantLinear(p, "cpu")
+    assert layer.backend == f"int4a8{isa}" and isa in layer.reason
+    # W4A16 where asked for: AVX-512 has it; AVX2 keeps W4A8
+    monkeypatch.setenv(cpu_kernels.INT4_ACT_ENV, "bf16")
+    want16 = "int4avx512" if isa == "avx512" else "int4a8avx2"
+    assert cpu_kernels.cpu_backend_for(p)[0] == want16
+    monkeypatch.setenv(cpu_kernels.INT4_ACT_ENV, "fp8")
+    with pytest.raises(ValueError, match="QUANTPIPE_CPU_INT4_ACT='fp8'"):
+        cpu_kernels.cpu_backend_for(p)
+    monkeypatch.delenv(cpu_kernels.INT4_ACT_ENV)
+    # out % 16 != 0 keeps torch's kernels / dequant
+    assert cpu_kernels.cpu_backend_for(
+        random_packed(24, 256, QuantSpec(4, 64, True), 1))[0] == "dequant"
+    monkeypatch.setenv(cpu_ext.ENV, "torch")
+    cpu_ext.reset()
+    backend, why = cpu_kernels.cpu_backend_for(p)
+    assert backend == "int4pack" and cpu_ext.ENV in why
+    with pytest.raises(ValueError, match="not usable here"):
+        QuantLinear(p, "cpu", backend=f"int4a8{isa}")
+    monkeypatch.setenv(cpu_ext.ENV, "off")  # a typo is an error, not a silent choice
+    cpu_ext.reset()
+    with pytest.raises(ValueError, match="QUANTPIPE_CPU_KERNELS='off'"):
+        cpu_ext.kernel_status()
 
 
-def test_unusable_build_falls_back_to_int4pack(monkeypatch):
+def test_forced_isa_the_cpu_lacks_is_an_error_naming_the_fix(fresh_status):
+    monkeypatch = fresh_status
+    avx2_only = {"avx", "avx2", "fma", "f16c", "sse4_2"}  # an AVX2-only CPU (no AVX-512)
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: avx2_only)
+    monkeypatch.setattr(cpu_ext.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_ext.ISA_ENV, "avx512")
+    cpu_ext.reset()
+    with pytest.raises(ValueError, match=r"QUANTPIPE_CPU_ISA=avx512 but this CPU lacks "
+                                         r"avx512_bf16.*use avx2 or unset QUANTPIPE_CPU_ISA"):
+        cpu_ext.kernel_status()
+    monkeypatch.setenv(cpu_ext.ISA_ENV, "neon")
+    cpu_ext.reset()
+    with pytest.raises(ValueError, match="QUANTPIPE_CPU_ISA='neon': use one of"):
+        cpu_ext.kernel_status()
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: {"sse4_2", "avx"})  # neither build
+    monkeypatch.delenv(cpu_ext.ISA_ENV)
+    cpu_ext.reset()
+    usable, why = cpu_ext.kernel_status()
+    assert not usable and "AVX2" in why and cpu_ext.active_isa() is None
+
+
+@pytest.mark.skipif(not cpu_ext.cpu_can_run("avx2"), reason="the CPU cannot run the avx2 build")
+def test_auto_choice_is_the_best_build_the_cpu_runs(fresh_status):
+    monkeypatch = fresh_status
+    assert cpu_ext.active_isa() == ("avx512" if CAPABLE_512 else "avx2")
+    assert "QUANTPIPE_CPU_ISA" not in cpu_ext.kernel_status()[1]  # auto-detected
+    flags = cpu_ext._cpu_flags() - {"avx512_bf16"}  # the same CPU without AVX-512 BF16
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: flags)
+    cpu_ext.reset()
+    assert cpu_ext.active_isa() == "avx2"
+
+
+def test_unusable_build_falls_back_to_int4pack(fresh_status):
     """A failing build (no compiler, say) is a logged fallback, not an error."""
     def fail(**kwargs):
         raise RuntimeError("Error building extension 'quantpipe_cpu_x'\nmore lines")
 
-    monkeypatch.delenv(cpu_ext.ENV, raising=False)
-    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: set(cpu_ext.CPU_FLAGS))
+    monkeypatch = fresh_status
+    flags = set(cpu_ext.ISAS["avx512"].cpu_flags) | set(cpu_ext.ISAS["avx2"].cpu_flags)
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_ext.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr("torch.utils.cpp_extension.load", fail)
-    cpu_ext.kernel_status.cache_clear()
-    try:
-        usable, why = cpu_ext.kernel_status()
-        assert not usable and "Error building extension" in why and "more lines" not in why
-        p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
-        assert cpu_kernels.cpu_backend_for(p) == ("int4pack", f"torch int4pack ({why})")
-    finally:
-        monkeypatch.undo()
-        cpu_ext.kernel_status.cache_clear()
+    cpu_ext.reset()
+    usable, why = cpu_ext.kernel_status()
+    assert not usable and "Error building extension" in why and "more lines" not in why
+    p = random_packed(96, 256, QuantSpec(4, 64, True), seed=2)
+    assert cpu_kernels.cpu_backend_for(p) == ("int4pack", f"torch int4pack ({why})")
 
 
-# --- the other ops of csrc/cpu_ops.cpp ------------------------------------------------------
+# --- the other ops of each build ---------------------------------------------------------------
 
 
-@needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11])
-def test_head_matmuls_match_float64_reference(m):
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 11, 17])
+def test_head_matmuls_match_float64_reference(isa, m, ops):
     """fp16_mm: exact fp16 weights, fp32 x; bf16_mm: bf16 weights and x; fp32 sums."""
     from runtime.fp_head import block_row_pairs, block_rows
 
     gen = torch.Generator().manual_seed(m)
     w16 = (torch.randn(80, 72, generator=gen) * 0.2).half()  # [N, K]
     x = torch.randn(m, 72, generator=gen)
-    got16 = torch.ops.quantpipe_cpu.fp16_mm(x, block_rows(w16))
+    got16 = ops.fp16_mm(x, block_rows(w16))
     want16 = x.double() @ w16.double().T
     bound16 = 1e-6 * (x.double().abs() @ w16.double().abs().T)
     assert ((got16.double() - want16).abs() <= bound16).all()
     wb = w16.to(torch.bfloat16)
-    got_bf = torch.ops.quantpipe_cpu.bf16_mm(x, block_row_pairs(wb))
+    got_bf = ops.bf16_mm(x, block_row_pairs(wb))
     want_bf = x.bfloat16().double() @ wb.double().T
     bound_bf = 1e-6 * (x.bfloat16().double().abs() @ wb.double().abs().T)
     assert ((got_bf.double() - want_bf).abs() <= bound_bf).all()
 
 
-@needs_kernel
-@pytest.mark.parametrize("d", [64, 40])  # 40: a tail after the 16-wide vectors
-def test_add_rms_norm_and_rope_match_float64_reference(d):
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [64, 40, 36])  # 40, 36: tails after the 16- / 8-wide vectors
+def test_add_rms_norm_and_rope_match_float64_reference(isa, d, ops):
     gen = torch.Generator().manual_seed(d)
     h = torch.randn(5, d, generator=gen) * 3
     delta = torch.randn(5, d, generator=gen)
     w = torch.randn(d, generator=gen)
     h64 = h.double() + delta.double()
     want = w.double() * h64 / (h64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
-    got = torch.ops.quantpipe_cpu.add_rms_norm_(h, delta, w, 1e-6)
+    got = ops.add_rms_norm_(h, delta, w, 1e-6)
     torch.testing.assert_close(h.double(), h64, rtol=0, atol=1e-6)  # h += delta in place
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
-    got2 = torch.ops.quantpipe_cpu.add_rms_norm_(h, None, w, 1e-6)  # no delta: h unchanged
+    got2 = ops.add_rms_norm_(h, None, w, 1e-6)  # no delta: h unchanged
     torch.testing.assert_close(got2, got, rtol=0, atol=0)
 
     from runtime.engine.model_runner import apply_rope
@@ -226,7 +387,7 @@ def test_add_rms_norm_and_rope_match_float64_reference(d):
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # HF layout
     want_q = apply_rope(q.double(), cos.double(), sin.double())
     want_k = apply_rope(k.double(), cos.double(), sin.double())
-    torch.ops.quantpipe_cpu.rope_(q, k, cos, sin)
+    ops.rope_(q, k, cos, sin)
     torch.testing.assert_close(q.double(), want_q, rtol=0, atol=1e-5)
     torch.testing.assert_close(k.double(), want_k, rtol=0, atol=1e-5)
 
@@ -248,10 +409,11 @@ def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale):
     return torch.stack(out)
 
 
-@needs_kernel
-def test_paged_attention_matches_float64_reference_decode_and_chunks():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [64, 36])  # 36: the path for head sizes not a multiple of 16 / 8
+def test_paged_attention_matches_float64_reference_decode_and_chunks(isa, d, ops):
     gen = torch.Generator().manual_seed(0)
-    heads, kv, d, bs = 6, 2, 64, 4
+    heads, kv, bs = 6, 2, 4
     k_pool = torch.randn(30, bs, kv, d, generator=gen)
     v_pool = torch.randn(30, bs, kv, d, generator=gen)
     ctx_lens, q_lens = [1, 9, 4, 17, 6], [1, 1, 4, 5, 2]  # decodes, a whole prompt, chunks
@@ -262,27 +424,27 @@ def test_paged_attention_matches_float64_reference_decode_and_chunks():
         tables[b, :nb] = blocks[used:used + nb]
         used += nb
     q = torch.randn(sum(q_lens), heads, d, generator=gen)
-    got = torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, tables,
+    got = ops.paged_attention(q, k_pool, v_pool, tables,
                                                   torch.tensor(ctx_lens), torch.tensor(q_lens),
                                                   0.125)
     want = _attention_reference(q, k_pool, v_pool, tables.tolist(), ctx_lens, q_lens, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
     # a bf16 KV cache: the same attention over the bf16 values (read back exactly as fp32)
     k16, v16 = k_pool.bfloat16(), v_pool.bfloat16()
-    got16 = torch.ops.quantpipe_cpu.paged_attention(q, k16, v16, tables, torch.tensor(ctx_lens),
+    got16 = ops.paged_attention(q, k16, v16, tables, torch.tensor(ctx_lens),
                                                     torch.tensor(q_lens), 0.125)
     want16 = _attention_reference(q, k16.double(), v16.double(), tables.tolist(), ctx_lens,
                                   q_lens, 0.125)
     torch.testing.assert_close(got16.double(), want16, rtol=0, atol=2e-6)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
-        torch.ops.quantpipe_cpu.paged_attention(q, k16, v_pool, tables, torch.tensor(ctx_lens),
+        ops.paged_attention(q, k16, v_pool, tables, torch.tensor(ctx_lens),
                                                 torch.tensor(q_lens), 0.125)
     with pytest.raises(RuntimeError, match="q_len"):
-        torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, tables,
+        ops.paged_attention(q, k_pool, v_pool, tables,
                                                 torch.tensor(ctx_lens), torch.tensor([2] * 5),
                                                 0.125)
     bad = tables.clone()
     bad[0, 0] = 99
     with pytest.raises(RuntimeError, match="outside the pool"):
-        torch.ops.quantpipe_cpu.paged_attention(q, k_pool, v_pool, bad, torch.tensor(ctx_lens),
+        ops.paged_attention(q, k_pool, v_pool, bad, torch.tensor(ctx_lens),
                                                 torch.tensor(q_lens), 0.125)

@@ -27,53 +27,22 @@
 // Numerics: (q - 8) is exact in bf16; x is rounded to bf16 (RNE) once; products and the
 // per-group sums are fp32 (vdpbf16ps), scaled per group in fp32.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
+
+#include "common.h"
 
 namespace {
 
-constexpr int64_t kRows = 16;  // output rows per block (fp32 lanes of a zmm)
-constexpr int64_t kMaxTile = 8;  // activation rows that share one expanded weight chunk
+using qp::kA8Block;
+using qp::kRows;
+constexpr int kMaxTile = 8;  // activation rows that share one expanded weight chunk
 
-// Calls tile(block, m0, MT) for every block of 16 output rows and every tile of MT <= 8
-// activation rows (MT a compile-time constant: the accumulators stay in registers). Blocks are
-// split over torch's threads when there is enough work to pay for waking them: at least
-// kMinMacsPerThread multiply-adds each (one row of a 192 x 576 layer stays on one thread).
-constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
-
-template <typename Tile>
-void for_each_tile(int64_t M, int64_t NB, int64_t K, const Tile& tile) {
-  const int64_t macs_per_block = std::max<int64_t>(1, kRows * K * M);
-  const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_block);
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        switch (std::min(kMaxTile, M - m0)) {
-          case 1: tile(b, m0, std::integral_constant<int, 1>{}); break;
-          case 2: tile(b, m0, std::integral_constant<int, 2>{}); break;
-          case 3: tile(b, m0, std::integral_constant<int, 3>{}); break;
-          case 4: tile(b, m0, std::integral_constant<int, 4>{}); break;
-          case 5: tile(b, m0, std::integral_constant<int, 5>{}); break;
-          case 6: tile(b, m0, std::integral_constant<int, 6>{}); break;
-          case 7: tile(b, m0, std::integral_constant<int, 7>{}); break;
-          default: tile(b, m0, std::integral_constant<int, 8>{}); break;
-        }
-      }
-    }
-  });
-}
-
-#define QP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
+#define QP_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,f16c")))
 
 QP_TARGET inline __m512bh as_bh(__m512i v) {
   __m512bh r;
@@ -185,26 +154,16 @@ bool cpu_supported() {
   static const bool supported = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vnni");
   }();
   return supported;
 }
 
-// scales fp16 [NB, G, 16] and zf fp32 like it, for K columns in groups of group_size
 void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& zf, int64_t NB,
                   int64_t K, int64_t group_size) {
-  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
-  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0,
-              "group_size must be a positive multiple of 16 dividing K = ", K);
-  const int64_t G = K / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({NB, G, kRows}),
-              "scales must be contiguous fp16 [N/16, G, 16]");
-  if (zf.has_value()) {
-    TORCH_CHECK(zf->scalar_type() == at::kFloat && zf->is_contiguous() &&
-                    zf->sizes() == scales.sizes(),
-                "zf must be contiguous fp32 [N/16, G, 16]");
-  }
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+  qp::check_group_tensors(scales, zf, NB, K, group_size, at::kHalf, 16);
 }
 
 void check_weights(const at::Tensor& packed, const at::Tensor& scales,
@@ -244,7 +203,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t wblock = K / 4 * 32, sblock = G * kRows;
-  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
     block_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G,
                                     wp + b * wblock, scp + b * sblock,
                                     zfp ? zfp + b * sblock : nullptr, group_size,
@@ -338,13 +297,152 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& 
   const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t sblock = G * kRows;
-  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
     int8_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G,
                                    wp + b * K * kRows, scp + b * sblock,
                                    zfp ? zfp + b * sblock : nullptr, group_size,
                                    yp + m0 * N + b * kRows, N);
   });
   return y;
+}
+
+// --- int4_a8_mm: W4A8 --------------------------------------------------------------------------
+// The activations quantized to int8 per row and block of 32 columns, the 4-bit weights
+// multiplied with them by vpdpbusd (unsigned q x signed xq, four products per 32-bit lane):
+// common.h describes the layout (16 rows x 4 columns per half chunk), cpu_ops_avx2.cpp the
+// quantizer and the formula; both builds give identical xq, dx and qsum.
+
+// one row: x fp32 [K] -> xq int8 [K], dx fp32 [K / 32], qsum fp32 [K / group_size]
+QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* xq,
+                            float* dx, float* qsum) {
+  const int64_t per_group = group_size / kA8Block;
+  for (int64_t blk = 0; blk < K / kA8Block; ++blk) {
+    const __m512 v0 = _mm512_loadu_ps(x + blk * kA8Block);
+    const __m512 v1 = _mm512_loadu_ps(x + blk * kA8Block + 16);
+    const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = a / 127.0f;
+    const __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+    // rounded to nearest even (MXCSR default), in [-127, 127]
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + blk * kA8Block), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + blk * kA8Block + 16),
+                     _mm512_cvtsepi32_epi8(q1));
+    dx[blk] = d;
+    const float part = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    if (blk % per_group == 0) qsum[blk / per_group] = part;
+    else qsum[blk / per_group] += part;
+  }
+}
+
+struct A8Acts {
+  std::vector<int8_t> xq;  // [M, K]
+  std::vector<float> dx;  // [M, K / 32]
+  std::vector<float> qsum;  // [M, G]
+};
+
+A8Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group_size) {
+  A8Acts a;
+  const int64_t nb = K / kA8Block, G = K / group_size;
+  a.xq.resize(M * K);
+  a.dx.resize(M * nb);
+  a.qsum.resize(M * G);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, group_size, a.xq.data() + m * K, a.dx.data() + m * nb,
+                   a.qsum.data() + m * G);
+  });
+  return a;
+}
+
+QP_TARGET inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// One block of 16 output rows for MT activation rows (the tile's first row at m0).
+// vpdpbusd has a latency of several cycles: with few rows each row gets A independent chains.
+template <int MT>
+QP_TARGET void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G, int64_t group_size,
+                       const uint8_t* w, const float* sc, const float* mz, float* out,
+                       int64_t ldo) {
+  constexpr int A = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+  const int64_t nb = K / kA8Block, per_group = group_size / kA8Block;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 total[MT];
+  for (int m = 0; m < MT; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = _mm512_loadu_ps(sc + g * kRows);
+    for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
+      __m512i acc[MT][A];
+      for (int m = 0; m < MT; ++m)
+        for (int i = 0; i < A; ++i) acc[m][i] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {  // 4 chunks of 8 columns
+        const __m512i raw = _mm512_loadu_si512(w + (blk * 4 + c) * 64);
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xk = a.xq.data() + (m0 + m) * K + blk * kA8Block + 8 * c;
+          acc[m][(2 * c) % A] = _mm512_dpbusd_epi32(acc[m][(2 * c) % A], lo, bcast4(xk));
+          acc[m][(2 * c + 1) % A] =
+              _mm512_dpbusd_epi32(acc[m][(2 * c + 1) % A], hi, bcast4(xk + 4));
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        __m512i isum = acc[m][0];
+        for (int i = 1; i < A; ++i) isum = _mm512_add_epi32(isum, acc[m][i]);
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.dx[(m0 + m) * nb + blk]));
+        total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, total[m]);
+      }
+    }
+    const __m512 z = _mm512_loadu_ps(mz + g * kRows);
+    for (int m = 0; m < MT; ++m)
+      total[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.qsum[(m0 + m) * G + g]), total[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, total[m]);
+}
+
+// y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations. `vnni` is the AVX2 build's
+// choice of instruction; here it must be true (AVX-512 VNNI is part of this build's baseline).
+at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const at::Tensor& mz, int64_t group_size, bool vnni) {
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+  TORCH_CHECK(vnni, "the AVX-512 build always uses VNNI; pass vnni=True");
+  qp::check_a8w4(x, packed, scales, mz, group_size);
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
+  const int64_t G = K / group_size;
+  const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* scp = scales.data_ptr<float>();
+  const float* mzp = mz.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t wblock = K / 8 * 64, sblock = G * kRows;
+  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    a8_tile<decltype(mt)::value>(a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock,
+                                 mzp + b * sblock, yp + m0 * N + b * kRows, N);
+  });
+  return y;
+}
+
+// (xq int8 [M, K], dx fp32 [M, K / 32], qsum fp32 [M, K / group_size]) as int4_a8_mm computes
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x,
+                                                           int64_t group_size) {
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(group_size > 0 && group_size % kA8Block == 0 && K % group_size == 0,
+              "group_size must be a positive multiple of 32 dividing K = ", K);
+  A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size);
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, K / kA8Block}, x.options());
+  at::Tensor qsum = at::empty({M, K / group_size}, x.options());
+  std::memcpy(xq.data_ptr<int8_t>(), a.xq.data(), a.xq.size());
+  std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * sizeof(float));
+  std::memcpy(qsum.data_ptr<float>(), a.qsum.data(), a.qsum.size() * sizeof(float));
+  return {xq, dx, qsum};
 }
 
 // --- fp16_mm: the output head ---------------------------------------------------------------
@@ -378,7 +476,7 @@ QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* ou
 }
 
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "x must be contiguous fp32 [M, K]");
   TORCH_CHECK(wb.dim() == 3 && wb.is_contiguous() && wb.scalar_type() == at::kHalf &&
@@ -389,7 +487,7 @@ at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
     fp16_tile<decltype(mt)::value>(xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows,
                                    N);
   });
@@ -426,7 +524,7 @@ QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float*
 }
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
                   x.size(1) % 2 == 0,
               "x must be contiguous fp32 [M, K] with K even");
@@ -439,7 +537,7 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   at::Tensor y = at::empty({M, N}, x.options());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  for_each_tile(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
     bf16_tile<decltype(mt)::value>(xb.data() + m0 * K, K, wp + b * K * kRows,
                                    yp + m0 * N + b * kRows, N);
   });
@@ -549,22 +647,10 @@ QP_TARGET __m512 sum_lanes16(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
-// Row pointers of keys (or values) j0 .. j0 + cnt - 1 of one KV head, walking the block table
-// (no division per key): slot = table[j / BS] * BS + j % BS, row = pool + (slot * KV + kvh) * D
-template <typename T>
-struct PagedRows {
-  const T* pool;
-  const int64_t* table;
-  int64_t BS, KV, kvh, D;
-  const T* row(int64_t blk, int64_t off) const {
-    return pool + ((table[blk] * BS + off) * KV + kvh) * D;
-  }
-};
-
 // p[g * n + j] = scale * q_g . k_j for the G query heads of one KV head and keys j < n, D a
 // multiple of 16: 16 keys at a time, their partial sums reduced together by sum_lanes16
 template <typename T>
-QP_TARGET void scores16(const float* q, int64_t G, const PagedRows<T>& keys, int64_t n,
+QP_TARGET void scores16(const float* q, int64_t G, const qp::PagedRows<T>& keys, int64_t n,
                         float scale, float* p) {
   const int64_t D = keys.D;
   const T* rows[16];
@@ -595,8 +681,8 @@ QP_TARGET void scores16(const float* q, int64_t G, const PagedRows<T>& keys, int
 // (out zeroed by the caller); p: [G, n] scratch. One target-specific function, so that the
 // vector helpers inline into its loops.
 template <typename T>
-QP_TARGET void attend(const float* q, int64_t G, const PagedRows<T>& keys,
-                      const PagedRows<T>& values, int64_t n, float scale, float* p, float* out) {
+QP_TARGET void attend(const float* q, int64_t G, const qp::PagedRows<T>& keys,
+                      const qp::PagedRows<T>& values, int64_t n, float scale, float* p, float* out) {
   const int64_t D = keys.D, BS = keys.BS;
   if (D % 16 == 0) {
     scores16(q, G, keys, n, scale, p);
@@ -619,72 +705,13 @@ QP_TARGET void attend(const float* q, int64_t G, const PagedRows<T>& keys,
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& block_tables,
                            const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
-  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
-              "q must be contiguous fp32 [T, H, D]");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type() &&
-                  (k_pool.scalar_type() == at::kFloat ||
-                   k_pool.scalar_type() == at::kBFloat16) &&
-                  k_pool.size(3) == q.size(2),
-              "k_pool / v_pool must be contiguous fp32 or bf16 [blocks, block_size, KV, D]");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t NBLK = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
-  TORCH_CHECK(H % KV == 0 && H / KV <= 64, "query heads ", H,
-              " must be a multiple of KV heads ", KV, ", at most 64 per KV head");
-  const int64_t B = block_tables.size(0);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous(),
-              "block_tables must be contiguous int64 [B, max_blocks]");
-  for (const at::Tensor* t : {&ctx_lens, &q_lens})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong &&
-                    t->is_contiguous(),
-                "ctx_lens and q_lens must be contiguous int64 [B]");
-  const int64_t max_blocks = block_tables.size(1), G = H / KV;
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
-  const int64_t* qlens = q_lens.data_ptr<int64_t>();
-  std::vector<int64_t> q_off(B + 1, 0);  // first query row of each sequence
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(qlens[b] >= 1 && qlens[b] <= lens[b] && lens[b] <= max_blocks * BS,
-                "sequence ", b, ": need 1 <= q_len (", qlens[b], ") <= ctx_len (", lens[b],
-                ") <= max_blocks * block_size (", max_blocks * BS, ")");
-    for (int64_t j = 0; j < (lens[b] + BS - 1) / BS; ++j)
-      TORCH_CHECK(bt[b * max_blocks + j] >= 0 && bt[b * max_blocks + j] < NBLK,
-                  "block_tables[", b, ", ", j, "] outside the pool");
-    q_off[b + 1] = q_off[b] + qlens[b];
-  }
-  TORCH_CHECK(q_off[B] == T, "q has ", T, " rows but q_lens sum to ", q_off[B]);
-  at::Tensor out = at::zeros_like(q);
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
   const float sc = static_cast<float>(scale);
-  auto run = [&](const auto* kp, const auto* vp) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p;  // [G, n] scores, then softmax numerators
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / KV, kvh = i % KV;
-        const PagedRows<T> keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
-        const PagedRows<T> values{vp, bt + b * max_blocks, BS, KV, kvh, D};
-        for (int64_t t = 0; t < qlens[b]; ++t) {
-          const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
-          const int64_t row = q_off[b] + t;
-          p.resize(G * n);
-          // the G query heads of this KV head, in and out
-          attend(qp + (row * H + kvh * G) * D, G, keys, values, n, sc, p.data(),
-                 op + (row * H + kvh * G) * D);
-        }
-      }
-    });
-  };
-  if (k_pool.scalar_type() == at::kFloat) {
-    run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
-  } else {
-    run(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
-        reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()));
-  }
-  return out;
+  return qp::run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
+                       [&](const float* qr, int64_t G, const auto& keys, const auto& values,
+                           int64_t n, float* p, float* out) {
+                         attend(qr, G, keys, values, n, sc, p, out);
+                       });
 }
 
 // --- add_rms_norm_ ---------------------------------------------------------------------------
@@ -705,19 +732,9 @@ QP_TARGET float sum_squares(const float* h, int64_t D) {
 
 at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
                          const at::Tensor& weight, double eps) {
-  TORCH_CHECK(cpu_supported(), "quantpipe CPU kernels need AVX-512 BF16 (avx512_bf16)");
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat,
-              "h must be contiguous fp32 [T, D]");
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+  at::Tensor out = qp::check_add_rms_norm(h, delta, weight);
   const int64_t T = h.size(0), D = h.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-                  weight.numel() == D,
-              "weight must be contiguous fp32 [", D, "]");
-  if (delta.has_value()) {
-    TORCH_CHECK(delta->sizes() == h.sizes() && delta->is_contiguous() &&
-                    delta->scalar_type() == at::kFloat,
-                "delta must be contiguous fp32 like h");
-  }
-  at::Tensor out = at::empty_like(h);
   float* hp = h.data_ptr<float>();
   const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
@@ -733,43 +750,6 @@ at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
   return out;
 }
 
-// --- rope_ -------------------------------------------------------------------------------------
-// x [T, heads, D] in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) with
-// x1, x2 the two halves of the last dimension (the Hugging Face Llama convention); cos, sin
-// [T, D] as the model's rotary module returns them.
-
-void rope_one(at::Tensor& x, const float* cp, const float* sp) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "q and k must be contiguous fp32 [T, heads, D]");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  float* xp = x.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cp + t * D;
-    const float* s = sp + t * D;
-    for (int64_t h = 0; h < H; ++h) {
-      float* v = xp + (t * H + h) * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c[i] - b * s[i];
-        v[i + half] = b * c[i + half] + a * s[i + half];
-      }
-    }
-  }
-}
-
-void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "cos and sin must be contiguous fp32 [T, D]");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == cos.size(0) &&
-                  k.size(0) == cos.size(0) && q.size(2) == cos.size(1) &&
-                  k.size(2) == cos.size(1) && cos.size(1) % 2 == 0,
-              "q [T, H, D], k [T, KV, D] and cos/sin [T, D] must agree (D even)");
-  rope_one(q, cos.data_ptr<float>(), sin.data_ptr<float>());
-  rope_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
-}
-
 bool int4_supported() { return cpu_supported(); }
 
 }  // namespace
@@ -777,21 +757,26 @@ bool int4_supported() { return cpu_supported(); }
 TORCH_LIBRARY(quantpipe_cpu, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
+  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor mz, int group_size, "
+        "bool vnni) -> Tensor");
+  m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
   m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
         "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("int4_supported() -> bool", &int4_supported);
+  m.def("supported() -> bool", &int4_supported);
 }
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("int4_a8_mm", &int4_a8_mm);
+  m.impl("quantize_a8", &quantize_a8);
   m.impl("fp16_mm", &fp16_mm);
   m.impl("bf16_mm", &bf16_mm);
   m.impl("paged_attention", &paged_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_", &rope_);
+  m.impl("rope_", &qp::rope_);
 }

@@ -1,0 +1,251 @@
+// Plain C++ shared by both ISA builds of quantpipe's CPU kernels (cpu_ops.cpp for AVX-512,
+// cpu_ops_avx2.cpp for AVX2): tiling, argument checks, and the scalar parts of the ops. No
+// intrinsics here, so this code compiles for whichever target the including file selects.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace qp {
+
+constexpr int64_t kRows = 16;  // output rows per weight block (every blocked layout)
+constexpr int64_t kA8Block = 32;  // activations quantized to int8 per block of 32 columns
+
+// Blocks of 16 output rows are split over torch's threads when there is enough work to pay for
+// waking them: at least kMinMacsPerThread multiply-adds each (one row of a 192 x 576 layer
+// stays on one thread).
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
+
+// Calls tile(block, m0, MT) for every block of 16 output rows and every tile of MT <= MaxTile
+// activation rows (MT a compile-time constant: the accumulators stay in registers).
+template <int MaxTile, typename Tile>
+void for_each_tile(int64_t M, int64_t NB, int64_t K, const Tile& tile) {
+  static_assert(MaxTile >= 1 && MaxTile <= 8, "tiles of 1..8 rows");
+  const int64_t macs_per_block = std::max<int64_t>(1, kRows * K * M);
+  const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_block);
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += MaxTile) {
+        switch (std::min<int64_t>(MaxTile, M - m0)) {
+          case 1: tile(b, m0, std::integral_constant<int, 1>{}); break;
+          case 2: if constexpr (MaxTile >= 2) tile(b, m0, std::integral_constant<int, 2>{}); break;
+          case 3: if constexpr (MaxTile >= 3) tile(b, m0, std::integral_constant<int, 3>{}); break;
+          case 4: if constexpr (MaxTile >= 4) tile(b, m0, std::integral_constant<int, 4>{}); break;
+          case 5: if constexpr (MaxTile >= 5) tile(b, m0, std::integral_constant<int, 5>{}); break;
+          case 6: if constexpr (MaxTile >= 6) tile(b, m0, std::integral_constant<int, 6>{}); break;
+          case 7: if constexpr (MaxTile >= 7) tile(b, m0, std::integral_constant<int, 7>{}); break;
+          default: if constexpr (MaxTile >= 8) tile(b, m0, std::integral_constant<int, 8>{});
+        }
+      }
+    }
+  });
+}
+
+// scales [NB, G, 16] of dtype `dt` and zf fp32 like it, for K columns in groups of group_size
+inline void check_group_tensors(const at::Tensor& scales, const c10::optional<at::Tensor>& zf,
+                                int64_t NB, int64_t K, int64_t group_size, at::ScalarType dt,
+                                int64_t multiple) {
+  TORCH_CHECK(group_size > 0 && group_size % multiple == 0 && K % group_size == 0,
+              "group_size must be a positive multiple of ", multiple, " dividing K = ", K);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == dt && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({NB, G, kRows}),
+              "scales must be contiguous ", c10::toString(dt), " [N/16, G, 16]");
+  if (zf.has_value()) {
+    TORCH_CHECK(zf->scalar_type() == at::kFloat && zf->is_contiguous() &&
+                    zf->sizes() == scales.sizes(),
+                "zf must be contiguous fp32 [N/16, G, 16]");
+  }
+}
+
+// The W4A8 layout (runtime/kernels/cpu.py:pack_a8w4): packed uint8 [N/16, K/8, 64]; byte
+// 4r + e of chunk (b, c) holds q[16b + r][8c + e] (low nibble) and q[16b + r][8c + 4 + e]
+// (high nibble), r < 16, e < 4: the low nibbles of a chunk are 16 rows x 4 columns, as an int8
+// dot-product instruction (vpdpbusd, or pmaddubsw + pmaddwd) reads them, rows 0..7 in its
+// first 32 bytes. scales / mz fp32 [N/16, G, 16], w = q * scale + mz (mz = -z * scale).
+inline void check_a8w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mz, int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == 64,
+              "packed must be contiguous uint8 [N/16, K/8, 64]");
+  const int64_t K = packed.size(1) * 8;
+  check_group_tensors(scales, mz, packed.size(0), K, group_size, at::kFloat, kA8Block);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(x.size(1) == K, "packed holds K = ", K, ", x has ", x.size(1));
+}
+
+// Validates paged_attention's arguments; returns the first query row of each sequence [B + 1].
+inline std::vector<int64_t> check_paged(const at::Tensor& q, const at::Tensor& k_pool,
+                                        const at::Tensor& v_pool, const at::Tensor& block_tables,
+                                        const at::Tensor& ctx_lens, const at::Tensor& q_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "q must be contiguous fp32 [T, H, D]");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == at::kFloat ||
+                   k_pool.scalar_type() == at::kBFloat16) &&
+                  k_pool.size(3) == q.size(2),
+              "k_pool / v_pool must be contiguous fp32 or bf16 [blocks, block_size, KV, D]");
+  const int64_t T = q.size(0), H = q.size(1);
+  const int64_t NBLK = k_pool.size(0), BS = k_pool.size(1), KV = k_pool.size(2);
+  TORCH_CHECK(H % KV == 0 && H / KV <= 64, "query heads ", H,
+              " must be a multiple of KV heads ", KV, ", at most 64 per KV head");
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous(),
+              "block_tables must be contiguous int64 [B, max_blocks]");
+  for (const at::Tensor* t : {&ctx_lens, &q_lens})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == B && t->scalar_type() == at::kLong &&
+                    t->is_contiguous(),
+                "ctx_lens and q_lens must be contiguous int64 [B]");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t* qlens = q_lens.data_ptr<int64_t>();
+  std::vector<int64_t> q_off(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qlens[b] >= 1 && qlens[b] <= lens[b] && lens[b] <= max_blocks * BS,
+                "sequence ", b, ": need 1 <= q_len (", qlens[b], ") <= ctx_len (", lens[b],
+                ") <= max_blocks * block_size (", max_blocks * BS, ")");
+    for (int64_t j = 0; j < (lens[b] + BS - 1) / BS; ++j)
+      TORCH_CHECK(bt[b * max_blocks + j] >= 0 && bt[b * max_blocks + j] < NBLK,
+                  "block_tables[", b, ", ", j, "] outside the pool");
+    q_off[b + 1] = q_off[b] + qlens[b];
+  }
+  TORCH_CHECK(q_off[B] == T, "q has ", T, " rows but q_lens sum to ", q_off[B]);
+  return q_off;
+}
+
+// Row pointers of keys (or values) of one KV head, walking the block table (no division per
+// key): slot = table[j / BS] * BS + j % BS, row = pool + (slot * KV + kvh) * D
+template <typename T>
+struct PagedRows {
+  const T* pool;
+  const int64_t* table;
+  int64_t BS, KV, kvh, D;
+  const T* row(int64_t blk, int64_t off) const {
+    return pool + ((table[blk] * BS + off) * KV + kvh) * D;
+  }
+};
+
+// Runs attend(q_row, keys, values, n, p, out_row) for every (sequence, KV head, query) of a
+// paged_attention call, over torch's threads; fp32 or bf16 pools.
+template <typename Attend>
+at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                     const at::Tensor& block_tables, const at::Tensor& ctx_lens,
+                     const at::Tensor& q_lens, const Attend& attend) {
+  const std::vector<int64_t> q_off = check_paged(q, k_pool, v_pool, block_tables, ctx_lens,
+                                                 q_lens);
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t BS = k_pool.size(1), KV = k_pool.size(2), G = H / KV;
+  const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t* qlens = q_lens.data_ptr<int64_t>();
+  at::Tensor out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](const auto* kp, const auto* vp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> p;  // [G, n] scores, then softmax numerators
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / KV, kvh = i % KV;
+        const PagedRows<T> keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
+        const PagedRows<T> values{vp, bt + b * max_blocks, BS, KV, kvh, D};
+        for (int64_t t = 0; t < qlens[b]; ++t) {
+          const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
+          const int64_t row = q_off[b] + t;
+          p.resize(G * n);
+          // the G query heads of this KV head, in and out
+          attend(qp + (row * H + kvh * G) * D, G, keys, values, n, p.data(),
+                 op + (row * H + kvh * G) * D);
+        }
+      }
+    });
+  };
+  if (k_pool.scalar_type() == at::kFloat) {
+    run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()));
+  }
+  return out;
+}
+
+// add_rms_norm_'s checks; returns out (empty like h)
+inline at::Tensor check_add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                                     const at::Tensor& weight) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat,
+              "h must be contiguous fp32 [T, D]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == h.size(1),
+              "weight must be contiguous fp32 [", h.size(1), "]");
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == h.sizes() && delta->is_contiguous() &&
+                    delta->scalar_type() == at::kFloat,
+                "delta must be contiguous fp32 like h");
+  }
+  return at::empty_like(h);
+}
+
+// --- rope_ ---------------------------------------------------------------------------------
+// x [T, heads, D] in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) with
+// x1, x2 the two halves of the last dimension (the Hugging Face Llama convention); cos, sin
+// [T, D] as the model's rotary module returns them. Plain loops: the compiler vectorises them
+// for the including file's target.
+inline void rope_one(at::Tensor& x, const float* cp, const float* sp) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "q and k must be contiguous fp32 [T, heads, D]");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + t * D;
+    const float* s = sp + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = xp + (t * H + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+inline void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "cos and sin must be contiguous fp32 [T, D]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == cos.size(0) &&
+                  k.size(0) == cos.size(0) && q.size(2) == cos.size(1) &&
+                  k.size(2) == cos.size(1) && cos.size(1) % 2 == 0,
+              "q [T, H, D], k [T, KV, D] and cos/sin [T, D] must agree (D even)");
+  rope_one(q, cos.data_ptr<float>(), sin.data_ptr<float>());
+  rope_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// fp32 -> bf16 bits, round to nearest even (finite inputs; as vcvtneps2bf16 and torch do)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace qp
