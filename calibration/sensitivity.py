@@ -187,17 +187,37 @@ class _Scorer:
 
 
 def _existing(path: Path, spec: SensitivitySpec) -> dict | None:
-    if not path.is_file():
+    if not path.is_file() or spec.force:  # --force never needs to read the old file
         return None
-    data = json.loads(path.read_text())
-    if spec.force:
-        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); pass --force to measure again") from None
     if data.get("settings") != spec.settings():
         raise ValueError(
             f"{path} was measured with other settings ({data.get('settings')}); pass --force "
             "to measure again with these"
         )
     return data
+
+
+def _check_fp16_source(calib: Calibration, spec: SensitivitySpec) -> None:
+    """Before loading: the calibration's FP16 folder is still there, and --seq-len fits the
+    model (beyond its trained context the measured KLDs would describe extrapolation)."""
+    config_path = calib.fp16_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{calib.folder} was calibrated from {calib.fp16_dir}, which has no "
+                         "config.json any more; restore that FP16 folder (or calibrate again)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: not valid JSON ({exc}); restore it or run "
+                         "export-fp16 again") from None
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and spec.seq_len > limit:
+        raise ValueError(f"--seq-len {spec.seq_len} exceeds the model's context of {limit} "
+                         f"tokens ({config_path}); use --seq-len {limit} or less")
 
 
 def _load_model(calib: Calibration):
@@ -235,6 +255,17 @@ def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec) -> torch.Tensor:
     return data.input_ids  # [n, seq_len] int64
 
 
+def _model_and_ids(calib: Calibration, spec: SensitivitySpec, model,
+                   input_ids: torch.Tensor | None) -> tuple:
+    """The FP model and the token ids [n, seq_len]; every check, and the prompts (too few
+    tokens fail at once), before the slow model load."""
+    if model is None:
+        _check_fp16_source(calib, spec)
+    if input_ids is None:
+        input_ids = _calibration_ids(calib.fp16_dir, spec)
+    return (_load_model(calib) if model is None else model), input_ids
+
+
 def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[float, int]]):
     """Forward hooks adding sum_t ||y_t||^2 and the token count of each linear.
 
@@ -269,9 +300,7 @@ def measure_sensitivity(spec: SensitivitySpec, model=None,
         log.info("reusing %s (same settings); pass --force to measure again", path)
         return SensitivityResult(path, old, reused=True)
     infos = calib.layer_infos()
-    model = _load_model(calib) if model is None else model
-    if input_ids is None:
-        input_ids = _calibration_ids(calib.fp16_dir, spec)
+    model, input_ids = _model_and_ids(calib, spec, model, input_ids)
     family = family_for(model.config.model_type)
     blocks = get_blocks(model, family)
     prefix = family.blocks

@@ -5,24 +5,170 @@ Nothing imports this module; library code lives in the packages it calls.
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import click
+from safetensors import SafetensorError
 
 from quantpipe import __version__
 
+# errno -> (what happened, what to do); the path is named in front of both
+_OS_ERRORS = {
+    errno.ENOSPC: ("no space left on the device",
+                   "free space (or choose another --out) and run the same command again"),
+    errno.EDQUOT: ("disk quota exceeded",
+                   "free space (or choose another --out) and run the same command again"),
+    errno.EROFS: ("read-only file system", "write to a writable location instead"),
+    errno.EACCES: ("permission denied", "fix its permissions or choose another path"),
+    errno.EPERM: ("operation not permitted", "fix its permissions or choose another path"),
+    errno.ENOENT: ("no such file or folder",
+                   "check the path (a folder named in a manifest may have been moved or deleted)"),
+    errno.ENOTDIR: ("a part of this path is a file, not a folder", "fix the path"),
+    errno.EISDIR: ("is a folder where a file was expected", "give a file path"),
+    errno.EEXIST: ("already exists and is in the way", "remove it or choose another path"),
+    errno.EIO: ("input/output error", "the disk or the file is damaged; copy it to a healthy disk"),
+    errno.EMFILE: ("too many open files", "raise the limit (ulimit -n) and run again"),
+    errno.ENOMEM: ("out of memory", "free memory or use a machine with more"),
+    errno.EADDRINUSE: ("address already in use", "choose another --port or stop the other server"),
+}
+# errors of writing, where the OSError often names no file (a write() on an open descriptor)
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_OUTPUT_PARAMS = ("out", "json_out")  # command parameters naming what a command writes
+_MAX_FILES_PROBED = 200  # corrupt-file search: files re-read at most
 
-def _fail(exc: Exception) -> None:
-    """Turn a library ValueError (bad user input) into a clean CLI error."""
-    raise click.ClickException(str(exc)) from exc
+
+def _fail(exc: Exception) -> NoReturn:
+    """Re-raise a library error; :class:`_Command` turns it into a one-line CLI error."""
+    raise exc
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _paths_in_traceback(exc: BaseException, params: dict) -> list[Path]:
+    """Paths the failing code held, innermost frame first, then the command's options.
+
+    JSON and safetensors parsers do not say which file they were reading; these are the
+    places to look for it.
+    """
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    values = [v for f in reversed(frames) for v in f.f_locals.values()] + list(params.values())
+    out: list[Path] = []
+    for v in values:
+        for item in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(item, Path) or (isinstance(item, str) and os.sep in item
+                                          and len(item) < 4096 and "\0" not in item):
+                out.append(Path(item))
+    return out
+
+
+def _json_ok(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
+    return True
+
+
+def _safetensors_ok(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError:
+        return False
+    return True
+
+
+def _find_unreadable(paths: list[Path], suffix: str, readable) -> Path | None:
+    """The first ``*suffix`` file among ``paths`` (files, or files directly in folders) that
+    ``readable`` rejects; None if every one reads (or none was found)."""
+    seen: set[Path] = set()
+    for p in paths:
+        try:
+            files = [p] if p.is_file() else sorted(p.glob(f"*{suffix}")) if p.is_dir() else []
+        except OSError:
+            continue
+        for f in files:
+            if f.suffix != suffix or f in seen or not f.is_file():
+                continue
+            seen.add(f)
+            if len(seen) > _MAX_FILES_PROBED:
+                return None
+            try:
+                if not readable(f):
+                    return f
+            except OSError:
+                continue
+    return None
+
+
+def _describe_os_error(exc: OSError, params: dict) -> str:
+    path = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+    problem, remedy = _OS_ERRORS.get(exc.errno, (None, None))
+    if problem is None:  # e.g. transformers' own OSErrors: their text carries the advice
+        text = " ".join(str(exc).split())
+        return f"{path}: {text}" if path is not None and str(path) not in text else text
+    if path is not None:
+        return f"{path}: {problem}; {remedy}"
+    outs = [str(params[k]) for k in _OUTPUT_PARAMS if params.get(k)]
+    if outs and exc.errno in _WRITE_ERRNOS:
+        return f"{problem} while writing {', '.join(outs)}; {remedy}"
+    return f"{problem}; {remedy}"
+
+
+def _describe_failure(exc: Exception, params: dict) -> str:
+    """One line for an expected failure: what is wrong, with which path, and what to do."""
+    if isinstance(exc, json.JSONDecodeError):
+        bad = _find_unreadable(_paths_in_traceback(exc, params), ".json", _json_ok)
+        what = f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
+        if bad is None:
+            return (f"a JSON file is {what}; run with -vv to see which, then restore it or "
+                    "re-run the step that wrote it")
+        return (f"{bad}: {what}; the file is truncated or corrupt: restore it or re-run the "
+                "step that wrote it")
+    if isinstance(exc, SafetensorError):
+        bad = _find_unreadable(_paths_in_traceback(exc, params), ".safetensors", _safetensors_ok)
+        what = f"not a readable safetensors file ({exc})"
+        if bad is None:
+            return (f"a shard is {what}; run with -vv to see which, then copy it again or "
+                    "re-run the step that wrote it")
+        return (f"{bad}: {what}; the file is truncated or corrupt: copy it again or re-run "
+                "the step that wrote it")
+    if isinstance(exc, OSError):
+        return _describe_os_error(exc, params)
+    return str(exc)
+
+
+class _Command(click.Command):
+    """Every quantpipe command: bad input, corrupt files and a full or read-only disk end in
+    one ``Error: ...`` line and exit code 1 (``-vv`` also prints the traceback)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ValueError, OSError, SafetensorError) as exc:
+            if ctx.find_root().params.get("verbose", 0) >= 2:
+                click.echo("".join(traceback.format_exception(exc)), err=True, nl=False)
+            raise click.ClickException(_describe_failure(exc, ctx.params)) from exc
+
+
+class _Group(click.Group):
+    command_class = _Command
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="quantpipe")
-@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.option("-v", "--verbose", count=True,
+              help="More logging (-v info, -vv debug and tracebacks of errors).")
 def main(verbose: int) -> None:
     """quantpipe: quantize a Hugging Face causal LM to INT8/INT4, serve it, and report on it.
 
@@ -175,18 +321,29 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
 @click.option("--prompts", default=None,
               help="Prompt file or business-eval (held-out prompts, chat template applied).")
 @click.option("--max-tokens", default=0, show_default=True, help="Stop after N tokens (0: all).")
-@click.option("--ctx", default=512, show_default=True, help="Window length in tokens.")
+@click.option("--ctx", default=None, type=int,
+              help="Window length in tokens [default: 512, or the model's context if shorter].")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write results here.")
-def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out):
+@click.option("--allow-other-source", is_flag=True,
+              help="Compare even if the manifests say CANDIDATE was made from other FP16 weights.")
+def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out,
+             allow_other_source):
     """KL divergence, top-token agreement and perplexity of CANDIDATE vs REFERENCE."""
     from quantpipe.io import write_json_atomic
-    from reports.eval import EvalSpec, format_result, load_texts, run_eval
+    from reports.eval import (
+        EvalSpec,
+        check_output_file,
+        eval_context,
+        format_result,
+        load_texts,
+        run_eval,
+    )
 
-    try:
-        texts = load_texts(reference, text_file, prompts)
-        res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx))
-    except ValueError as exc:
-        _fail(exc)
+    if json_out:
+        check_output_file(json_out, "--json")
+    ctx = eval_context(reference, ctx)
+    texts = load_texts(reference, text_file, prompts)
+    res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx, allow_other_source))
     click.echo(format_result(res))
     if json_out:
         write_json_atomic(json_out, res.to_dict())
@@ -400,18 +557,20 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
                    "(repeatable).")
 @click.option("--speed-bench", is_flag=True,
               help="Also time greedy decode of FP16 and each candidate (short).")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="reports/NAME.html")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="reports/NAME.html (NAME.json is written beside it).")
+@click.option("--allow-other-source", is_flag=True,
+              help="Report candidates whose manifests say they were made from other FP16 "
+                   "weights.")
 def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
-               eval_max_tokens, speed, speed_bench, out):
+               eval_max_tokens, speed, speed_bench, out, allow_other_source):
     """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
     from reports.build import ReportSpec, build_report
 
-    try:
-        html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
-                                           max_prompts, max_new_tokens, eval_max_tokens,
-                                           tuple(speed), speed_bench=speed_bench))
-    except ValueError as exc:
-        _fail(exc)
+    html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
+                                       max_prompts, max_new_tokens, eval_max_tokens,
+                                       tuple(speed), speed_bench=speed_bench,
+                                       allow_other_source=allow_other_source))
     click.echo(f"wrote {html} and {js}")
 
 

@@ -22,9 +22,18 @@ from reports.data import (
     CandidateData,
     DistributionMetrics,
     ReportData,
+    SpeedRecord,
     detect_machine,
 )
-from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from reports.eval import (
+    EvalSpec,
+    check_candidate,
+    check_output_file,
+    evaluate_models,
+    load_eval_model,
+    load_texts,
+    read_json_file,
+)
 from reports.html import write_report
 from reports.speed import measure_decode, read_speed_file
 
@@ -45,14 +54,18 @@ class ReportSpec:
     evals: tuple[Path, ...] = field(default_factory=tuple)  # `eval --json` results to reuse
     speed_bench: bool = False  # measure decode speed of FP16 and the candidates briefly
     title: str = ""
+    allow_other_source: bool = False  # report candidates made from other FP16 weights too
 
     def __post_init__(self) -> None:
         if not self.candidates:
             raise ValueError("give at least one --candidate QDIR")
         if self.out.suffix != ".html":
-            raise ValueError(f"--out {self.out} must end in .html (the JSON lands beside it)")
+            raise ValueError(f"--out {self.out} must end in .html: the report writes NAME.html "
+                             "and NAME.json beside it")
         if self.max_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError("--max-prompts and --max-new-tokens must be >= 1")
+        if self.eval_max_tokens < 0:
+            raise ValueError(f"--eval-max-tokens {self.eval_max_tokens} must be >= 0 (0: all)")
         names = [c.name for c in self.candidates]
         if len(set(names)) != len(names):
             raise ValueError(f"candidate folders must have distinct names: {names}")
@@ -94,7 +107,7 @@ def calibration_facts(qdir: Path) -> CalibrationFacts | None:
     manifest_path = Path(qdir) / "quantpipe.json"
     if not manifest_path.is_file():
         return None
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_json_file(manifest_path, "the manifest")
     calib = manifest.get("calibration") or {}
     calib_dir = Path(calib.get("path", ""))
     if calib and (calib_dir / "quantpipe.json").is_file():
@@ -111,32 +124,82 @@ def _model_name(fp16_dir: Path) -> str:
     """The source name recorded by export-fp16 (e.g. smollm2-135m), else the folder name."""
     manifest = Path(fp16_dir) / "quantpipe.json"
     if manifest.is_file():
-        name = (json.loads(manifest.read_text()).get("source") or {}).get("name")
+        name = (read_json_file(manifest, "the manifest").get("source") or {}).get("name")
         if name:
             return Path(name).name
     return Path(fp16_dir).name
+
+
+def _read_speed(path: Path) -> tuple[SpeedRecord, ...]:
+    """One --speed file's records, or ValueError naming the file and what it should be."""
+    try:
+        return read_speed_file(path)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speed {path}: not valid JSON ({exc}); pass the JSON file a "
+                         "benchmark wrote") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        msg = f"a record lacks field {exc}" if isinstance(exc, KeyError) else str(exc)
+        if str(path) in msg:
+            raise
+        raise ValueError(f"--speed {path}: {msg}; pass the unedited JSON of bench/decode.py, "
+                         "bench/kernels.py or bench-serve --json") from None
+
+
+def _read_eval(path: Path) -> tuple[str, dict]:
+    """(candidate folder, result) of an earlier `quantpipe eval --json`, checked."""
+    d = read_json_file(path, "the eval result")
+    try:
+        DistributionMetrics.from_eval(d)
+        return str(Path(d["candidate"]).resolve()), d
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a `quantpipe eval --json` result ({exc}); run eval "
+                         "again") from None
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """Everything a report reads besides the models, read and checked before any loads."""
+
+    records: list[PromptRecord]
+    speed: tuple[SpeedRecord, ...]
+    reuse: dict[str, dict]  # resolved candidate folder -> earlier eval result
+    facts: dict[Path, CalibrationFacts | None]
+    title: str
+
+
+def check_report_inputs(spec: ReportSpec) -> _Inputs:
+    """Cheap checks first, so that a typo fails at once rather than after the models ran:
+    outputs writable, speed and eval JSON readable, prompts readable, candidates made from
+    the reference (see :func:`reports.eval.check_candidate`)."""
+    check_output_file(spec.out, "--out")
+    check_output_file(spec.out.with_suffix(".json"), "--out (its .json beside it)")
+    speed = tuple(r for p in spec.speed for r in _read_speed(Path(p)))
+    reuse = dict(_read_eval(Path(p)) for p in spec.evals)
+    records = load_prompt_records(spec.prompts)
+    for qdir in spec.candidates:
+        check_candidate(spec.reference, qdir, spec.allow_other_source)
+    facts = {qdir: calibration_facts(qdir) for qdir in spec.candidates}
+    title = spec.title or f"{_model_name(spec.reference)}: quantized vs FP16"
+    return _Inputs(records, speed, reuse, facts, title)
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
+    inputs = check_report_inputs(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec.reference)
-    records = load_prompt_records(spec.prompts)
+    measure = [q for q in spec.candidates if str(Path(q).resolve()) not in inputs.reuse]
     texts = (load_texts(spec.reference, spec.text, None if spec.text else spec.prompts)
-             if len(spec.evals) < len(spec.candidates) else ())
-    chosen = spread(records, spec.max_prompts)
+             if measure else ())
+    chosen = spread(inputs.records, spec.max_prompts)
     ref = load_eval_model(spec.reference)
     log.info("generating %d reference answers", len(chosen))
     ref_outputs = generate_greedy(ref, tokenizer, chosen, spec.max_new_tokens)
-    reuse = {}
-    for path in spec.evals:  # earlier `quantpipe eval --json` results, by candidate folder
-        d = json.loads(Path(path).read_text())
-        reuse[str(Path(d["candidate"]).resolve())] = d
     candidates = []
     for qdir in spec.candidates:
         cand = load_eval_model(qdir)
-        ev = reuse.get(str(Path(qdir).resolve()))
+        ev = inputs.reuse.get(str(Path(qdir).resolve()))
         if ev is None:
             ev = evaluate_models(ref, cand, tokenizer,
                                  EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens))
@@ -145,15 +208,15 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
         candidates.append(CandidateData(
             name=Path(qdir).name, path=str(qdir),
             distribution=DistributionMetrics.from_eval(ev), outputs=tuple(outputs),
-            calibration=calibration_facts(qdir),
+            calibration=inputs.facts[qdir],
         ))
         del cand
-    speed = tuple(r for p in spec.speed for r in read_speed_file(p))
+    speed = inputs.speed
     if spec.speed_bench:
         texts_for_speed = [r.chat()[-1]["content"] for r in chosen[:3]]
         speed += measure_decode(spec.reference, spec.candidates, texts_for_speed)
     data = ReportData(
-        title=spec.title or f"{_model_name(spec.reference)}: quantized vs FP16",
+        title=inputs.title,
         reference=str(spec.reference),
         prompts=tuple(chosen),
         reference_outputs=tuple(ref_outputs),

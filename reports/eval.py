@@ -16,8 +16,10 @@ O(tokens x vocab). Each window is scored from its second token on (the first has
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +27,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from quantpipe.io import MANIFEST_NAME
+
 log = logging.getLogger(__name__)
+
+DEFAULT_CTX = 512  # window length when --ctx is not given (less if the model's context is)
+# config.json keys that hold a model's context length, by family convention
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,8 @@ class EvalSpec:
     candidate: Path  # quantized (or any HF) folder
     texts: tuple[str, ...]  # documents to score; each is windowed on its own
     max_tokens: int = 0  # stop after this many scored tokens (0 = all)
-    ctx: int = 512  # window length in tokens
+    ctx: int = DEFAULT_CTX  # window length in tokens
+    allow_other_source: bool = False  # compare a candidate quantized from another FP16 folder
 
     def __post_init__(self) -> None:
         if not self.texts or not any(t.strip() for t in self.texts):
@@ -190,6 +199,7 @@ def evaluate_models(ref_model, cand_model, tokenizer, spec: EvalSpec) -> EvalRes
 def run_eval(spec: EvalSpec) -> EvalResult:
     from transformers import AutoTokenizer
 
+    check_candidate(spec.reference, spec.candidate, spec.allow_other_source)
     tokenizer = AutoTokenizer.from_pretrained(spec.reference)
     ref = load_eval_model(spec.reference)
     cand = load_eval_model(spec.candidate)
@@ -199,6 +209,134 @@ def run_eval(spec: EvalSpec) -> EvalResult:
             "the candidate must be a quantization of the reference"
         )
     return evaluate_models(ref, cand, tokenizer, spec)
+
+
+# ---- input checks: cheap, before any model is loaded ----------------------------------------
+
+
+def read_json_file(path: str | os.PathLike, what: str) -> dict:
+    """A JSON file, or ValueError naming it (the parser alone does not say which file)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: {what} is not valid JSON ({exc}); restore it or re-run the "
+                         "step that wrote it") from None
+
+
+def model_config(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json: not a model folder; pass an export-fp16 "
+                         "folder, a quantized folder or a Hugging Face model folder")
+    return read_json_file(path, "the model config")
+
+
+def context_length(config: dict) -> int | None:
+    """The longest sequence the model was built for (None: the config does not say)."""
+    for key in CONTEXT_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None
+
+
+def eval_context(reference: str | os.PathLike, ctx: int | None) -> int:
+    """The window length: ``ctx`` if the reference's context holds it; by default
+    :data:`DEFAULT_CTX`, or the context length when that is shorter."""
+    limit = context_length(model_config(reference))
+    if ctx is None:
+        return DEFAULT_CTX if limit is None else min(DEFAULT_CTX, limit)
+    if limit is not None and ctx > limit:
+        raise ValueError(f"--ctx {ctx} exceeds the context length of {reference} ({limit} "
+                         f"tokens); use --ctx {limit} or less")
+    return ctx
+
+
+def check_output_file(path: str | os.PathLike, option: str) -> None:
+    """Before any slow work: ``path`` is not a folder and its folder is (or can be made)
+    writable, so that results are not lost at the end."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is an existing folder; give a file path inside it")
+    parent = path.parent
+    while not parent.exists():  # the first existing ancestor: folders below it get created
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: {parent} is a file, not a folder; choose another "
+                         "path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {parent} is not writable (read-only file system or "
+                         "no permission); choose a writable location")
+
+
+def _shards_key(shards: list[dict]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(s["file"]), str(s["sha256"])) for s in shards))
+
+
+def _describe_shards(key: tuple[tuple[str, str], ...]) -> str:
+    first, sha = key[0]
+    more = f" and {len(key) - 1} more" if len(key) > 1 else ""
+    return f"{first} sha256 {sha[:12]}{more}"
+
+
+def recorded_fp16_shards(folder: str | os.PathLike) -> tuple[str, tuple] | str:
+    """(FP16 folder, its shard (file, sha256) pairs) that ``folder``'s manifest says its
+    weights are or came from; otherwise why it cannot say.
+
+    An export-fp16 folder records its own ``shards``; a quantized one ``source_fp16.shards``
+    (older ones only name the calibration, whose manifest records ``fp16_shards``).
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return f"{folder} has no {MANIFEST_NAME} (not made by quantpipe)"
+    manifest = read_json_file(path, "the manifest")
+    if manifest.get("stage") == "fp16" and manifest.get("shards"):
+        return str(folder), _shards_key(manifest["shards"])
+    src = manifest.get("source_fp16") or {}
+    if src.get("shards"):
+        return str(src.get("path", "?")), _shards_key(src["shards"])
+    calib = (manifest.get("calibration") or {}).get("path")
+    if calib and (Path(calib) / MANIFEST_NAME).is_file():
+        cm = read_json_file(Path(calib) / MANIFEST_NAME, "the calibration manifest")
+        if cm.get("fp16_shards"):
+            return str(cm.get("fp16_dir", calib)), _shards_key(cm["fp16_shards"])
+    return f"{path} records no FP16 shard hashes"
+
+
+def check_same_source(reference: str | os.PathLike, candidate: str | os.PathLike,
+                      allow_other: bool = False) -> None:
+    """Refuse a candidate made from other FP16 weights than ``reference`` (by the shard
+    hashes both manifests record); warn when that cannot be checked, or when ``allow_other``."""
+    ref = recorded_fp16_shards(reference)
+    cand = recorded_fp16_shards(candidate)
+    if isinstance(ref, str) or isinstance(cand, str):
+        why = ref if isinstance(ref, str) else cand
+        log.warning("cannot check that %s was made from %s: %s; comparing anyway",
+                    candidate, reference, why)
+        return
+    if cand[1] == ref[1]:
+        return
+    made_from = f"{cand[0]} ({_describe_shards(cand[1])})"
+    ref_desc = _describe_shards(ref[1])
+    if allow_other:
+        log.warning("%s was made from %s, not from %s (%s); comparing anyway "
+                    "(--allow-other-source)", candidate, made_from, reference, ref_desc)
+        return
+    raise ValueError(f"--candidate {candidate} was made from {made_from}, not from --reference "
+                     f"{reference} ({ref_desc}); pass the FP16 folder it was made from as "
+                     "--reference, or --allow-other-source to compare anyway")
+
+
+def check_candidate(reference: str | os.PathLike, candidate: str | os.PathLike,
+                    allow_other_source: bool = False) -> None:
+    """Everything about a candidate that can be checked without loading a model."""
+    check_same_source(reference, candidate, allow_other_source)
+    ref_vocab = model_config(reference).get("vocab_size")
+    cand_vocab = model_config(candidate).get("vocab_size")
+    if ref_vocab is not None and cand_vocab is not None and ref_vocab != cand_vocab:
+        raise ValueError(f"vocabularies differ: {reference} has {ref_vocab} tokens, {candidate} "
+                         f"{cand_vocab}; the candidate must be a quantization of the reference")
 
 
 def format_result(r: EvalResult) -> str:
@@ -233,5 +371,6 @@ def load_texts(reference: Path, text_file: Path | None, prompts: str | None) -> 
 
     from calibration.prompts import load_prompt_records, render_eval_texts
 
+    records = load_prompt_records(prompts)  # a bad prompt file fails before the tokenizer loads
     tokenizer = AutoTokenizer.from_pretrained(reference)
-    return tuple(render_eval_texts(tokenizer, load_prompt_records(prompts)))
+    return tuple(render_eval_texts(tokenizer, records))

@@ -1,7 +1,9 @@
 """`quantpipe report` end to end on a tiny model (calibrate -> export -> report)."""
 
 import json
+import os
 
+import pytest
 from click.testing import CliRunner
 
 from calibration.pipeline import CalibrateSpec, calibrate
@@ -37,3 +39,75 @@ def test_report_cli(tiny_llama_dir, tmp_path):
     speed = {r["name"]: r for r in data["speed"]}
     assert speed["int4 decode"]["value"] > 0 and "FP16 reference decode" in speed
     assert data["machine"]["cpu"]
+
+
+# ---- checks before any model loads ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from tests.quantpipe.test_cli_errors import make_folders
+
+    return make_folders(tmp_path_factory.mktemp("report-checks"))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    from tests.quantpipe.test_cli_errors import ModelLoaded
+
+    def refuse(*_a, **_k):
+        raise ModelLoaded
+
+    monkeypatch.setattr("reports.build.load_eval_model", refuse)
+
+
+def _report(dirs, out, *extra):
+    return CliRunner().invoke(main, [
+        "report", "--reference", str(dirs["fp16"]), "--candidate", str(dirs["int4"]),
+        "--prompts", str(dirs["prompts"]), "--out", str(out), *map(str, extra)])
+
+
+def _speed_file(path, content: str):
+    path.write_text(content)
+    return path
+
+
+@pytest.mark.parametrize("case", ["out_folder", "out_under_file", "out_read_only",
+                                  "speed_not_json", "speed_unknown", "speed_bad_record",
+                                  "eval_max_tokens"])
+def test_report_checks_fail_before_loading(dirs, tmp_path, monkeypatch, no_model_load, case):
+    from tests.quantpipe.test_cli_errors import assert_one_line_error
+
+    out, extra, needles = tmp_path / "r" / "report.html", [], []
+    if case == "out_folder":
+        out.mkdir(parents=True)
+        needles = ["--out", str(out), "existing folder"]
+    elif case == "out_under_file":
+        (tmp_path / "r").write_text("")
+        needles = ["--out", "is a file, not a folder"]
+    elif case == "out_read_only":
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if mode & os.W_OK
+                            else access(p, mode))
+        needles = ["--out", str(tmp_path), "not writable"]
+    elif case == "eval_max_tokens":
+        extra, needles = ["--eval-max-tokens", "-1"], ["--eval-max-tokens -1"]
+    else:
+        content = {"speed_not_json": "{oops",
+                   "speed_unknown": json.dumps({"hello": 1}),
+                   "speed_bad_record": json.dumps({"rows": [{"kernel": "x"}]})}[case]
+        speed = _speed_file(tmp_path / "speed.json", content)
+        extra, needles = ["--speed", speed], [str(speed)]
+    r = _report(dirs, out, *extra)
+    assert_one_line_error(r, *needles)
+
+
+def test_report_refuses_a_candidate_of_another_model(dirs, tmp_path, no_model_load):
+    from tests.quantpipe.test_cli_errors import ModelLoaded, assert_one_line_error
+
+    args = ["report", "--reference", str(dirs["other"]), "--candidate", str(dirs["int4"]),
+            "--prompts", str(dirs["prompts"]), "--out", str(tmp_path / "r.html")]
+    r = CliRunner().invoke(main, args)
+    assert_one_line_error(r, str(dirs["int4"]), str(dirs["other"]), "--allow-other-source")
+    r = CliRunner().invoke(main, [*args, "--allow-other-source"])
+    assert isinstance(r.exception, ModelLoaded)

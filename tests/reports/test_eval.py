@@ -1,8 +1,19 @@
+import json
 import math
 
+import pytest
 import torch
 
-from reports.eval import EvalSpec, _Accumulator, evaluate_models, summarize, windows
+from reports.eval import (
+    EvalSpec,
+    _Accumulator,
+    check_output_file,
+    check_same_source,
+    eval_context,
+    evaluate_models,
+    summarize,
+    windows,
+)
 from tests.tiny_models import make_model
 
 
@@ -46,3 +57,91 @@ def test_identical_models_have_zero_kld(tmp_path):
     assert diff.kld["mean"] > 1e-3
     limited = evaluate_models(model, other, tok, EvalSpec(tmp_path, tmp_path, (text,), 10, 32))
     assert limited.tokens == 10
+
+
+# ---- input checks (no model is loaded) -----------------------------------------------------
+
+
+def _manifest(folder, **fields):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "quantpipe.json").write_text(json.dumps({"format": "quantpipe", "version": 1,
+                                                       **fields}))
+    return folder
+
+
+def _shards(sha: str) -> list[dict]:
+    return [{"file": "model-00001-of-00001.safetensors", "sha256": sha * 64, "bytes": 1}]
+
+
+@pytest.fixture
+def fp16_pair(tmp_path):
+    """Two export-fp16 manifests with different shard hashes."""
+    return (_manifest(tmp_path / "fp16-a", stage="fp16", shards=_shards("a")),
+            _manifest(tmp_path / "fp16-b", stage="fp16", shards=_shards("b")))
+
+
+def test_same_source_passes_and_other_source_is_refused(fp16_pair, tmp_path, caplog):
+    a, b = fp16_pair
+    q = _manifest(tmp_path / "q", stage="quantized",
+                  source_fp16={"path": str(a), "shards": _shards("a")})
+    check_same_source(a, q)
+    assert not caplog.messages
+    with pytest.raises(ValueError) as err:
+        check_same_source(b, q)
+    msg = str(err.value)
+    assert str(q) in msg and str(a) in msg and str(b) in msg and "--allow-other-source" in msg
+    assert "\n" not in msg
+    check_same_source(b, q, allow_other=True)
+    assert len(caplog.messages) == 1 and "comparing anyway" in caplog.messages[0]
+
+
+def test_source_from_the_calibration_manifest(fp16_pair, tmp_path):
+    """A quantized manifest without source_fp16: the calibration it names records the hashes."""
+    a, b = fp16_pair
+    calib = _manifest(tmp_path / "calib", stage="calibration", fp16_dir=str(b),
+                      fp16_shards=_shards("b"))
+    q = _manifest(tmp_path / "q", stage="quantized", calibration={"path": str(calib)})
+    check_same_source(b, q)
+    with pytest.raises(ValueError, match=f"made from {b}"):
+        check_same_source(a, q)
+
+
+def test_unrecorded_source_warns_once(fp16_pair, tmp_path, caplog):
+    a, _ = fp16_pair
+    other_tool = tmp_path / "gptq-from-elsewhere"
+    other_tool.mkdir()
+    check_same_source(a, other_tool)
+    gone = _manifest(tmp_path / "q", stage="quantized",
+                     calibration={"path": str(tmp_path / "deleted")})
+    check_same_source(a, gone)
+    assert len(caplog.messages) == 2
+    assert "cannot check" in caplog.messages[0] and str(other_tool) in caplog.messages[0]
+    assert "records no FP16 shard hashes" in caplog.messages[1]
+
+
+def test_corrupt_manifest_names_the_file(fp16_pair, tmp_path):
+    a, _ = fp16_pair
+    q = tmp_path / "q"
+    q.mkdir()
+    (q / "quantpipe.json").write_text('{"stage": "quant')
+    with pytest.raises(ValueError, match=f"{q / 'quantpipe.json'}: the manifest is not valid"):
+        check_same_source(a, q)
+
+
+def test_eval_context(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    assert eval_context(tmp_path, None) == 256  # default 512, capped by the model
+    assert eval_context(tmp_path, 128) == 128
+    with pytest.raises(ValueError, match=r"--ctx 300 exceeds .*\(256 tokens\)"):
+        eval_context(tmp_path, 300)
+    (tmp_path / "config.json").write_text(json.dumps({"n_positions": 4096}))
+    assert eval_context(tmp_path, None) == 512
+
+
+def test_check_output_file(tmp_path):
+    check_output_file(tmp_path / "new" / "deeper" / "eval.json", "--json")  # folders get made
+    with pytest.raises(ValueError, match="existing folder"):
+        check_output_file(tmp_path, "--json")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        check_output_file(tmp_path / "f" / "eval.json", "--json")
