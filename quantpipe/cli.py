@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -42,6 +43,8 @@ _OS_ERRORS = {
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 _OUTPUT_PARAMS = ("out", "json_out")  # command parameters naming what a command writes
 _MAX_FILES_PROBED = 200  # corrupt-file search: files re-read at most
+# an errno inside a safetensors error: "... (os error 28)" or "Os { code: 28, ... }"
+_OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)|code: (\d+)")
 
 
 def _fail(exc: Exception) -> NoReturn:
@@ -135,6 +138,9 @@ def _describe_failure(exc: Exception, params: dict) -> str:
                     "re-run the step that wrote it")
         return (f"{bad}: {what}; the file is truncated or corrupt: restore it or re-run the "
                 "step that wrote it")
+    if isinstance(exc, SafetensorError) and (m := _OS_ERROR_IN_TEXT.search(str(exc))):
+        # safetensors' writer reports a full disk as its own error type, errno in the text
+        return _describe_os_error(OSError(int(m.group(1) or m.group(2)), str(exc)), params)
     if isinstance(exc, SafetensorError):
         bad = _find_unreadable(_paths_in_traceback(exc, params), ".safetensors", _safetensors_ok)
         what = f"not a readable safetensors file ({exc})"

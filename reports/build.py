@@ -151,7 +151,7 @@ def _read_eval(path: Path) -> tuple[str, dict]:
     try:
         DistributionMetrics.from_eval(d)
         return str(Path(d["candidate"]).resolve()), d
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, ValueError) as exc:
         raise ValueError(f"{path}: not a `quantpipe eval --json` result ({exc}); run eval "
                          "again") from None
 

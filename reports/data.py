@@ -72,6 +72,9 @@ class DistributionMetrics:
         except KeyError as e:
             raise ValueError(
                 f"eval result lacks field {e}; pass reports.eval's EvalResult") from None
+        except (TypeError, AttributeError) as e:  # e.g. "kld": 3 in a hand-edited eval JSON
+            raise ValueError(f"eval result has a field of the wrong type ({e}); pass "
+                             "reports.eval's EvalResult") from None
 
 
 @dataclass(frozen=True)

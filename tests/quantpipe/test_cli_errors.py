@@ -221,3 +221,14 @@ def test_sensitivity_corrupt_previous_result(dirs, tmp_path, no_sensitivity_load
     assert_one_line_error(r, str(calib / "sensitivity.json"), "--force")
     r = invoke("sensitivity", calib, "--tokens", "128", "--seq-len", "64", "--force")
     assert isinstance(r.exception, ModelLoaded)  # --force measures again without reading it
+
+
+def test_safetensors_write_error_is_a_disk_error(tmp_path):
+    from safetensors import SafetensorError
+
+    from quantpipe.cli import _describe_failure
+
+    exc = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                          'message: "No space left on device" })')
+    msg = _describe_failure(exc, {"out": tmp_path / "q"})
+    assert msg.startswith("no space left on the device while writing") and str(tmp_path) in msg

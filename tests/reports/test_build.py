@@ -111,3 +111,22 @@ def test_report_refuses_a_candidate_of_another_model(dirs, tmp_path, no_model_lo
     assert_one_line_error(r, str(dirs["int4"]), str(dirs["other"]), "--allow-other-source")
     r = CliRunner().invoke(main, [*args, "--allow-other-source"])
     assert isinstance(r.exception, ModelLoaded)
+
+
+def test_reused_eval_result_is_checked_first(dirs, tmp_path, no_model_load):
+    from reports.build import ReportSpec, build_report
+    from tests.quantpipe.test_cli_errors import ModelLoaded
+
+    good = {"candidate": str(dirs["int4"]), "tokens": 10, "same_top_rate": 0.5,
+            "kld": {k: 0.1 for k in ("mean", "median", "p90", "p99", "p999", "max")},
+            "top_prob_delta": {k: 0.0 for k in ("rms", "p1", "p5", "p50", "p95", "p99")},
+            "ppl_reference": 2.0, "ppl_candidate": 2.1, "ppl_ratio": 1.05}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({**good, "kld": 3}))
+    spec = ReportSpec(dirs["fp16"], (dirs["int4"],), tmp_path / "r.html", str(dirs["prompts"]),
+                      evals=(path,))
+    with pytest.raises(ValueError, match=f"{path}: not a `quantpipe eval --json` result"):
+        build_report(spec)
+    path.write_text(json.dumps(good))
+    with pytest.raises(ModelLoaded):
+        build_report(spec)
