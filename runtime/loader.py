@@ -6,7 +6,9 @@
 2. build the model from its config with parameters on the meta device (accelerate's
    ``init_empty_weights``; buffers such as rotary ``inv_freq`` stay real), so no FP16 copy of a
    quantized weight is ever allocated;
-3. put a ``QuantLinear`` (repacked on ``device``) in place of every quantized ``nn.Linear``;
+3. put a ``QuantLinear`` (repacked on ``device``) in place of every quantized ``nn.Linear``,
+   one layer at a time: each is read from the mmapped files, unpacked, repacked and dropped
+   before the next, so the peak is the packed model plus one layer;
 4. assign the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``; tie embeddings.
 """
 
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from quantpipe.formats.loader import load_quantized
+from quantpipe.formats.loader import QuantizedCheckpoint, load_quantized
 from quantpipe.native import quantized_tensors
 from runtime.heap import release_freed_memory
 from runtime.kernels.layout import PackedLinear
@@ -31,11 +34,36 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PackedCheckpoint:
-    """Any quantized checkpoint, converted to the runtime's inputs."""
+    """Any quantized checkpoint, converted to the runtime's inputs layer by layer."""
 
     config: dict  # HF config.json without quantization_config
-    layers: dict[str, PackedLinear]  # quantized linear name -> packed inputs
-    fp_tensors: dict[str, torch.Tensor]  # every other tensor, HF names
+    source: QuantizedCheckpoint  # verified; layers and FP tensors read on access
+
+    def layer_names(self) -> list[str]:
+        return list(self.source.layers)
+
+    def packed_layers(self) -> Iterator[tuple[str, PackedLinear]]:
+        """(name, packed inputs) of each quantized linear, unpacked and packed one at a time."""
+        fp = self.source.fp_tensors
+        for name in self.source.layers:
+            qw = self.source.layers[name]  # unpacked from the mmapped file now
+            t = quantized_tensors(name, qw)  # native layout: qweight [out, in*bits/32] int32
+            yield name, PackedLinear(
+                spec=qw.spec,
+                qweight=t[f"{name}.qweight"],
+                scales=t[f"{name}.scales"],
+                qzeros=t.get(f"{name}.qzeros"),
+                g_idx=t.get(f"{name}.g_idx"),
+                bias=fp[f"{name}.bias"] if f"{name}.bias" in fp else None,
+                in_features=qw.shape[1],
+            )
+
+    def fp_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor that is not part of a quantized linear (biases belong to the linear)."""
+        biases = {f"{name}.bias" for name in self.source.layers}
+        for k in self.source.fp_tensors:
+            if k not in biases:
+                yield k, self.source.fp_tensors[k]
 
 
 def read_packed(qdir: str | Path) -> PackedCheckpoint:
@@ -43,23 +71,11 @@ def read_packed(qdir: str | Path) -> PackedCheckpoint:
 
     ``quantpipe.formats.loader.load_quantized`` verifies the folder first (manifest and shard
     hashes, tensor shapes and dtypes, finite positive scales, zeros in range) and unpacks it
-    to quantpipe's convention; each layer is then packed in the native layout the kernels take.
+    to quantpipe's convention; :meth:`PackedCheckpoint.packed_layers` then packs each layer in
+    the native layout the kernels take, as it is needed.
     """
     ckpt = load_quantized(qdir)
-    fp = dict(ckpt.fp_tensors)
-    layers: dict[str, PackedLinear] = {}
-    for name, qw in ckpt.layers.items():
-        t = quantized_tensors(name, qw)  # native layout: qweight [out, in*bits/32] int32 ...
-        layers[name] = PackedLinear(
-            spec=qw.spec,
-            qweight=t[f"{name}.qweight"],
-            scales=t[f"{name}.scales"],
-            qzeros=t.get(f"{name}.qzeros"),
-            g_idx=t.get(f"{name}.g_idx"),
-            bias=fp.pop(f"{name}.bias", None),
-            in_features=qw.shape[1],
-        )
-    return PackedCheckpoint(ckpt.model_config(), layers, fp)
+    return PackedCheckpoint(ckpt.model_config(), ckpt)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -83,7 +99,7 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     config = AutoConfig.for_model(**ckpt.config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, packed in ckpt.layers.items():
+    for name, packed in ckpt.packed_layers():  # one layer unpacked at a time
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         if not isinstance(getattr(parent, child, None), torch.nn.Linear):
@@ -91,7 +107,7 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
                              f"{type(model).__name__}")
         setattr(parent, child, QuantLinear(packed, device, backend=backend, bias_dtype=dtype))
     state = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
-             for k, v in ckpt.fp_tensors.items()}
+             for k, v in ckpt.fp_tensors()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     missing = [k for k in missing if not (k == "lm_head.weight" and tied)]

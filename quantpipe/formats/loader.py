@@ -3,6 +3,7 @@ format-neutral structure, after :mod:`quantpipe.formats.verify` has passed."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,15 +20,17 @@ class QuantizedCheckpoint:
     ``layers`` are unpacked :class:`~quantpipe.qformat.QuantizedWeight` (uint8 q, fp16 scales,
     uint8 zeros, int32 g_idx or None) in quantpipe's convention whatever the format on disk;
     ``fp_tensors`` hold every other tensor under its Hugging Face name (embeddings, norms,
-    biases ``P.bias`` of quantized linears, linears kept in FP16).
+    biases ``P.bias`` of quantized linears, linears kept in FP16). Both are read from the
+    mmapped files on access, one tensor or layer at a time: a caller that converts and drops
+    each layer holds one unpacked layer, never the whole model.
     """
 
     folder: Path
     checkpoint_format: str  # "native" | "gptq" | "compressed-tensors"
     config: dict  # config.json, quantization_config included
     plan: dict[str, QuantSpec]  # quantized linear name -> spec (group size actually used)
-    layers: dict[str, QuantizedWeight]  # same keys as plan
-    fp_tensors: dict[str, torch.Tensor]
+    layers: Mapping[str, QuantizedWeight]  # same keys as plan
+    fp_tensors: Mapping[str, torch.Tensor]
     manifest: dict | None  # quantpipe.json; None for folders made by other tools
     report: VerifyReport
 

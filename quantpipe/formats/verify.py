@@ -17,6 +17,8 @@ what was expected):
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,8 +78,8 @@ class Inspection:
     config: dict
     manifest: dict | None
     plan: dict[str, QuantSpec]
-    layers: dict[str, QuantizedWeight]
-    fp_tensors: dict[str, torch.Tensor]
+    layers: Mapping[str, QuantizedWeight]  # unpacked on access, one at a time
+    fp_tensors: Mapping[str, torch.Tensor]  # read from the mmapped files on access
     problems: list[str] = field(default_factory=list)
 
 
@@ -107,20 +109,84 @@ def _safetensors_files(folder: Path, problems: list[str]) -> list[str]:
     return files
 
 
+# bytes per element of each safetensors dtype (header strings)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                "F64": 8}
+
+
+class LazyTensors(Mapping):
+    """The tensors of a folder's safetensors files, each read from the mmapped file on access.
+
+    Nothing is held in memory between accesses, so checking or loading a model layer by layer
+    needs one layer's tensors at a time, not the whole checkpoint.
+    """
+
+    def __init__(self, folder: Path, where: dict[str, str], keys: set[str] | None = None):
+        self._folder = folder
+        self._where = where  # tensor -> file name
+        self._keys = set(where) if keys is None else keys
+        self._handles: dict[str, object] = {}
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self._folder / fname), framework="pt")
+        return self._handles[fname]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._open(self._where[key]).get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in self._where if k in self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def nbytes(self, key: str) -> int:
+        """Stored bytes of one tensor, from the file header (nothing is read)."""
+        sl = self._open(self._where[key]).get_slice(key)
+        return math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
+
+    def without(self, drop: set[str]) -> LazyTensors:
+        return LazyTensors(self._folder, self._where, self._keys - drop)
+
+
 def _read_tensors(
     folder: Path, files: list[str], problems: list[str]
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    tensors: dict[str, torch.Tensor] = {}
+) -> tuple[LazyTensors, dict[str, str]]:
+    """Parse every file's header (corrupt ones become problems); tensors are read lazily."""
     where: dict[str, str] = {}
     for fname in files:
         try:
             with safe_open(str(folder / fname), framework="pt") as f:
                 for k in f.keys():
-                    tensors[k] = f.get_tensor(k)
                     where[k] = fname
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             problems.append(f"{folder / fname}: not a readable safetensors file ({exc})")
-    return tensors, where
+    return LazyTensors(folder, where), where
+
+
+class LazyLayers(Mapping):
+    """Verified quantized layers, unpacked one at a time on access (never all at once)."""
+
+    def __init__(self, fmt: str, layers: list[_Layer], tensors: LazyTensors, qcfg: dict):
+        self._fmt, self._qcfg, self._tensors = fmt, qcfg, tensors
+        self._layers = {lay.name: lay for lay in layers}
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        lay = self._layers[name]
+        return _quantized_weight(lay.spec, _unpack(self._fmt, lay, self._tensors, self._qcfg))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
 
 
 def _check_manifest(folder: Path, fmt: str | None, problems: list[str]) -> dict | None:
@@ -316,17 +382,18 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
     tensors, where = _read_tensors(folder, files, problems)
 
     plan, lays = _LAYERS_OF_FORMAT[fmt](qcfg, tensors, problems) if fmt else ({}, [])
-    layers: dict[str, QuantizedWeight] = {}
+    good: list[_Layer] = []
     used: set[str] = set()
     q_bytes = q_weights = 0
-    for lay in lays:
+    for lay in lays:  # one layer's tensors in memory at a time
         u = _checked_layer(fmt, lay, tensors, where, qcfg, problems)
         if u is None:
             continue
+        good.append(lay)
         used.update(lay.expected)
         q_weights += u.q.numel()
-        q_bytes += sum(tensors[t].numel() * tensors[t].element_size() for t in lay.expected)
-        layers[lay.name] = _quantized_weight(lay.spec, u)
+        q_bytes += sum(tensors.nbytes(t) for t in lay.expected)
+        del u
     if manifest is not None:
         _check_manifest_agrees(folder, fmt, manifest, plan, qcfg, problems)
     if problems:
@@ -336,16 +403,17 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
         raise ValueError(f"{folder}: {len(problems)} problem(s); nothing was loaded:\n  - "
                          f"{listed}{more}")
 
-    fp_tensors = {k: v for k, v in tensors.items() if k not in used}
+    fp_tensors = tensors.without(used)
     specs: dict[str, int] = {}
     for s in plan.values():
         specs[s.label()] = specs.get(s.label(), 0) + 1
     report = VerifyReport(
         folder=str(folder), checkpoint_format=fmt or "?", hashes_checked=manifest is not None,
-        files=len(files), quantized_layers=len(layers), fp_tensors=len(fp_tensors),
+        files=len(files), quantized_layers=len(good), fp_tensors=len(fp_tensors),
         specs=specs, quantized_weights=q_weights, quantized_bytes=q_bytes,
         total_bytes=sum((folder / f).stat().st_size for f in files),
     )
+    layers = LazyLayers(fmt, good, tensors, qcfg) if fmt else {}
     return Inspection(report, config, manifest, plan, layers, fp_tensors)
 
 

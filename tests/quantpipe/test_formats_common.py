@@ -140,3 +140,25 @@ def test_dynamic_pattern_matches_fused_vllm_names():
     assert re.match(p, "model.layers.1.self_attn.qkv_proj")
     assert not re.match(p, "model.layers.11.self_attn.k_proj")
     assert not re.match(p, "model.layers.1.self_attn.q_proj")
+
+
+def track_unpacked(monkeypatch):
+    """Wrap the verifier's unpack step; returns the most unpacked layers alive at any one call."""
+    import gc
+    import weakref
+
+    from quantpipe.formats import verify as ver
+
+    alive: list[weakref.ref] = []
+    peak = [0]
+    real = ver._unpack
+
+    def unpack(*args, **kwargs):
+        gc.collect()  # only references that really remain count
+        peak[0] = max(peak[0], sum(r() is not None for r in alive) + 1)
+        u = real(*args, **kwargs)
+        alive.append(weakref.ref(u.q))  # u.q: [out, in] uint8, the unpacked weight
+        return u
+
+    monkeypatch.setattr(ver, "_unpack", unpack)
+    return peak

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from quantpipe.formats import load_quantized, verify_checkpoint, write_gptq
 from quantpipe.native import read_fp_state, write_native
 from quantpipe.qformat import QuantSpec
-from tests.quantpipe.test_formats_common import export_tiny, quantize_plan
+from tests.quantpipe.test_formats_common import export_tiny, quantize_plan, track_unpacked
 
 LAYER = "model.layers.0.self_attn.q_proj"
 
@@ -215,3 +215,14 @@ def test_reads_llm_compressor_style_folder(fp16, tmp_path):
     save_file(state, folder / "model.safetensors")
     with pytest.raises(ValueError, match=f"missing tensor {LAYER}.weight_zero_point"):
         load_quantized(folder)
+
+
+def test_verify_and_load_hold_one_unpacked_layer_at_a_time(gptq_dir, weights, monkeypatch):
+    """A 7B model's unpacked weights do not fit beside its packed ones: layers stream."""
+    peak = track_unpacked(monkeypatch)
+    verify_checkpoint(gptq_dir)
+    assert peak[0] == 1, f"verify held {peak[0]} unpacked layers at once"
+    ckpt = load_quantized(gptq_dir)
+    for name in ckpt.layers:  # the consumer converts and drops each layer
+        assert ckpt.layers[name].shape == weights[name].shape
+    assert peak[0] <= 2, f"loading held {peak[0]} unpacked layers at once"
