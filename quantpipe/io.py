@@ -418,23 +418,29 @@ def verify_shard_hashes(
     byte (I/O-bound); the time is logged at info level.
     """
     folder = Path(folder)
-    source = recorded_by or MANIFEST_NAME
     t0 = time.perf_counter()
     total = 0
     for entry in shards:
         path = folder / entry["file"]
         if not path.is_file():
-            raise ValueError(f"{path}: missing shard listed in {source}")
+            raise ValueError(f"{path}: missing shard listed in {recorded_by or MANIFEST_NAME}")
         size = path.stat().st_size
         if "bytes" in entry and size != entry["bytes"]:
             raise ValueError(
-                f"{path}: {size} bytes, {source} says {entry['bytes']} (truncated or replaced file)"
+                f"{path}: {size} bytes, {recorded_by or 'manifest'} says {entry['bytes']} "
+                "(truncated or replaced file)"
             )
         digest = sha256_file(path)
+        if digest != entry["sha256"] and recorded_by is None:
+            raise ValueError(
+                f"{path}: sha256 {digest[:16]}... does not match the manifest's "
+                f"{entry['sha256'][:16]}... (corrupted file)"
+            )
         if digest != entry["sha256"]:
             raise ValueError(
-                f"{path}: sha256 {digest[:16]}... does not match {entry['sha256'][:16]}... in "
-                f"{source} (corrupted or replaced file); re-export it or restore the original"
+                f"{path}: sha256 {digest[:16]}... does not match {entry['sha256'][:16]}... "
+                f"recorded in {recorded_by} (the file changed since); restore it or redo that "
+                "stage from this folder"
             )
         total += size
     log.info("checked sha256 of %d shard(s) in %s (%.1f MB) in %.2f s", len(shards), folder,
