@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,30 @@ def test_killed_export_leaves_nothing_valid(tmp_path, tiny_llama_dir):
     assert all(name.startswith(".fp16.partial-") for name in leftovers)
     with pytest.raises(ValueError, match="no quantpipe.json"):
         read_manifest(leftovers and tmp_path / leftovers[0])
+
+
+def test_disk_full_leaves_nothing_and_names_the_file(tmp_path, tiny_llama_dir, monkeypatch):
+    """ENOSPC on the second shard: OSError naming it; no DIR, no temp folder, no lock left."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import quantpipe.io as qio
+
+    orig, calls = qio.save_file, []
+
+    def full_on_second(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on "
+                                  "device (os error 28)")
+        return orig(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(qio, "save_file", full_on_second)
+    out = tmp_path / "fp16"
+    with pytest.raises(OSError) as info:
+        export_fp16(Fp16ExportSpec(str(tiny_llama_dir), out, max_shard_size="40KB"))
+    assert info.value.errno == errno.ENOSPC
+    assert "/.fp16.partial-" in info.value.filename  # the hidden folder, never DIR
+    assert Path(info.value.filename).name.startswith("model-00002-of-")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
