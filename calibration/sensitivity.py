@@ -40,7 +40,7 @@ import torch
 from calibration.artifact import Calibration, read_calibration
 from calibration.capture import BlockContext, embed_inputs, run_block
 from calibration.families import family_for, get_blocks
-from quantpipe.io import write_json_atomic
+from quantpipe.io import output_lock, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -284,14 +284,21 @@ def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[f
             for short, full in names.items()]
 
 
-@torch.no_grad()
 def measure_sensitivity(spec: SensitivitySpec, model=None,
                         input_ids: torch.Tensor | None = None) -> SensitivityResult:
     """Measure every linear of ``spec.calib_dir`` alone; write CALIB_DIR/sensitivity.json.
 
     ``model`` / ``input_ids`` may be passed to skip loading (tests); by default the FP16 model
     is loaded from the calibration's ``fp16_dir`` and the business-calib prompts are packed.
+    Holds CALIB_DIR's output lock throughout: `calibrate --force` replaces CALIB_DIR under it,
+    so the results land in the calibration they were measured on, one writer at a time.
     """
+    with output_lock(spec.calib_dir):
+        return _measure(spec, model, input_ids)
+
+
+@torch.no_grad()
+def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None) -> SensitivityResult:
     t0 = time.perf_counter()
     calib = read_calibration(spec.calib_dir)
     path = Path(spec.calib_dir) / SENSITIVITY_FILE

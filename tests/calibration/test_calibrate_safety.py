@@ -291,3 +291,20 @@ def test_layer_group_size_rules():
                          per_channel_if_larger=True)
     assert layer_group_size(wide, "x", 576) == -1
     assert layer_group_size(wide, "x", 2048) == 1024
+
+
+def test_sensitivity_refuses_a_calib_dir_being_written(finished, tmp_path):
+    """sensitivity.json is written under CALIB_DIR's lock: a second writer fails at once."""
+    from calibration.sensitivity import SensitivitySpec, measure_sensitivity
+    from tests.quantpipe.test_io import _lock_holder
+
+    calib = _copy(finished, tmp_path / "calib")
+    holder = _lock_holder(calib)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(OutputLockedError, match=f"pid {holder.pid}"):
+            measure_sensitivity(SensitivitySpec(calib, tokens=64, seq_len=32))
+        assert time.perf_counter() - t0 < 10  # at once: no model was loaded
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert not (calib / "sensitivity.json").exists()
