@@ -379,7 +379,13 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
                         f"quantpipe reads {sorted(FORMAT_OF_METHOD)}")
     manifest = _check_manifest(folder, fmt, problems)
     files = _safetensors_files(folder, problems)
+    before = len(problems)
     tensors, where = _read_tensors(folder, files, problems)
+    if len(problems) > before:
+        # an unreadable shard's tensors would each be reported missing: say it once instead
+        problems.append("per-layer checks skipped until the unreadable shard(s) above are "
+                        "replaced (re-export or re-download them)")
+        fmt = None
 
     plan, lays = _LAYERS_OF_FORMAT[fmt](qcfg, tensors, problems) if fmt else ({}, [])
     good: list[_Layer] = []
@@ -394,7 +400,7 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
         q_weights += u.q.numel()
         q_bytes += sum(tensors.nbytes(t) for t in lay.expected)
         del u
-    if manifest is not None:
+    if manifest is not None and fmt:  # no plan was read without a format
         _check_manifest_agrees(folder, fmt, manifest, plan, qcfg, problems)
     if problems:
         listed = "\n  - ".join(problems[:MAX_LISTED])

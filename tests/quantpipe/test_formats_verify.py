@@ -226,3 +226,15 @@ def test_verify_and_load_hold_one_unpacked_layer_at_a_time(gptq_dir, weights, mo
     for name in ckpt.layers:  # the consumer converts and drops each layer
         assert ckpt.layers[name].shape == weights[name].shape
     assert peak[0] <= 2, f"loading held {peak[0]} unpacked layers at once"
+
+
+def test_truncated_shard_is_one_problem_not_one_per_tensor(gptq_dir, tmp_path):
+    q = _copy(gptq_dir, tmp_path)
+    shard = _shard_of(q, f"{LAYER}.qweight")
+    shard.write_bytes(shard.read_bytes()[:100])  # the header itself is cut
+    with pytest.raises(ValueError) as err:
+        verify_checkpoint(q)
+    msg = str(err.value)
+    assert f"{shard}: not a readable safetensors file" in msg
+    assert "missing tensor" not in msg and "per-layer checks skipped" in msg
+    assert "3 problem(s)" in msg  # size differs from the manifest, unreadable, checks skipped
