@@ -499,17 +499,23 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto"]),
+@click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto", "int8"]),
               default="fp16", show_default=True,
               help="CPU: precision of the embedding table and output head (fp16 = the "
-                   "checkpoint's; fp32 = upcast, slower).")
-def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype):
+                   "checkpoint's; fp32 = upcast, slower; int8 = the head quantized per 32 "
+                   "columns at load, half the bytes of fp16).")
+@click.option("--ignore-eos", is_flag=True,
+              help="Generate all --max-new-tokens even past EOS (benchmarks).")
+@click.option("--min-new-tokens", default=0, show_default=True, type=int,
+              help="EOS does not end generation before this many new tokens.")
+def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ignore_eos,
+                 min_new_tokens):
     """Greedy-generate from an FP16 or quantized MODEL_DIR; text on stdout, timings on stderr."""
     from runtime.generate import GenerateSpec, run_generate
 
     try:
         res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device,
-                                        head_dtype))
+                                        head_dtype, ignore_eos, min_new_tokens))
     except ValueError as exc:
         _fail(exc)
     click.echo(res.text)

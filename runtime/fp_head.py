@@ -49,7 +49,8 @@ from runtime.kernels.cpu import block_rows
 
 log = logging.getLogger(__name__)
 
-HEAD_DTYPES = ("fp32", "fp16", "bf16", "auto")
+HEAD_DTYPES = ("fp32", "fp16", "bf16", "auto", "int8")
+INT8_HEAD_GROUP = 32  # int8 head: one fp16 scale per row and block of 32 columns
 BLOCK = 16  # vocabulary rows per block of the kernels' layouts (cpu.block_rows)
 # auto: rows up to which fp16 beats bf16 (kernels: 1.9 vs 2.3 ms at 2 rows, 3.6 vs 2.4 at 4;
 # torch: only at one row)
@@ -151,6 +152,70 @@ class HalfHead(nn.Module):
         return y.to(self.out_dtype)
 
 
+def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 [N, K] -> (q int8 [N, K], scales fp16 [N, K / 32]): symmetric, per row and block.
+
+    The scale is rounded to fp16 *before* rounding q, so ``q * scale`` (fp16 scale exact in
+    fp32) is the weight the kernel multiplies: |w - q * s| <= s / 2 + the fp16 rounding of s
+    times 127 / 2**11 (q is clamped to [-127, 127]).
+    """
+    n, k = weight_fp16.shape
+    wb = weight_fp16.float().view(n, k // INT8_HEAD_GROUP, INT8_HEAD_GROUP)  # [N, K/32, 32]
+    scales = (wb.abs().amax(-1) / 127).half()  # [N, K/32] fp16
+    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]  # no 0 division
+    q = torch.round(wb / s).clamp(-127, 127).to(torch.int8).view(n, k)  # [N, K]
+    return q, scales
+
+
+class Int8Head(nn.Module):
+    """y = x @ (q * scale)^T (+ b): the head quantized to int8 at load time (``head_dtype
+    int8``), run by the active ISA build's ``int8_mm`` (exact int8 weights, fp32 activations
+    and sums): half the bytes of the fp16 head per generated token. Needs the kernels."""
+
+    def __init__(self, weight_fp16: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_fp16.shape
+        if self.in_features % INT8_HEAD_GROUP:
+            raise ValueError(f"head dtype int8 needs hidden size % {INT8_HEAD_GROUP} == 0, "
+                             f"not {self.in_features}; use fp16")
+        self.out_dtype = out_dtype
+        q, scales = quantize_head_int8(weight_fp16)
+        # [N, K] -> [N / 16, K, 16] and [N, K / 32] -> [N / 16, K / 32, 16] (int8_mm's layout)
+        self.register_buffer("q8", block_rows(q), persistent=False)
+        self.register_buffer("scales", block_rows(scales), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(),
+                             persistent=False)
+        self._int8_mm = cpu_ext.ops().int8_mm.default
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode=int8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        x2d = x.reshape(rows, self.in_features).float().contiguous()  # [M, in] fp32
+        y = self._int8_mm(x2d, self.q8, self.scales, None, INT8_HEAD_GROUP)  # [M, padded out]
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features].contiguous()
+        y = y.view(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.out_dtype)
+
+
+def _new_head(head_w: torch.Tensor, bias: torch.Tensor | None, mode: str,
+              act_dtype: torch.dtype) -> nn.Module:
+    """The head module for ``mode``; int8 without usable kernels falls back to fp16 (logged)."""
+    if mode == "int8":
+        usable, why = cpu_ext.kernel_status()
+        if usable and head_w.device.type == "cpu" and act_dtype == torch.float32:
+            return Int8Head(head_w, bias, act_dtype)
+        log.warning("head dtype int8 needs quantpipe's CPU kernels and fp32 activations on CPU "
+                    "(%s); using the fp16 head instead", why if not usable else act_dtype)
+        mode = "fp16"
+    return HalfHead(head_w, bias, mode, act_dtype)
+
+
 def set_half_head(model: nn.Module, mode: str) -> None:
     """Replace the FP embedding table and lm_head of an HF causal LM (see the module doc).
 
@@ -186,8 +251,8 @@ def set_half_head(model: nn.Module, mode: str) -> None:
         log.warning("head dtype %s: the embedding table or lm_head is not fp16-representable "
                     "(not an fp16 checkpoint); keeping them in %s", mode, act_dtype)
         return
-    new_head = HalfHead(head_w, head.bias, mode, act_dtype)
-    if tied and new_head.w16 is not None:
+    new_head = _new_head(head_w, head.bias, mode, act_dtype)
+    if tied and getattr(new_head, "w16", None) is not None:
         table = new_head.w16  # one fp16 tensor, as [vocab, hidden] or blocked
     model.set_input_embeddings(CastEmbedding(table, act_dtype, emb.num_embeddings))
     model.set_output_embeddings(new_head)

@@ -31,6 +31,8 @@ class GenerateSpec:
     max_new_tokens: int = 64  # tokens generated after the prompt (stops early at EOS)
     device: str = "cpu"  # cpu or cuda
     head_dtype: str = "fp16"  # runtime.fp_head mode on CPU (one request: M = 1, fp16 is best)
+    ignore_eos: bool = False  # generate max_new_tokens even past EOS (benchmarks)
+    min_new_tokens: int = 0  # EOS does not stop generation before this many new tokens
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -43,6 +45,10 @@ class GenerateSpec:
             raise ValueError("prompt is empty; pass --prompt TEXT")
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"--min-new-tokens {self.min_new_tokens} must be in 0.."
+                             f"{self.max_new_tokens} (--max-new-tokens); lower it or raise "
+                             "--max-new-tokens")
 
 
 @dataclass(frozen=True)
@@ -71,9 +77,11 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_decode(model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]
-                  ) -> tuple[list[int], float, float]:
-    """(new token ids, prefill seconds, decode seconds) with a KV cache, greedy."""
+def greedy_decode(model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int],
+                  min_new_tokens: int = 0) -> tuple[list[int], float, float]:
+    """(new token ids, prefill seconds, decode seconds) with a KV cache, greedy; an EOS token
+    ends generation once at least ``min_new_tokens`` were generated (empty ``eos_ids``: never).
+    """
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
@@ -88,7 +96,7 @@ def greedy_decode(model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[in
     sync()
     t1 = time.perf_counter()
     new = [tok]
-    while len(new) < max_new_tokens and tok not in eos_ids:
+    while len(new) < max_new_tokens and (tok not in eos_ids or len(new) < min_new_tokens):
         out = model(torch.tensor([[tok]], device=dev), use_cache=True, **{name: cache})
         tok = int(out.logits[0, -1].argmax())
         new.append(tok)
@@ -96,22 +104,35 @@ def greedy_decode(model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[in
     return new, t1 - t0, time.perf_counter() - t1
 
 
+def _first_stop(new: list[int], eos: set[int], min_new_tokens: int) -> int | None:
+    """Length of ``new`` up to its first EOS at or after position ``min_new_tokens`` - 1."""
+    for i in range(max(0, min_new_tokens - 1), len(new)):
+        if new[i] in eos:
+            return i + 1
+    return None
+
+
 def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
-                  stop_at_eos: bool = True, block_size: int = 16
+                  stop_at_eos: bool = True, block_size: int = 16, min_new_tokens: int = 0
                   ) -> tuple[list[int], float, float]:
     """(new token ids, prefill seconds, decode seconds): one greedy request through the engine.
 
     The KV pool holds exactly this request (prompt + max_new_tokens, rounded up to blocks);
-    prefix caching is off so a repeated prompt is timed as a fresh one.
+    prefix caching is off so a repeated prompt is timed as a fresh one. With
+    ``min_new_tokens``, EOS tokens before that count are generated and generation goes on
+    (greedy: the tokens are those of an uninterrupted run); the first EOS after it ends it.
     """
     from runtime.engine import EngineConfig, LLMEngine, SamplingParams
+    from runtime.engine.engine import eos_ids
 
     blocks = -(-(len(ids) + max_new_tokens) // block_size) + 1
     engine = LLMEngine(model, tokenizer, EngineConfig(
         block_size=block_size, max_num_seqs=1, max_num_batched_tokens=max(2048, block_size),
         num_kv_blocks=blocks, enable_prefix_caching=False))
+    hold = stop_at_eos and min_new_tokens > 1  # the engine ignores EOS; we stop after min
+    eos = eos_ids(model, tokenizer) if hold else set()
     engine.add_request(list(ids), SamplingParams(max_tokens=max_new_tokens,
-                                                 ignore_eos=not stop_at_eos))
+                                                 ignore_eos=hold or not stop_at_eos))
     dev = engine.runner.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     new: list[int] = []
@@ -123,6 +144,10 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
         if t1 is None and new:
             sync()
             t1 = time.perf_counter()
+        stop = _first_stop(new, eos, min_new_tokens) if hold else None
+        if stop is not None:
+            new = new[:stop]
+            break
     sync()
     return new, t1 - t0, time.perf_counter() - t1
 
@@ -142,11 +167,13 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
     if model.config.model_type in FAMILIES:
         path = "engine"
         new, prefill_s, decode_s = engine_decode(model, tokenizer, ids[0].tolist(),
-                                                 spec.max_new_tokens)
+                                                 spec.max_new_tokens, not spec.ignore_eos,
+                                                 min_new_tokens=spec.min_new_tokens)
     else:
         path = "hf"
-        new, prefill_s, decode_s = greedy_decode(model, ids, spec.max_new_tokens,
-                                                 eos_ids(model, tokenizer))
+        eos = set() if spec.ignore_eos else eos_ids(model, tokenizer)
+        new, prefill_s, decode_s = greedy_decode(model, ids, spec.max_new_tokens, eos,
+                                                 spec.min_new_tokens)
     if spec.device == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:  # ru_maxrss is in KiB on Linux

@@ -103,10 +103,7 @@ class QuantLinear(nn.Module):
             self._w = cpu_kernels.repack_unpacked(packed, device)
         else:
             raise AssertionError(backend)
-        # expose the repacked tensors as buffers (memory accounting, state inspection)
-        for field, value in vars(self._w).items():
-            if isinstance(value, torch.Tensor):
-                self.register_buffer(f"w_{field}", value, persistent=False)
+        self._expose_weights()
         bias = packed.bias
         if bias is not None:
             bias = bias.to(device=device, dtype=bias_dtype or bias.dtype)
@@ -114,6 +111,19 @@ class QuantLinear(nn.Module):
         self.device_ = device
         self._on_cuda = device.type == "cuda"
         self._matmul = MATMULS[backend]
+
+    def _expose_weights(self) -> None:
+        """The repacked tensors as buffers (memory accounting, state inspection)."""
+        for field, value in vars(self._w).items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(f"w_{field}", value, persistent=False)
+
+    def use_weights(self, w) -> None:
+        """Run from ``w``, the same weights in the same layout (e.g. views into a fused tensor
+        several layers share), so that the memory is held once."""
+        assert type(w) is type(self._w)
+        self._w = w
+        self._expose_weights()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from runtime.kernels import cpu_ext
+from runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
 
 # Model families whose decoder layers follow the Llama layout (data, not isinstance chains):
 # model_type -> attribute names of (decoder, layers, final norm). All three use
@@ -167,6 +168,47 @@ def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask.unsqueeze(2).expand(B, 1, groups, q_max, ctx).reshape(B, 1, groups * q_max, ctx)
 
 
+@dataclass(frozen=True)
+class FusedProjections:
+    """A layer's projections that share an input, as one W4A8 matmul each (None: not fused).
+
+    The q/k/v projections (and gate/up) read the same normed input, so one kernel call
+    quantizes it once and streams the stacked weights once; the MLP's silu(gate) * up is then
+    one op as well. Built only where every part is a bias-free W4A8 layer of the same build.
+    """
+
+    qkv: CpuA8W4 | None  # [(H + 2 KV) * D, hidden]
+    gate_up: CpuA8W4 | None  # [2 * intermediate, hidden]
+
+
+def _a8_parts(mods) -> list[CpuA8W4] | None:
+    ws = [getattr(m, "_w", None) for m in mods]
+    if all(isinstance(w, CpuA8W4) for w in ws) and all(m.bias is None for m in mods):
+        return ws
+    return None
+
+
+def _fuse(mods) -> CpuA8W4 | None:
+    """The stacked layer, the parts rebound to views into it (the weights held once)."""
+    parts = _a8_parts(mods)
+    fused = parts and concat_a8w4(parts)
+    if fused is None:
+        return None
+    start = 0
+    for mod, w in zip(mods, parts):
+        n = w.packed.shape[0]  # blocks of 16 output rows
+        mod.use_weights(CpuA8W4(fused.packed[start:start + n], fused.scales[start:start + n],
+                                fused.mz[start:start + n], w.perm, w.group_size, w.op, w.vnni))
+        start += n
+    return fused
+
+
+def fuse_projections(layer, hidden_act: str) -> FusedProjections:
+    attn, mlp = layer.self_attn, layer.mlp
+    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if hidden_act == "silu" else None
+    return FusedProjections(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), gate_up)
+
+
 def fused_ops_status(layers, final_norm, dtype: torch.dtype,
                      device: torch.device) -> tuple[bool, str]:
     """(use quantpipe's fused CPU norm / RoPE / paged-attention ops, reason)."""
@@ -216,6 +258,9 @@ class ModelRunner:
         self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
                                                          self.dtype, self.device)
         self.ops = cpu_ext.ops() if self.fused else None  # the active ISA build's ops
+        act = getattr(cfg, "hidden_act", None)
+        self.projections = [fuse_projections(layer, act) if self.fused
+                            else FusedProjections(None, None) for layer in self.layers]
         self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
         self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -237,10 +282,16 @@ class ModelRunner:
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
+            fp = self.projections[i]
             x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
-            q = attn.q_proj(x).view(T, H, D)  # [T, H * D] -> [T, H, D]
-            k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
-            v = attn.v_proj(x).view(T, KV, D)
+            if fp.qkv is not None:  # one matmul: [T, hidden] -> [T, (H + 2 KV) * D]
+                q, k, v = a8w4_matmul(x, fp.qkv).split([H * D, KV * D, KV * D], dim=1)
+                # column slices of a [T, ...] tensor: contiguous copies unless T == 1
+                q, k, v = (t.reshape(T, -1, D).contiguous() for t in (q, k, v))
+            else:
+                q = attn.q_proj(x).view(T, H, D)  # [T, H * D] -> [T, H, D]
+                k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
+                v = attn.v_proj(x).view(T, KV, D)
             if self.fused:
                 self.ops.rope_(q, k, cos, sin)  # in place
             else:
@@ -256,7 +307,11 @@ class ModelRunner:
                 o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask,
                                     self.scale)
             o = attn.o_proj(o.reshape(T, H * D))  # [T, H, D] -> [T, hidden]
-            delta = layer.mlp(self._add_norm(h, o, layer.post_attention_layernorm))
+            x = self._add_norm(h, o, layer.post_attention_layernorm)
+            if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> silu(gate) * up [T, I]
+                delta = layer.mlp.down_proj(self.ops.silu_mul(a8w4_matmul(x, fp.gate_up)))
+            else:
+                delta = layer.mlp(x)
         h_last = h[meta.last_index] + delta[meta.last_index]  # [B, hidden]: rows we sample
         last = self._add_norm(h_last, None, self.final_norm)
         return self.model.lm_head(last).float()  # [B, vocab] fp32 logits

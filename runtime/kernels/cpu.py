@@ -274,6 +274,22 @@ def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:
     return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 
+def concat_a8w4(ws: list[CpuA8W4]) -> CpuA8W4 | None:
+    """One W4A8 layer computing the outputs of several that share their input (q/k/v, or
+    gate/up): [out_1 + out_2 + ..., in], blocks of 16 rows stacked; None when they differ in
+    group size, column order, ISA or instruction choice."""
+    first = ws[0]
+    for w in ws[1:]:
+        if (w.group_size != first.group_size or w.op != first.op or w.vnni != first.vnni
+                or (w.perm is None) != (first.perm is None)
+                or (w.perm is not None and not torch.equal(w.perm, first.perm))):
+            return None
+    return CpuA8W4(torch.cat([w.packed for w in ws]),  # [sum(out) / 16, in / 8, 64]
+                   torch.cat([w.scales for w in ws]),  # [sum(out) / 16, G, 16]
+                   torch.cat([w.mz for w in ws]), first.perm, first.group_size, first.op,
+                   first.vnni)
+
+
 @dataclass(frozen=True)
 class CpuInt4:
     packed: torch.Tensor  # uint8 [out, in / 2] int4pack layout

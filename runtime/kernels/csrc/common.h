@@ -233,6 +233,20 @@ inline void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at:
   rope_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
+// silu_mul's checks and row loop: row(gate_up_row, I, out_row) per row of gu [T, 2I]
+template <typename Row>
+at::Tensor run_silu_mul(const at::Tensor& gu, const Row& row) {
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.scalar_type() == at::kFloat &&
+                  gu.size(1) % 2 == 0,
+              "gu must be contiguous fp32 [T, 2I] (gate then up)");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) row(gp + t * 2 * I, I, op + t * I);
+  return out;
+}
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;

@@ -459,7 +459,7 @@ void axpy(float alpha, const T* x, float* y, int64_t D) {
   for (; i < D; ++i) y[i] += alpha * scalar(x[i]);
 }
 
-// exp(x) for 8 lanes, x <= 0: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// exp(x) for 8 lanes, -87 <= x <= 88 (clamped below): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
 // polynomial (relative error < 2e-7), times 2^n built in the exponent bits (n >= -126)
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: still a normal fp32
@@ -571,6 +571,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                        });
 }
 
+
+// --- silu_mul: silu(gate) * up from the fused [T, 2I] projection (cpu_ops.cpp) --------------
+
+void silu_mul_row(const float* gu, int64_t I, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + i);
+    // exp8 builds 2^n in the exponent bits: e^-g clamped to [e^-87, e^88]
+    const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+                                        _mm256_set1_ps(88.0f)));
+    const __m256 sg = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(sg, _mm256_loadu_ps(gu + I + i)));
+  }
+  for (; i < I; ++i) out[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[I + i];
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  return qp::run_silu_mul(gu, [](const float* g, int64_t I, float* o) { silu_mul_row(g, I, o); });
+}
+
 // --- add_rms_norm_: h += delta (optional), out = weight * h / sqrt(mean(h^2) + eps) -----------
 
 at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
@@ -623,6 +643,7 @@ TORCH_LIBRARY(quantpipe_cpu_avx2, m) {
         "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("supported() -> bool", &supported);
   m.def("vnni_supported() -> bool", &avxvnni_supported);
 }
@@ -636,4 +657,5 @@ TORCH_LIBRARY_IMPL(quantpipe_cpu_avx2, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &qp::rope_);
+  m.impl("silu_mul", &silu_mul);
 }
