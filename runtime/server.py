@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -47,7 +47,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import Counter as PromCounter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantpipe.io import MANIFEST_NAME, read_manifest
@@ -165,29 +165,39 @@ def check_model_dir(folder: Path) -> None:
 
 
 # --- request bodies (OpenAI fields + vLLM's top_k / ignore_eos extensions) --------------------
-# Strict: a string "16" is not a number here, as in the OpenAI API.
-StopString = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+# Strict: a string "16" or true is not a number here, as in the OpenAI API; but 16.0 is an
+# integer in JSON Schema, so integral floats are taken as integers.
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _int(**constraints: int) -> Any:
+    # The constraints before the validator, or the schema shows pydantic's "ge" keywords.
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = _int(ge=0)
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None  # must name the served model (GET /v1/models) when given
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: _int(ge=1) | None = None
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: StopString | list[StopString] | None = None
+    top_k: _int(ge=-1) = -1
+    seed: _int(ge=SEED_MIN, le=SEED_MAX) | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
     stream: bool = False
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: _int(ge=1, le=1) = 1
 
 
 class CompletionRequest(_Common):
     # A string, one string in a list (batches are not supported), or token ids.
-    prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[str], Field(min_length=1, max_length=1)])
+    prompt: (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)])
 
 
 class ChatMessage(BaseModel):
@@ -198,7 +208,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: _int(ge=1) | None = None
 
 
 # --- response bodies (for the OpenAPI schema; handlers build the same dicts) ------------------
@@ -278,11 +288,20 @@ _SSE_DOC = ("with stream: true, server-sent events: one `data: {chunk}` per toke
             "finish_reason and usage, then `data: [DONE]`; a failure after the stream started "
             "is one `data: {\"error\": {...}}` event, then the stream ends without [DONE]")
 
+# OpenAPI 3.1: for text/event-stream, ``schema`` describes one event.
+_SSE_EVENT = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (the non-streamed "
+                                                            "body's shape with a delta), a JSON "
+                                                            "error body, or [DONE]"},
+                   "event": {"type": "string"}},
+}
+
 
 def _generation_responses(ok: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     err = {"model": ErrorResponse}
     return {
-        200: {"model": ok, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        200: {"model": ok, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
               "description": "the completion; " + _SSE_DOC},
         400: {**err, "description": "invalid request (schema, limits, prompt + max_tokens)"},
         404: {**err, "description": "unknown model (code model_not_found)"},
@@ -318,6 +337,10 @@ def _sampling(req: _Common, default_max: int) -> SamplingParams:
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+
+
+def _max_tokens_given(req: _Common) -> bool:
+    return req.max_tokens is not None or getattr(req, "max_completion_tokens", None) is not None
 
 
 def _prompt_chars(req: CompletionRequest | ChatRequest) -> int:
@@ -493,6 +516,9 @@ class _Server:
         handed_off = False  # a started stream releases its slot when it ends
         try:
             prompt_ids = await self.prompt_ids(req)
+            if not _max_tokens_given(req):  # the default fits in the room the prompt leaves
+                room = self.engine.max_model_len - len(prompt_ids)
+                params = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
             try:
                 self.engine.validate(prompt_ids, params)
             except ValueError as exc:
@@ -581,9 +607,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}"
-                 for e in exc.errors()]
-        return _error(400, "; ".join(parts))
+        return _error(400, _validation_message(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -593,6 +617,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _server_error(_req: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error", exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _validation_message(errors) -> str:
+    """``field: what was wrong`` per field; the alternatives of a union joined by "or"."""
+    by_field: dict[str, list[str]] = {}
+    for e in errors:
+        # loc: ("body", field, ...); pydantic adds union member tags such as "constrained-str"
+        path = [str(x) for x in e["loc"][1:] if isinstance(x, int) or str(x).isidentifier()]
+        msgs = by_field.setdefault(".".join(path) or "body", [])
+        if e["msg"] not in msgs:
+            msgs.append(e["msg"])
+    return "; ".join(f"{field}: {' or '.join(msgs)}" for field, msgs in by_field.items())
 
 
 def _tighten_openapi(app: FastAPI, model_name: str, engine: LLMEngine,
@@ -806,8 +842,9 @@ class _BodyLimit:
     A declared Content-Length over the limit is refused before reading anything; a chunked
     body is counted as it arrives; a body that has not arrived within ``request_timeout``
     seconds (a stalled or slow client) gets 408. Waiting is asynchronous, so other requests
-    (/health included) are served meanwhile. Errors close the connection: the rest of an
-    unread body would otherwise be parsed as the next request.
+    (/health included) are served meanwhile. A 408 closes the connection. A 413 does not:
+    uvicorn then discards the rest of the body as it arrives, whereas closing a socket with
+    unread data sends a TCP reset that can destroy the 413 before the client reads it.
     """
 
     def __init__(self, app, limits: RequestLimits) -> None:
@@ -819,10 +856,9 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         lim = self.limits
-        close = {"Connection": "close"}
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and int(declared) > lim.max_request_bytes:
-            await _error(413, _too_large_message(int(declared), lim), close)(scope, receive, send)
+            await _error(413, _too_large_message(int(declared), lim))(scope, receive, send)
             return
         try:
             body = await asyncio.wait_for(_read_body(receive, lim.max_request_bytes),
@@ -830,11 +866,11 @@ class _BodyLimit:
         except asyncio.TimeoutError:
             msg = (f"the request body did not arrive within {lim.request_timeout:g} s "
                    "(--request-timeout); send the whole body at once")
-            await _error(408, msg, close)(scope, receive, send)
+            await _error(408, msg, {"Connection": "close"})(scope, receive, send)
             return
         except _BodyTooLarge as exc:
             msg = _too_large_message(exc.args[0], lim, counted=True)
-            await _error(413, msg, close)(scope, receive, send)
+            await _error(413, msg)(scope, receive, send)
             return
         if body is None:
             return  # the client left before sending its body; there is no one to answer

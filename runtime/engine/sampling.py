@@ -57,6 +57,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         # always survives and the kept set is the smallest one with mass >= top_p.
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = mass_before >= top_p
+        # ... also when top_p is below fp32's range (5e-324 compares as 0.0 >= 0.0): the most
+        # likely token is never dropped, so the distribution is never empty (nan).
+        drop_sorted[0] = False
         out[order[drop_sorted]] = float("-inf")
     return out
 

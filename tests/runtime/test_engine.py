@@ -306,7 +306,7 @@ def test_sampling_distribution_matches_float64_for_any_temperature(temperature):
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(384, generator=g) * 4  # [vocab] fp32
-    for top_k, top_p in ((0, 1.0), (20, 1.0), (0, 0.8)):
+    for top_k, top_p in ((0, 1.0), (20, 1.0), (0, 0.8), (0, 5e-324), (3, 1e-45)):
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         got = token_probs(logits, params)  # [vocab] fp32
         l64 = logits.double()

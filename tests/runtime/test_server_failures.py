@@ -149,7 +149,9 @@ def test_failure_mid_stream_is_an_error_event_then_the_end(server):
 
 
 @pytest.mark.parametrize("raw, fragment", [
-    ('{"prompt": "\\ud800 hi", "max_tokens": 2}', "surrogate"),  # tokenizer raised: was a 500
+    # unpaired surrogates: the tokenizer raised TypeError (a 500) before
+    ('{"prompt": "\\ud800 hi", "max_tokens": 2}', "unicode"),
+    ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "unicode"),
     ('{"prompt": "hi", "seed": 18446744073709551616}', "seed"),  # was 200 + "error: Overflow"
     ('{"prompt": "hi", "temperature": NaN}', "temperature"),
     ('{"prompt": "hi", "temperature": Infinity}', "temperature"),
@@ -160,7 +162,8 @@ def test_failure_mid_stream_is_an_error_event_then_the_end(server):
 ])
 def test_bad_input_is_a_400_never_a_500(server, raw, fragment):
     url, _ = server
-    r = httpx.post(f"{url}/v1/completions", content=raw.encode(),
+    path = "/v1/chat/completions" if '"messages"' in raw else "/v1/completions"
+    r = httpx.post(f"{url}{path}", content=raw.encode(),
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     assert fragment.lower() in r.json()["error"]["message"].lower()
