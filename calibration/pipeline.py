@@ -56,6 +56,7 @@ from calibration.gptq import gptq
 from calibration.prompts import SHIPPED_SETS
 from calibration.result import QuantResult
 from calibration.rtn import rtn
+from calibration.stream import ModelStream
 from quantpipe.io import (
     check_not_overlapping,
     check_output_dir,
@@ -503,36 +504,46 @@ def _calibrate_into_work(run: _Run, inputs: _Inputs, start: int, t0: float) -> C
 
 def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_seconds: float,
                 data_summary: dict) -> None:
-    """Blocks ``start..`` one by one; after each, its results and the next inputs are saved."""
-    from transformers import AutoModelForCausalLM
+    """Blocks ``start..`` one by one; after each, its results and the next inputs are saved.
 
+    The model is a meta-device skeleton (calibration.stream): the embeddings are read only to
+    compute the first inputs, then each block's weights are read, used and released in turn.
+    """
     spec = run.spec
-    model = AutoModelForCausalLM.from_pretrained(
-        spec.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa"
-    ).eval()
+    stream = ModelStream(spec.fp16_dir)
+    model = stream.model
     family = family_for(model.config.model_type)
     blocks = get_blocks(model, family)
     if len(blocks) != inputs.num_blocks:
         raise ValueError(f"{spec.fp16_dir}: config.json describes {len(blocks)} blocks, the "
                          f"shards hold {inputs.num_blocks}; re-run export-fp16")
     state_file = run.work / "state" / "hidden.safetensors"
+    embed_name = _embeddings_name(model)
+    with stream.load(embed_name):
+        if start == 0:
+            input_ids = inputs.input_ids  # [n, L] int64
+            hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d]
+        else:
+            saved = load_file(str(state_file))
+            hidden, input_ids = saved["hidden"], saved["input_ids"]
+            _, ctx = embed_inputs(model, input_ids[:1])  # the shared context only
     if start == 0:
-        input_ids = inputs.input_ids  # [n, L] int64
-        hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d]
         state_file.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
         _save_progress(run, 0, {"data": data_summary})
-    else:
-        saved = load_file(str(state_file))
-        hidden, input_ids = saved["hidden"], saved["input_ids"]
-        _, ctx = embed_inputs(model, input_ids[:1])
     for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
                   initial=start, total=len(blocks)):
-        hidden = _calibrate_block(run, blocks[i], i, family, model.config.model_type, hidden,
-                                  ctx)
+        with stream.load(f"{family.blocks}.{i}") as block:
+            hidden = _calibrate_block(run, block, i, family, model.config.model_type, hidden,
+                                      ctx)
         save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
         _save_progress(run, i + 1, {"data": data_summary,
                                     "seconds": earlier_seconds + time.perf_counter() - t0})
+
+
+def _embeddings_name(model: torch.nn.Module) -> str:
+    emb = model.get_input_embeddings()
+    return next(name for name, m in model.named_modules() if m is emb)
 
 
 def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,

@@ -1,0 +1,84 @@
+"""The FP16 model as a skeleton on the meta device, its weights read one module at a time.
+
+Calibration needs the embeddings once (to turn token ids into block-0 inputs) and then one
+decoder block at a time. :class:`ModelStream` builds the model from ``config.json`` with every
+parameter on the meta device (accelerate's ``init_empty_weights``; buffers such as the rotary
+``inv_freq`` stay real), reads a module's weights from the mmapped safetensors shards when
+:meth:`ModelStream.load` is entered and puts them back on the meta device when it exits. Peak
+memory is therefore one block's weights (in fp32) plus the calibration activations, whatever
+the depth of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class ModelStream:
+    """A causal LM from an FP16 folder, materialised one submodule at a time."""
+
+    def __init__(self, fp16_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.folder = Path(fp16_dir)
+        self.dtype = dtype
+        config = AutoConfig.from_pretrained(self.folder)
+        with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                          attn_implementation="sdpa")
+        self.model.eval()
+        self._where = self._weight_map()  # tensor name -> shard file
+        self._handles: dict[str, object] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        out = {}
+        for p in sorted(self.folder.glob("*.safetensors")):
+            with safe_open(str(p), framework="pt") as f:
+                out.update({k: p.name for k in f.keys()})
+        return out
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        try:
+            fname = self._where[name]
+        except KeyError:
+            raise ValueError(f"{self.folder}: no tensor {name} in its shards; the folder does "
+                             "not match its config.json (re-run export-fp16)") from None
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
+        return self._handles[fname].get_tensor(name)
+
+    @contextlib.contextmanager
+    def load(self, module_name: str) -> Iterator[torch.nn.Module]:
+        """Materialise ``module_name``'s parameters (cast to ``dtype``) for the ``with`` body;
+        they go back to the meta device afterwards, also when the body raises."""
+        module = self.model.get_submodule(module_name)
+        names = [name for name, _ in module.named_parameters()]
+        try:
+            for name in names:
+                # as stored ([out, in] for linears, [d] for norms) -> a real parameter
+                _set(module, name, self._tensor(f"{module_name}.{name}").to(self.dtype))
+            yield module
+        finally:
+            for name, p in list(module.named_parameters()):
+                # back on meta: frees the weights; the skeleton keeps shapes (buffers stay)
+                _set(module, name, torch.empty_like(p, device="meta"))
+
+    def materialised_parameters(self) -> int:
+        """Parameters currently holding real memory (the rest are on the meta device)."""
+        return sum(p.numel() for p in self.model.parameters() if not p.is_meta)
+
+
+def _set(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    target.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=False))
