@@ -43,7 +43,6 @@ def _serve(folder, *opts: str):
     (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),
     (["--block-size", "0"], "--block-size"),
     (["--max-queue", "-1"], "--max-queue"),
-    (["--kv-cache-memory", "lots"], "cannot read size"),
     (["--max-request-bytes", "10"], "--max-request-bytes"),
     (["--max-request-bytes", "big"], "cannot read size"),
     (["--max-prompt-chars", "0"], "--max-prompt-chars"),
