@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from quantpipe.io import (
     atomic_output_dir,
     save_sharded,
+    save_sharded_lazy,
     sha256_file,
     write_manifest,
 )
-from quantpipe.sources import DTYPES, load_model, load_tokenizer, resolve_source
+from quantpipe.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,12 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     """Write the FP16 folder; bad input fails before ``spec.out`` is touched, and the whole
-    export runs under the output lock inside a hidden temp folder (see quantpipe.io)."""
+    export runs under the output lock inside a hidden temp folder (see quantpipe.io).
+
+    A safetensors folder whose tensor names are the model's is converted tensor by tensor
+    (one output shard in memory, never the model); other sources (GGUF, ``.bin``, checkpoints
+    that transformers renames while loading) are loaded whole by transformers.
+    """
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
     dtype = DTYPES[spec.dtype]
@@ -86,19 +93,29 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     with atomic_output_dir(spec.out, spec.force, inputs={"SOURCE": src.path}) as tmp:
         log.info("loading %s (%s)", src.path, src.kind)
         tokenizer = load_tokenizer(src, spec.trust_remote_code)
-        model = load_model(src, "auto", spec.trust_remote_code)
-        _convert_in_place(model, dtype)
-        model.config.dtype = dtype
-        state = unique_state_dict(model)
-        n_params = sum(t.numel() for t in state.values())
+        plan = stream_plan(src, dtype, spec.trust_remote_code)
+        if plan is not None:
+            log.info("converting %s tensor by tensor", src.path)
+            config, generation = plan.config, plan.generation_config()
+            n_params = sum(plan.numel.values())
+            shards = save_sharded_lazy(plan.out_sizes(), plan.converted, tmp,
+                                       spec.max_shard_size)
+        else:
+            model = load_model(src, "auto", spec.trust_remote_code)
+            _convert_in_place(model, dtype)
+            config, generation = model.config, model.generation_config
+            state = unique_state_dict(model)
+            n_params = sum(t.numel() for t in state.values())
+            shards = save_sharded(state, tmp, spec.max_shard_size)
+            del model, state
+        log.info("wrote %d parameters", n_params)
+        config.dtype = dtype
         src_hash_file = src.hash_target()
         log.info("hashing source %s", src_hash_file)
         src_sha = sha256_file(src_hash_file) if src_hash_file else None
-        model.config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        log.info("writing %d tensors (%d parameters)", len(state), n_params)
-        shards = save_sharded(state, tmp, spec.max_shard_size)
         write_manifest(
             tmp,
             stage="fp16",
@@ -106,11 +123,121 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
                     "sha256": src_sha,
                     "sha256_of": src_hash_file.name if src_hash_file else None},
             dtype=spec.dtype,
-            model_type=model.config.model_type,
+            model_type=config.model_type,
             num_parameters=n_params,
-            tie_word_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             shards=shards,
         )
     seconds = time.perf_counter() - t0
     log.info("wrote %s in %.1fs", spec.out, seconds)
     return Fp16ExportResult(Path(spec.out), n_params, shards, seconds)
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor in the export dtype; integer tensors keep theirs; fp16 overflow refused."""
+    if not t.is_floating_point():
+        return t
+    if dtype == torch.float16 and t.dtype != torch.float16 and t.numel():
+        amax = t.abs().max().item()
+        if not amax <= FP16_MAX:  # also catches NaN
+            raise ValueError(
+                f"tensor {name} has |value| up to {amax:.4g}, beyond the fp16 range "
+                f"({FP16_MAX:.0f}); export with --dtype bf16 instead"
+            )
+    return t.to(dtype)
+
+
+@dataclass
+class StreamPlan:
+    """A safetensors source read tensor by tensor, in the model's own state-dict order."""
+
+    folder: Path
+    dtype: torch.dtype  # what floating tensors are written as
+    config: object  # transformers PretrainedConfig
+    where: dict[str, str]  # tensor name -> source file
+    numel: dict[str, int]  # tensors to write (tied duplicates left out) -> element count
+    dtypes: dict[str, str]  # safetensors dtype string of each source tensor
+    buffers: dict[str, torch.Tensor]  # persistent buffers the source does not store
+    _handles: dict = field(default_factory=dict)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name in self.buffers:
+            return self.buffers[name]
+        fname = self.where[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
+        return self._handles[fname].get_tensor(name)
+
+    def converted(self, name: str) -> torch.Tensor:
+        return _cast(name, self.tensor(name), self.dtype)
+
+    def out_sizes(self) -> dict[str, int]:
+        """Bytes of each tensor once written (floating tensors in ``dtype``), in write order."""
+        return {k: n * self._out_itemsize(k) for k, n in self.numel.items()}
+
+    def _out_itemsize(self, name: str) -> int:
+        src = self.dtypes.get(name)
+        if src is None:
+            t = self.buffers[name]
+            return self.dtype.itemsize if t.is_floating_point() else t.element_size()
+        return self.dtype.itemsize if src in _FLOAT_DTYPES else _INT_BYTES[src]
+
+    def generation_config(self):
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.folder)
+        except OSError:  # no generation_config.json: derive it from the model config
+            return GenerationConfig.from_model_config(self.config)
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_INT_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8,
+              "U64": 8}
+
+
+def _source_tensors(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(tensor -> file, tensor -> dtype string) from the source's safetensors headers."""
+    where, dtypes = {}, {}
+    for p in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(p), framework="pt") as f:
+            for k in f.keys():
+                where[k] = p.name
+                dtypes[k] = f.get_slice(k).get_dtype()
+    return where, dtypes
+
+
+def stream_plan(src: ModelSource, dtype: torch.dtype,
+                trust_remote_code: bool = False) -> StreamPlan | None:
+    """How to convert ``src`` tensor by tensor, or None when it must be loaded whole: not a
+    safetensors folder, remote code, an already quantized checkpoint, or tensor names that
+    transformers would rename or convert while loading."""
+    if src.kind != "folder" or trust_remote_code or not any(src.path.glob("*.safetensors")):
+        return None
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src.path)
+    if getattr(config, "quantization_config", None):
+        return None  # transformers dequantizes it while loading
+    with init_empty_weights(include_buffers=False):  # shapes only; buffers stay real
+        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton.tie_weights()  # from_config leaves tied embeddings as two meta tensors
+    where, dtypes = _source_tensors(src.path)
+    if any(d not in _FLOAT_DTYPES and d not in _INT_BYTES for d in dtypes.values()):
+        return None  # e.g. fp8 tensors: leave them to transformers
+    emb_in, emb_out = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
+    tied = emb_out is not None and emb_out.weight is emb_in.weight
+    out_name = next((n for n, m in skeleton.named_modules() if m is emb_out), None)
+    numel, buffers = {}, {}
+    for name, t in skeleton.state_dict().items():
+        if tied and name == f"{out_name}.weight":
+            continue  # stored once, as the input embeddings
+        if name not in where:
+            if t.is_meta:
+                log.info("%s: %s is not stored under the model's name; loading it whole",
+                         src.path, name)
+                return None
+            buffers[name] = t  # a persistent buffer the checkpoint does not carry
+        numel[name] = t.numel()
+    return StreamPlan(src.path, dtype, config, where, numel, dtypes, buffers)

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -315,7 +315,7 @@ def parse_size(text: str | int) -> int:
 
 
 def save_sharded(
-    state_dict: dict[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor],
     out_dir: str | os.PathLike,
     max_shard_size: int | str = "2GB",
     prefix: str = "model",
@@ -326,12 +326,25 @@ def save_sharded(
     named ``model-0000i-of-0000n.safetensors`` (also for a single shard) so loaders and the
     manifest see one layout.
     """
+    sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
+    return save_sharded_lazy(sizes, state_dict.__getitem__, out_dir, max_shard_size, prefix)
+
+
+def save_sharded_lazy(
+    sizes: Mapping[str, int],
+    get: Callable[[str], torch.Tensor],
+    out_dir: str | os.PathLike,
+    max_shard_size: int | str = "2GB",
+    prefix: str = "model",
+) -> list[dict]:
+    """:func:`save_sharded` for tensors made on demand: ``sizes`` (name -> bytes, in the order
+    to write) plans the shards, ``get(name)`` makes each tensor as its shard is written, so at
+    most one shard's tensors are in memory."""
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
     shards: list[list[str]] = [[]]
     size = 0
-    for name, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -340,23 +353,18 @@ def save_sharded(
     n = len(shards)
     weight_map: dict[str, str] = {}
     entries = []
-    total = 0
     for i, names in enumerate(shards, start=1):
         fname = f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
-        save_safetensors_atomic(
-            {k: state_dict[k] for k in names}, out_dir / fname, metadata={"format": "pt"}
-        )
-        for k in names:
-            weight_map[k] = fname
-        nbytes = (out_dir / fname).stat().st_size
-        total += sum(state_dict[k].numel() * state_dict[k].element_size() for k in names)
+        save_safetensors_atomic({k: get(k) for k in names}, out_dir / fname,
+                                metadata={"format": "pt"})
+        weight_map.update({k: fname for k in names})
         entries.append(
-            {"file": fname, "sha256": sha256_file(out_dir / fname), "bytes": nbytes,
-             "tensors": len(names)}
+            {"file": fname, "sha256": sha256_file(out_dir / fname),
+             "bytes": (out_dir / fname).stat().st_size, "tensors": len(names)}
         )
     write_json_atomic(
         out_dir / f"{prefix}.safetensors.index.json",
-        {"metadata": {"total_size": total}, "weight_map": weight_map},
+        {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
     )
     return entries
 

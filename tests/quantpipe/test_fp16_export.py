@@ -92,13 +92,12 @@ def test_killed_export_leaves_nothing_valid(tmp_path, tiny_llama_dir):
     out = tmp_path / "fp16"
     code = (
         "import os, signal, quantpipe.io as io\n"
-        "orig = io.save_sharded\n"
-        "def boom(*a, **k):\n"
+        "orig = io.save_safetensors_atomic\n"
+        "def boom(*a, **k):\n"  # killed right after the first shard is written
         "    orig(*a, **k)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "io.save_sharded = boom\n"
+        "io.save_safetensors_atomic = boom\n"
         "import quantpipe.fp16_export as fe\n"
-        "fe.save_sharded = boom\n"
         "from pathlib import Path\n"
         f"fe.export_fp16(fe.Fp16ExportSpec({str(tiny_llama_dir)!r}, Path({str(out)!r})))\n"
     )
@@ -137,3 +136,63 @@ def test_disk_full_leaves_nothing_and_names_the_file(tmp_path, tiny_llama_dir, m
     assert "/.fp16.partial-" in info.value.filename  # the hidden folder, never DIR
     assert Path(info.value.filename).name.startswith("model-00002-of-")
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_streamed_export_equals_whole_model_export(tmp_path, monkeypatch, tie):
+    """A safetensors folder is converted tensor by tensor, never loaded whole, one output
+    shard in memory at a time; the result is the whole-model path's, tensor for tensor."""
+    import quantpipe.fp16_export as fe
+    import quantpipe.io as qio
+
+    model, tok = make_model("qwen2", tie=tie)  # qkv biases too
+    src = save_model(model, tok, tmp_path / "src")
+    limit = 40_000
+    written: list[int] = []
+    real_save = qio.save_safetensors_atomic
+
+    def recording_save(tensors, path, metadata=None):
+        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return real_save(tensors, path, metadata)
+
+    def no_whole_load(*args, **kwargs):
+        raise AssertionError("the streamed export loaded the whole model")
+
+    with monkeypatch.context() as m:
+        m.setattr(qio, "save_safetensors_atomic", recording_save)
+        m.setattr(fe, "load_model", no_whole_load)
+        streamed = export_fp16(Fp16ExportSpec(str(src), tmp_path / "streamed",
+                                              max_shard_size=f"{limit}B"))
+    assert len(written) > 1
+    biggest_tensor = max(t.numel() * 2 for t in model.state_dict().values())
+    assert max(written) <= max(limit, biggest_tensor)  # one shard's tensors at a time
+    with monkeypatch.context() as m:
+        m.setattr(fe, "stream_plan", lambda *a, **k: None)  # the whole-model path
+        whole = export_fp16(Fp16ExportSpec(str(src), tmp_path / "whole",
+                                           max_shard_size=f"{limit}B"))
+    assert streamed.num_parameters == whole.num_parameters
+
+    def tensors(folder):
+        out = {}
+        for shard in read_manifest(folder, "fp16")["shards"]:
+            out.update(load_file(folder / shard["file"]))
+        return out
+
+    a, b = tensors(tmp_path / "streamed"), tensors(tmp_path / "whole")
+    assert list(a) == list(b)  # same names in the same order
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ca = json.loads((tmp_path / "streamed" / "config.json").read_text())
+    cb = json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert ca == cb
+    assert ("lm_head.weight" in a) is (not tie)
+
+
+def test_streamed_export_refuses_fp16_overflow(tmp_path):
+    model, tok = make_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = 7e4
+    src = save_model(model, tok, tmp_path / "src")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight .*--dtype bf16"):
+        export_fp16(Fp16ExportSpec(str(src), tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
