@@ -6,10 +6,11 @@
 For each shape a source folder is written shard by shard (random fp16 weights, a small BPE
 tokenizer trained on the shipped prompts; never the whole model in memory), then
 ``export-fp16 -> calibrate (each --algo) -> export --bits 4 -> verify -> generate`` run as
-separate ``quantpipe`` processes. Each process's peak RSS comes from the kernel
-(``os.wait4``'s ``ru_maxrss``), so it counts everything the stage touched, mmapped shards
-included. Calibration's seconds per block are read from its block records. A stage that fails
-is recorded with its last error line and the stages that need its output are skipped.
+separate ``quantpipe`` processes. Each stage reports its own peak RSS: ``VmHWM`` from
+/proc/self/status at exit, which counts everything the stage touched, mmapped shards included
+(``ru_maxrss`` of a child would also count the parent's memory at the fork). Calibration's
+seconds per block are read from its block records. A stage that fails is recorded with its
+last error line and the stages that need its output are skipped.
 
 Shapes (``--shapes``): tinyllama-4 / tinyllama-16 (TinyLlama-1.1B widths, 4 or 16 layers),
 llama2-7b (32 layers, 4096 / 11008, MHA), qwen2.5-7b (28 layers, 3584 / 18944, GQA 28/4, qkv
@@ -138,20 +139,35 @@ def make_source(shape: str, out: Path) -> int:
     return total
 
 
+# runs the CLI and, at exit, writes the process's own peak RSS (VmHWM, kB) to argv[1]
+_PEAK_WRAPPER = """
+import atexit, re, runpy, sys
+out = sys.argv.pop(1)
+def peak():
+    text = open("/proc/self/status").read()
+    open(out, "w").write(re.search(r"VmHWM:\\s+(\\d+)", text).group(1))
+atexit.register(peak)
+sys.argv[0] = "quantpipe"
+runpy.run_module("quantpipe.cli", run_name="__main__")
+"""
+
+
 def run_stage(args: list[str], log_path: Path) -> dict:
     """One `quantpipe` command in a child process: seconds, peak RSS (MB), exit code."""
-    cmd = [sys.executable, "-m", "quantpipe.cli", *args]
+    peak_file = log_path.with_suffix(".peak")
+    peak_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-c", _PEAK_WRAPPER, str(peak_file), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT).returncode
     seconds = time.perf_counter() - t0
     lines = log_path.read_text(errors="replace").strip().splitlines()
-    rec = {"cmd": " ".join(["quantpipe", *args]), "rc": proc.returncode,
-           "seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
-    if proc.returncode != 0:
+    peak_kb = int(peak_file.read_text()) if peak_file.is_file() else 0
+    rec = {"cmd": " ".join(["quantpipe", *args]), "rc": rc,
+           "seconds": round(seconds, 2), "peak_rss_mb": round(peak_kb / 1024, 1)}
+    if rc != 0:
         rec["error"] = lines[-1] if lines else ""
     print(f"  {args[0]:<12} rc={rec['rc']} {rec['seconds']:8.1f}s  peak RSS "
           f"{rec['peak_rss_mb']:8.0f} MB" + (f"  {rec.get('error', '')}" if rec["rc"] else ""),
