@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,11 +12,12 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from quantpipe.io import (
+    LazyTensors,
     atomic_output_dir,
     save_sharded,
-    save_sharded_lazy,
     sha256_file,
     write_manifest,
+    write_shards,
 )
 from quantpipe.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 
@@ -98,8 +99,8 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
             log.info("converting %s tensor by tensor", src.path)
             config, generation = plan.config, plan.generation_config()
             n_params = sum(plan.numel.values())
-            shards = save_sharded_lazy(plan.out_sizes(), plan.converted, tmp,
-                                       spec.max_shard_size)
+            shards = write_shards(((k, plan.converted(k)) for k in plan.numel), tmp,
+                                  spec.max_shard_size)
         else:
             model = load_model(src, "auto", spec.trust_remote_code)
             _convert_in_place(model, dtype)
@@ -154,33 +155,13 @@ class StreamPlan:
     folder: Path
     dtype: torch.dtype  # what floating tensors are written as
     config: object  # transformers PretrainedConfig
-    where: dict[str, str]  # tensor name -> source file
+    source: LazyTensors  # the source's tensors, read on access
     numel: dict[str, int]  # tensors to write (tied duplicates left out) -> element count
-    dtypes: dict[str, str]  # safetensors dtype string of each source tensor
     buffers: dict[str, torch.Tensor]  # persistent buffers the source does not store
-    _handles: dict = field(default_factory=dict)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        if name in self.buffers:
-            return self.buffers[name]
-        fname = self.where[name]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
-        return self._handles[fname].get_tensor(name)
 
     def converted(self, name: str) -> torch.Tensor:
-        return _cast(name, self.tensor(name), self.dtype)
-
-    def out_sizes(self) -> dict[str, int]:
-        """Bytes of each tensor once written (floating tensors in ``dtype``), in write order."""
-        return {k: n * self._out_itemsize(k) for k, n in self.numel.items()}
-
-    def _out_itemsize(self, name: str) -> int:
-        src = self.dtypes.get(name)
-        if src is None:
-            t = self.buffers[name]
-            return self.dtype.itemsize if t.is_floating_point() else t.element_size()
-        return self.dtype.itemsize if src in _FLOAT_DTYPES else _INT_BYTES[src]
+        t = self.buffers[name] if name in self.buffers else self.source[name]
+        return _cast(name, t, self.dtype)
 
     def generation_config(self):
         from transformers import GenerationConfig
@@ -191,9 +172,9 @@ class StreamPlan:
             return GenerationConfig.from_model_config(self.config)
 
 
-_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-_INT_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8,
-              "U64": 8}
+# source dtypes streamed as they are (floating ones cast); others (fp8...) go to transformers
+_STREAMED_DTYPES = {"F16", "BF16", "F32", "F64", "BOOL", "U8", "I8", "I16", "U16", "I32", "U32",
+                    "I64", "U64"}
 
 
 def _source_tensors(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
@@ -224,7 +205,7 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
         skeleton = AutoModelForCausalLM.from_config(config)
     skeleton.tie_weights()  # from_config leaves tied embeddings as two meta tensors
     where, dtypes = _source_tensors(src.path)
-    if any(d not in _FLOAT_DTYPES and d not in _INT_BYTES for d in dtypes.values()):
+    if not set(dtypes.values()) <= _STREAMED_DTYPES:
         return None  # e.g. fp8 tensors: leave them to transformers
     emb_in, emb_out = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
     tied = emb_out is not None and emb_out.weight is emb_in.weight
@@ -240,4 +221,4 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
                 return None
             buffers[name] = t  # a persistent buffer the checkpoint does not carry
         numel[name] = t.numel()
-    return StreamPlan(src.path, dtype, config, where, numel, dtypes, buffers)
+    return StreamPlan(src.path, dtype, config, LazyTensors(src.path, where), numel, buffers)

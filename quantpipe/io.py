@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -29,10 +30,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
@@ -324,39 +326,48 @@ def save_sharded(
 
     Returns one entry per shard: ``{"file", "sha256", "bytes", "tensors"}``. Shards are always
     named ``model-0000i-of-0000n.safetensors`` (also for a single shard) so loaders and the
-    manifest see one layout.
+    manifest see one layout. Values are read one at a time (a lazy mapping such as
+    :class:`LazyTensors` is never held whole).
     """
-    sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
-    return save_sharded_lazy(sizes, state_dict.__getitem__, out_dir, max_shard_size, prefix)
+    return write_shards(((k, state_dict[k]) for k in state_dict), out_dir, max_shard_size,
+                        prefix)
 
 
-def save_sharded_lazy(
-    sizes: Mapping[str, int],
-    get: Callable[[str], torch.Tensor],
+def write_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: str | os.PathLike,
     max_shard_size: int | str = "2GB",
     prefix: str = "model",
 ) -> list[dict]:
-    """:func:`save_sharded` for tensors made on demand: ``sizes`` (name -> bytes, in the order
-    to write) plans the shards, ``get(name)`` makes each tensor as its shard is written, so at
-    most one shard's tensors are in memory."""
+    """:func:`save_sharded` for ``(name, tensor)`` pairs made on demand (a generator): a shard
+    is written as soon as the next tensor would take it past ``max_shard_size``, so at most
+    one shard's tensors are in memory. Shards get their final ``-of-N`` names at the end."""
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
-    shards: list[list[str]] = [[]]
+    written: list[tuple[Path, list[str], int]] = []  # temp file, names, tensor bytes
+    current: dict[str, torch.Tensor] = {}
     size = 0
-    for name, nbytes in sizes.items():
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
+
+    def flush() -> None:
+        # the shard count is known only at the end: renamed to model-0000i-of-0000n then
+        tmp = out_dir / f"{prefix}-{len(written) + 1:05d}.safetensors.partial"
+        save_safetensors_atomic(current, tmp, metadata={"format": "pt"})
+        written.append((tmp, list(current), size))
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > limit:
+            flush()
+            current, size = {}, 0
+        current[name] = t
         size += nbytes
-    n = len(shards)
+    flush()  # the last shard (an empty state dict still gets one, as loaders expect)
+    n = len(written)
     weight_map: dict[str, str] = {}
     entries = []
-    for i, names in enumerate(shards, start=1):
+    for i, (tmp, names, _) in enumerate(written, start=1):
         fname = f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
-        save_safetensors_atomic({k: get(k) for k in names}, out_dir / fname,
-                                metadata={"format": "pt"})
+        os.replace(tmp, out_dir / fname)
         weight_map.update({k: fname for k in names})
         entries.append(
             {"file": fname, "sha256": sha256_file(out_dir / fname),
@@ -364,9 +375,85 @@ def save_sharded_lazy(
         )
     write_json_atomic(
         out_dir / f"{prefix}.safetensors.index.json",
-        {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
+        {"metadata": {"total_size": sum(b for _, _, b in written)}, "weight_map": weight_map},
     )
     return entries
+
+
+# bytes per element of each safetensors dtype (header strings)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                "F64": 8}
+
+
+def safetensors_files(folder: str | os.PathLike) -> list[str]:
+    """The shard files of a folder: from its index when there is one, else every file."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [p.name for p in sorted(folder.glob("*.safetensors"))]
+
+
+class LazyTensors(Mapping):
+    """The tensors of a folder's safetensors files, each read from the mmapped file on access.
+
+    Nothing is held in memory between accesses, so checking, converting or writing a model
+    tensor by tensor needs one tensor (or one layer) at a time, not the whole checkpoint.
+    """
+
+    def __init__(self, folder: str | os.PathLike, where: dict[str, str],
+                 keys: set[str] | None = None):
+        self._folder = Path(folder)
+        self._where = where  # tensor -> file name
+        self._keys = set(where) if keys is None else keys
+        self._handles: dict[str, object] = {}
+
+    @classmethod
+    def of_folder(cls, folder: str | os.PathLike) -> LazyTensors:
+        where: dict[str, str] = {}
+        for fname in safetensors_files(folder):
+            with safe_open(str(Path(folder) / fname), framework="pt") as f:
+                where.update({k: fname for k in f.keys()})
+        return cls(folder, where)
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self._folder / fname), framework="pt")
+        return self._handles[fname]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._open(self._where[key]).get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in self._where if k in self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape from the file header (nothing is read)."""
+        return tuple(self._open(self._where[key]).get_slice(key).get_shape())
+
+    def nbytes(self, key: str) -> int:
+        """Stored bytes of one tensor, from the file header (nothing is read)."""
+        sl = self._open(self._where[key]).get_slice(key)
+        return math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
+
+    def without(self, drop: set[str]) -> LazyTensors:
+        return LazyTensors(self._folder, self._where, self._keys - drop)
+
+
+def tensor_shape(state: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
+    """Shape of ``state[key]``, read from the file header when ``state`` is lazy."""
+    if isinstance(state, LazyTensors):
+        return state.shape(key)
+    return tuple(state[key].shape)
 
 
 def package_versions() -> dict[str, str]:

@@ -17,7 +17,6 @@ what was expected):
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from safetensors import safe_open
 from quantpipe.formats import compressed_tensors as ct
 from quantpipe.formats import gptq
 from quantpipe.formats.layer import Expected, UnpackedLayer
-from quantpipe.io import MANIFEST_NAME, read_manifest, verify_shard_hashes
+from quantpipe.io import MANIFEST_NAME, LazyTensors, read_manifest, verify_shard_hashes
 from quantpipe.native import QUANT_METHOD as NATIVE_METHOD
 from quantpipe.qformat import QuantizedWeight, QuantSpec, unpack_int32
 
@@ -107,53 +106,6 @@ def _safetensors_files(folder: Path, problems: list[str]) -> list[str]:
     if not files:
         problems.append(f"{folder}: no *.safetensors files")
     return files
-
-
-# bytes per element of each safetensors dtype (header strings)
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
-                "F64": 8}
-
-
-class LazyTensors(Mapping):
-    """The tensors of a folder's safetensors files, each read from the mmapped file on access.
-
-    Nothing is held in memory between accesses, so checking or loading a model layer by layer
-    needs one layer's tensors at a time, not the whole checkpoint.
-    """
-
-    def __init__(self, folder: Path, where: dict[str, str], keys: set[str] | None = None):
-        self._folder = folder
-        self._where = where  # tensor -> file name
-        self._keys = set(where) if keys is None else keys
-        self._handles: dict[str, object] = {}
-
-    def _open(self, fname: str):
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self._folder / fname), framework="pt")
-        return self._handles[fname]
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._open(self._where[key]).get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return (k for k in self._where if k in self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def nbytes(self, key: str) -> int:
-        """Stored bytes of one tensor, from the file header (nothing is read)."""
-        sl = self._open(self._where[key]).get_slice(key)
-        return math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
-
-    def without(self, drop: set[str]) -> LazyTensors:
-        return LazyTensors(self._folder, self._where, self._keys - drop)
 
 
 def _read_tensors(
