@@ -127,9 +127,9 @@ class Sampler(threading.Thread):
     def sample(self) -> dict:
         import httpx
 
-        s = {"t": round(time.time() - self.t0, 1),
-             "rss_mib": round(self.proc.memory_info().rss / 2**20, 1)}
+        s: dict = {"t": round(time.time() - self.t0, 1)}
         try:
+            s["rss_mib"] = round(self.proc.memory_info().rss / 2**20, 1)
             m = httpx.get(f"{self.url}/metrics", timeout=10).text
             s["kv_blocks_used"] = metric(m, "quantpipe_kv_blocks_used")
             s["in_flight"] = metric(m, "quantpipe_in_flight_requests")
@@ -152,14 +152,19 @@ class Sampler(threading.Thread):
 
 
 class Tally:
-    def __init__(self) -> None:
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.t0 = proc, time.time()
+        self.server_exit: dict | None = None  # set once a failed request finds it gone
         self.codes: dict[str, Counter] = defaultdict(Counter)
         self.unexpected: list[dict] = []
         self.server_errors: list[dict] = []
 
     def add(self, kind: str, status: int, detail: str = "") -> None:
         self.codes[kind][status] += 1
-        if status >= 500:
+        if status == 0 and self.proc.poll() is not None and self.server_exit is None:
+            self.server_exit = {"returncode": self.proc.returncode,
+                                "after_s": round(time.time() - self.t0, 1)}
+        if status >= 500 or status == 0:
             self.server_errors.append({"kind": kind, "status": status, "detail": detail[:300]})
         elif status not in KINDS[kind][1] and len(self.unexpected) < 50:
             self.unexpected.append({"kind": kind, "status": status, "detail": detail[:300]})
@@ -234,9 +239,11 @@ async def client_loop(url: str, stop_at: float, seed: int, tally: Tally, args) -
             kind = rng.choices(kinds, weights)[0]
             try:
                 status, detail = await one_request(client, url, kind, rng, args)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, OSError, asyncio.TimeoutError) as exc:
                 status, detail = 0, f"{type(exc).__name__}: {exc}"
             tally.add(kind, status, detail)
+            if tally.server_exit is not None:
+                return
             if status == 429:
                 await asyncio.sleep(rng.uniform(0.2, 1.0))  # Retry-After: 1, jittered
 
@@ -259,7 +266,7 @@ def wait_idle(sampler: Sampler, timeout: float) -> dict:
 def rss_summary(samples: list[dict]) -> dict:
     import numpy as np
 
-    pts = [(s["t"], s["rss_mib"]) for s in samples]
+    pts = [(s["t"], s["rss_mib"]) for s in samples if "rss_mib" in s]
     t = np.array([p[0] for p in pts]) / 60.0  # minutes
     rss = np.array([p[1] for p in pts])
     half = t >= t[-1] / 2
@@ -270,13 +277,13 @@ def rss_summary(samples: list[dict]) -> dict:
             "slope_second_half_mib_per_min": slope(half)}
 
 
-def run(args, folder: Path, tmp: Path) -> dict:
+def run(args, folder: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     capacity = args.max_num_seqs + args.max_queue
     clients = args.clients or 4 * capacity
-    proc = start_server(args, folder, port, tmp / "server.log")
-    tally = Tally()
+    proc = start_server(args, folder, port, args.server_log)
+    tally = Tally(proc)
     try:
         sampler = Sampler(proc.pid, url, args.sample_every)
         sampler.sample()
@@ -286,6 +293,8 @@ def run(args, folder: Path, tmp: Path) -> dict:
         sent_s = time.time() - t0
         sampler.done.set()
         sampler.join()
+        if tally.server_exit is not None:
+            raise RuntimeError(f"the server exited: {tally.server_exit}; see {args.server_log}")
         idle = wait_idle(sampler, 120)
         import httpx
 
@@ -346,10 +355,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="server OMP_NUM_THREADS")
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    ap.add_argument("--server-log", type=Path, default=None,
+                    help="where the server's output goes (default: a file in the temp folder, "
+                         "kept)")
     args = ap.parse_args()
+    if args.server_log is None:
+        args.server_log = Path(tempfile.gettempdir()) / f"quantpipe-soak-server-{os.getpid()}.log"
+    print(f"server log: {args.server_log}", flush=True)
     with tempfile.TemporaryDirectory(prefix="quantpipe-soak-") as tmp:
         folder = args.model or tiny_model(Path(tmp))
-        res = run(args, folder, Path(tmp))
+        res = run(args, folder)
     res["problems"] = verdict(res)
     write_json_atomic(args.out, res)
     brief = {k: v for k, v in res.items() if k not in ("samples", "status_counts_by_kind")}
