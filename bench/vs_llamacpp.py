@@ -1,6 +1,7 @@
 """quantpipe INT4 vs llama.cpp vs HF fp32 on this CPU, in one run: decode and prefill tokens/s.
 
     python bench/vs_llamacpp.py --int4 QDIR            # writes bench/results/vs_llamacpp.json
+    python bench/vs_llamacpp.py --int4 QDIR --quality 4000   # KLD of each INT4 path instead
 
 Systems (each in its own worker process, loaded once, measured in turn: repeat r runs every
 system before repeat r + 1, so background load hits all of them alike):
@@ -262,6 +263,50 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def quality(int4: Path, fp16_dir: Path, max_tokens: int, out: Path) -> None:
+    """KLD on business-eval of the runtime's INT4 paths (W4A16 bf16, W4A8 per ISA, int8 head)
+    and of the dequantized fp32 model, each against the FP16 reference; one thread."""
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT))
+    from reports.eval import EvalSpec, evaluate_many, load_eval_model, load_texts
+    from runtime.engine import load_model_for_serving
+    from runtime.kernels import cpu_ext
+
+    torch.set_num_threads(1)
+    spec = EvalSpec(fp16_dir, int4, load_texts(fp16_dir, None, "business-eval"),
+                    max_tokens=max_tokens)
+    cands, names = [load_eval_model(int4)], ["dequant-fp32"]
+    paths = [("avx512", "bf16", "fp16"), ("avx512", "int8", "fp16"), ("avx2", "int8", "fp16"),
+             ("avx2", "int8", "int8")]
+    for isa, act, head in paths:
+        if not cpu_ext.cpu_can_run(isa):
+            continue
+        os.environ.update(QUANTPIPE_CPU_ISA=isa, QUANTPIPE_CPU_INT4_ACT=act)
+        cpu_ext.reset()
+        cands.append(load_model_for_serving(int4, "cpu", head_dtype=head)[0])
+        names.append(f"quantpipe-{isa}-act-{act}-head-{head}")
+    res = evaluate_many(load_eval_model(fp16_dir), cands, AutoTokenizer.from_pretrained(fp16_dir),
+                        spec, names)
+    doc = {"int4": str(int4), "fp16": str(fp16_dir), "prompts": "business-eval",
+           "results": [{"name": r.candidate, "tokens": r.tokens, "kld_mean": r.kld["mean"],
+                        "same_top": r.same_top_rate, "ppl_ratio": r.ppl_ratio} for r in res]}
+    write_json(out, doc)
+    for r in doc["results"]:
+        print(f"{r['name']:40s} KLD {r['kld_mean']:.5f}  same top {r['same_top']:.4f}")
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)  # never a half-written result
+    print(f"wrote {path}")
+
+
 def fp16_source(int4: Path, given: Path | None) -> Path:
     if given is not None:
         return given
@@ -285,6 +330,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt tokens")
     ap.add_argument("--head-dtype", default="fp16,int8", help="quantpipe head dtypes to run")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF fp32 rows")
+    ap.add_argument("--quality", type=int, default=0, metavar="TOKENS",
+                    help="instead of speed: KLD of each INT4 path on TOKENS business-eval "
+                         "tokens -> OUT's stem + _quality.json")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_llamacpp.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-arg", help=argparse.SUPPRESS)
@@ -303,6 +351,10 @@ def main() -> None:
 
         args.gguf = find_smollm2_gguf()
     fp16_dir = fp16_source(args.int4, args.fp16)
+    if args.quality:
+        quality(args.int4, fp16_dir, args.quality,
+                args.out.with_name(args.out.stem + "_quality.json"))
+        return
     llama_py = ensure_llama_venv(args.venv)
     t0 = time.time()
     results = measure(args, llama_py, fp16_dir)
@@ -314,14 +366,8 @@ def main() -> None:
                       "prefill": args.prefill, "repeats": args.repeats,
                       "prompt": PROMPT, "seconds": round(time.time() - t0, 1)},
            "results": results, "ratios": ratios(results), "table": table(results)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{args.out.name}.", dir=args.out.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, args.out)  # never a half-written result
     print(doc["table"])
-    print(f"wrote {args.out}")
+    write_json(args.out, doc)
 
 
 if __name__ == "__main__":

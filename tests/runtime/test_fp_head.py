@@ -41,7 +41,10 @@ def test_half_head_matches_float64_reference_of_its_weights(mode, kernel, monkey
     w16 = (torch.randn(90, 40, generator=g) * 0.1).half()  # [out, in]; 90: padded to 96
     head = HalfHead(w16, None, mode, torch.float32)
     assert head.kernel == kernel
-    fp16_rows = {"fp16": 10**9, "bf16": 0, "auto": 2 if kernel else 1}[mode]
+    # auto: fp16 up to 2 rows with the AVX-512 kernels (bf16_mm is faster above), every M on
+    # AVX2 (no bf16 dot product there), 1 row with torch
+    auto_rows = (10**9 if cpu_ext.active_isa() == "avx2" else 2) if kernel else 1
+    fp16_rows = {"fp16": 10**9, "bf16": 0, "auto": auto_rows}[mode]
     for rows in (1, 2, 3, 9):
         x = torch.randn(rows, 40, generator=g)
         got = head(x).double()
@@ -114,7 +117,7 @@ def test_set_half_head_leaves_non_fp16_weights_alone(caplog):
     assert model.get_input_embeddings() is emb
     assert "not fp16-representable" in caplog.text
     with pytest.raises(ValueError, match="head dtype"):
-        set_half_head(model, "int8")
+        set_half_head(model, "int4")
     with pytest.raises(ValueError, match="fp16 weight"):
         HalfHead(torch.zeros(4, 4), None, "fp16", torch.float32)
 
@@ -132,3 +135,49 @@ def test_engine_decode_matches_hf_greedy_with_and_without_half_head():
         new, prefill_s, decode_s = engine_decode(model, tok, ids, 10, stop_at_eos=False)
         assert new == ref, mode
         assert prefill_s > 0 and decode_s > 0
+
+
+def test_int8_head_quantization_bound_and_kernel_match_float64():
+    g = torch.Generator().manual_seed(4)
+    w16 = (torch.randn(90, 64, generator=g) * 0.1).half()  # 90: padded to 96 in the kernel
+    w16[3, :32] = 0  # an all-zero block: scale 0, q 0
+    q, scales = fp_head.quantize_head_int8(w16)
+    assert q.dtype == torch.int8 and scales.shape == (90, 2) and int(q.abs().max()) <= 127
+    w_q = (q.double().view(90, 2, 32) * scales.double()[..., None]).view(90, 64)
+    # round to nearest with the fp16 scale: |w - q s| <= s / 2 (+ fp16 rounding of s: the
+    # clamped q of the block maximum moves by at most 127 * 2**-11 s)
+    bound = scales.double().repeat_interleave(32, 1) * (0.5 + 127 * 2.0**-11)
+    assert ((w_q - w16.double()).abs() <= bound).all()
+    assert float(w_q[3, :32].abs().max()) == 0.0
+    if not KERNEL:
+        pytest.skip("quantpipe's CPU kernels are not usable here")
+    head = fp_head.Int8Head(w16, None, torch.float32)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 64, generator=g)
+        got = head(x).double()
+        want = x.double() @ w_q.T  # exact int8 weights, fp32 activations: fp32 sums only
+        assert got.shape == (rows, 90)
+        assert ((got - want).abs() <= 1e-5 * (x.double().abs() @ w_q.abs().T)).all()
+
+
+def test_set_half_head_int8_keeps_the_fp16_table_and_falls_back_without_kernels(
+        monkeypatch, caplog):
+    model, _ = _fp16_model(tie=True)
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        want = model(ids).logits.double()
+    table = model.get_input_embeddings().weight.detach().half()
+    if KERNEL:
+        set_half_head(model, "int8")
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        assert isinstance(head, fp_head.Int8Head) and torch.equal(emb.weight, table)
+        with torch.no_grad():
+            rel = (model(ids).logits.double() - want).norm() / want.norm()
+        assert rel < 2e-2, float(rel)  # int8 weights per 32 columns: ~2**-8 relative
+    model, _ = _fp16_model(tie=True)
+    monkeypatch.setattr(fp_head.cpu_ext, "kernel_status", lambda: (False, "test says no"))
+    with caplog.at_level(logging.WARNING, logger="runtime.fp_head"):
+        set_half_head(model, "int8")
+    assert isinstance(model.get_output_embeddings(), HalfHead)
+    assert model.get_output_embeddings().mode == "fp16"
+    assert "test says no" in caplog.text and "fp16 head instead" in caplog.text
