@@ -7,12 +7,13 @@ the number of rows M (measured by ``bench/decode.py``; torch 2.13, AVX-512 BF16,
 fp16 is the fastest for M = 1 (a GEMV that streams the weights once) and several times slower
 than bf16 for M > 1; bf16 is flat in M; fp32 is the slowest at every M.
 
-Where quantpipe's C++ kernels are usable (``runtime.kernels.cpu_ext``: AVX-512 BF16 and a
-compiler), the head runs as ``quantpipe_cpu::fp16_mm`` (fp16 weights kept blocked as
+Where quantpipe's C++ kernels are usable (``runtime.kernels.cpu_ext``: its AVX-512 or AVX2
+build and a compiler), the head runs as ``fp16_mm`` (fp16 weights kept blocked as
 ``[vocab / 16, hidden, 16]``, converted to fp32 once per tile of 8 rows, fp32 activations: exact
 products, fp32 sums) or ``quantpipe_cpu::bf16_mm`` (bf16 weights blocked as
 ``[vocab / 16, hidden / 2, 16, 2]``, activations rounded to bf16, ``vdpbf16ps``: half the
-instructions per row). Measured on SmolLM2's head (49152 x 576), one thread:
+instructions per row on AVX-512; the same FMAs as fp16 on AVX2, where ``auto`` keeps fp16) of
+the active build. Measured on SmolLM2's head (49152 x 576), AVX-512 build, one thread:
 
 | rows M | kernel fp16 | kernel bf16 | torch fp16 | torch bf16 |
 |--------|-------------|-------------|------------|------------|
@@ -29,6 +30,11 @@ Modes of :class:`HalfHead` (``head_dtype`` of the runtime's loaders):
 |      |                         |                                           | rounded to bf16   |
 | auto | fp16 and a bf16 copy    | fp16 for M <= ``fp16_rows`` (2 with the   | depends on M      |
 |      |                         | kernels, else 1), bf16 above              |                   |
+
+Mode ``int8`` (:class:`Int8Head`) quantizes the head at load time to int8 per row and 32
+columns with fp16 scales (llama.cpp's Q8_0 precision) and runs it with ``int8_mm`` (exact int8
+weights, fp32 activations): half the bytes of fp16 per generated token; the embedding table
+stays fp16. Without the kernels it falls back to fp16 with a warning.
 
 Without the kernels, torch's matmul runs with the inputs cast to the weight dtype (its fp16
 matmul is fast only for M = 1). Logits come back in the model's activation dtype. The

@@ -1,30 +1,36 @@
-"""CPU path: quantpipe's int4 kernel, torch's int4pack / int8pack, and the fallback.
+"""CPU path: quantpipe's kernels (two ISA builds), torch's int4pack / int8pack, and the fallback.
 
 Every layout is repacked once at load time. Which backend a layer gets
-(:func:`cpu_backend_for`, visible dispatch):
+(:func:`cpu_backend_for`, visible dispatch; ``kernels/cpu_ext.py`` picks the ISA build):
 
-| backend        | when                                                                     |
-|----------------|--------------------------------------------------------------------------|
-| ``int4avx512`` | bits 4, group size a multiple of 16 dividing ``in``, ``out % 16 == 0``,   |
-|                | and the kernel of ``csrc/cpu_ops.cpp`` is usable (AVX-512 BF16 CPU, a    |
-|                | compiler; ``kernels/cpu_ext.py``); act-order as for int4pack. Every M     |
-|                | (decode and prefill): 1.9-2.6x faster than int4pack at 1-64 rows, equal   |
-|                | to bf16 dequantize + dense matmul at 512 rows (bench/kernels.py)         |
-| ``int4pack``   | bits 4 when the above is not usable: group size 32/64/128/256 dividing    |
-|                | ``in``, ``out % 16 == 0``,                                                |
-|                | ``in % 32 == 0``; act-order only when every group holds ``group_size``    |
-|                | columns (then columns are sorted by group and the input is permuted).    |
-|                | For ``M >= PREFILL_ROWS`` (prefill) the layer is dequantized once per    |
-|                | call into a bf16 temporary and multiplied densely (1.3-1.9x faster than  |
-|                | int4pack at 512-1024 rows); the temporary is freed when the call returns |
-| ``int8avx512`` | bits 8, group size a multiple of 16 dividing ``in`` (or per channel),     |
-|                | ``out % 16 == 0``, the kernels usable; sym or asym, act-order as above.  |
-|                | Exact int8 weights x fp32 activations (``int8_mm``)                      |
-| ``int8pack``   | bits 8 when the above is not usable: sym, one group per row (per channel) |
-| ``dequant``    | everything else: dequantize (fp32) and matmul on every call              |
+| backend          | when                                                                   |
+|------------------|------------------------------------------------------------------------|
+| ``int4a8<isa>``  | bits 4, group size a multiple of 32 dividing ``in``, ``out % 16 == 0``, |
+|                  | our kernels usable (``int4a8avx512`` / ``int4a8avx2``); act-order as   |
+|                  | for int4pack. W4A8: activations quantized to int8 per 32 columns in the |
+|                  | op, int8 dot products. The default for 4-bit layers                    |
+| ``int4avx512``   | bits 4 on the AVX-512 build when the group size is a multiple of 16 but |
+|                  | not of 32, or ``QUANTPIPE_CPU_INT4_ACT=bf16``: W4A16, bf16 activations  |
+| ``int4pack``     | bits 4 when none of ours is usable: group size 32/64/128/256 dividing   |
+|                  | ``in``, ``out % 16 == 0``, ``in % 32 == 0``; act-order only when every |
+|                  | group holds ``group_size`` columns (then columns are sorted by group and |
+|                  | the input is permuted). For ``M >= PREFILL_ROWS`` (prefill) the layer is |
+|                  | dequantized once per call into a bf16 temporary and multiplied densely  |
+| ``int8<isa>``    | bits 8, group size a multiple of 16 dividing ``in`` (or per channel),   |
+|                  | ``out % 16 == 0``, ours usable; sym or asym, act-order as above. Exact  |
+|                  | int8 weights x fp32 activations (``int8_mm``)                          |
+| ``int8pack``     | bits 8 when ours are not usable: sym, one group per row (per channel)  |
+| ``dequant``      | everything else: dequantize (fp32) and matmul on every call            |
 
-Numerics of the fast paths (all run with **bf16** activations: the only dtype with a fast
-kernel on these CPUs; fp32 inputs are 15-40x slower there):
+W4A8 (``int4_a8_mm``, both builds) quantizes each activation row per block of 32 columns to
+int8 (d = amax / 127, xq = round-half-even(x * 127 / amax)); the integer dots of unsigned q
+with xq are exact; each block's dot is scaled by ``d * scale`` in fp32 and the zero point adds
+``-z * scale * sum_blocks(d * sum(xq))`` per group (the same quantized activations, so their
+rounding errors cancel with the dots'). Layout: ``packed`` uint8 ``[out / 16, in / 8, 64]``
+(:func:`pack_a8w4`), ``scales`` and ``mz = -z * scale`` fp32 ``[out / 16, G, 16]``.
+
+Numerics of the bf16-activation paths (torch's kernels are fast only for bf16 inputs; fp32
+inputs are 15-40x slower there):
 
 - int4avx512 computes ``sum_k bf16(x_k) * (q - 8)`` per group in fp32 (``q - 8`` is exact in
   bf16), then ``* scale + zf * sum_k bf16(x_k)`` with the checkpoint's fp16 scale (exact) and

@@ -1,13 +1,17 @@
-// quantpipe's CPU kernels for AVX-512 BF16 machines (built by runtime/kernels/cpu_ext.py).
+// quantpipe's CPU kernels for AVX-512 BF16 + VNNI machines (built by runtime/kernels/cpu_ext.py;
+// cpu_ops_avx2.cpp is the AVX2 build of the same ops, csrc/common.h their shared plain C++).
 //
-//   int4_mm        W4A16 GEMM/GEMV, bf16 activations (the quantized 4-bit linears)
+//   int4_a8_mm     W4A8 GEMM/GEMV, int8 activations per 32 columns, vpdpbusd (the 4-bit default)
+//   quantize_a8    int4_a8_mm's activation quantizer (exposed for tests)
+//   int4_mm        W4A16 GEMM/GEMV, bf16 activations (QUANTPIPE_CPU_INT4_ACT=bf16)
 //   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
 //   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills)
 //   add_rms_norm_  h += delta (optional), then RMSNorm(h) (Llama/Qwen2/Mistral norms)
 //   rope_          rotary embedding (rotate-half convention) applied in place to q and k
-//
+//   silu_mul       silu(gate) * up of a fused gate/up projection
+
 // --- int4_mm ------------------------------------------------------------------------------
 //
 // Why our own: torch's int4pack CPU kernel is compute-bound (~6.5 G weights/s/core on the
