@@ -428,3 +428,34 @@ def test_engine_loop_survives_failures_and_fails_every_request_when_it_dies():
         assert late.finish_reason == "error" and "engine stopped" in late.error
     finally:
         el.stop()
+
+
+def test_engine_loop_stops_after_forward_failures_in_a_row():
+    """A forward that always fails is a broken device, not a bad request: after
+    MAX_CONSECUTIVE_STEP_FAILURES the loop reports itself dead instead of failing forever."""
+    import queue as queue_mod
+
+    from runtime.engine import EngineLoop
+    from runtime.engine.engine import MAX_CONSECUTIVE_STEP_FAILURES
+
+    model, tok = make_model("llama")
+    eng = _engine(model, tok, 64, max_num_seqs=1, max_num_batched_tokens=64)
+
+    def broken(chunks):
+        raise RuntimeError("device lost")
+
+    eng.runner.forward = broken
+    el = EngineLoop(eng)
+    el.start()
+    outs: queue_mod.Queue = queue_mod.Queue()
+    try:
+        for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            assert el.error is None
+            el.submit(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=2), outs.put)
+            out = outs.get(timeout=30)
+            assert out.finish_reason == "error" and "device lost" in out.error
+        el._thread.join(timeout=30)
+        assert isinstance(el.error, RuntimeError) and "in a row" in str(el.error)
+        assert eng.pool.num_used == 0
+    finally:
+        el.stop()
