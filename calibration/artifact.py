@@ -30,8 +30,8 @@ import torch
 from safetensors import safe_open
 
 from calibration.result import QuantResult
-from quantpipe.io import read_manifest, save_safetensors_atomic, write_json_atomic
-from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.io import LazyTensors, read_manifest, save_safetensors_atomic, write_json_atomic
+from quantpipe.qformat import LazyWeights, QuantizedWeight, QuantSpec, pack_int32, unpack_int32
 
 TAGS = {4: "w4", 8: "w8"}
 
@@ -104,40 +104,40 @@ class Calibration:
             out.update(self.block_info(i)["layers"])
         return out
 
-    def weights(self, choice: dict[str, int]) -> dict[str, QuantizedWeight]:
-        """Load the quantized weights for ``choice``: linear name -> bits (4 or 8)."""
+    def weights(self, choice: dict[str, int]) -> LazyWeights:
+        """The quantized weights for ``choice`` (linear name -> bits, 4 or 8), each read from
+        its block file when it is used: an export holds one layer, not the model."""
         infos = self.layer_infos()
         unknown = set(choice) - set(infos)
         if unknown:
             raise ValueError(f"layers not in this calibration: {sorted(unknown)[:5]}")
-        out: dict[str, QuantizedWeight] = {}
-        for i in range(self.num_blocks):
-            names = [n for n in self.block_info(i)["layers"] if n in choice]
-            if not names:
-                continue
-            with safe_open(str(block_file(self.folder, i, "safetensors")), framework="pt") as f:
-                keys = set(f.keys())
-                for name in names:
-                    tag = TAGS[choice[name]]
-                    spec = QuantSpec.from_dict(infos[name][tag]["spec"])
-                    q = unpack_int32(f.get_tensor(f"{name}.{tag}.qweight"), spec.bits)
-                    g_key = f"{name}.{tag}.g_idx"
-                    out[name] = QuantizedWeight(
-                        spec, q, f.get_tensor(f"{name}.{tag}.scales"),
-                        f.get_tensor(f"{name}.{tag}.qzeros"),
-                        f.get_tensor(g_key) if g_key in keys else None,
-                    )
-        return out
+        block_of = {n: i for i in range(self.num_blocks) for n in self.block_info(i)["layers"]}
+        names = [n for n in infos if n in choice]  # model order
+        specs = {n: QuantSpec.from_dict(infos[n][TAGS[choice[n]]]["spec"]) for n in names}
+        shapes = {n: tuple(infos[n][TAGS[choice[n]]]["shape"]) for n in names}
 
-    def fp_tensors(self) -> dict[str, torch.Tensor]:
-        """FP tensors that calibration changed (AWQ folding), by their model name."""
-        out: dict[str, torch.Tensor] = {}
+        def load(name: str) -> QuantizedWeight:
+            tag, spec = TAGS[choice[name]], specs[name]
+            path = block_file(self.folder, block_of[name], "safetensors")
+            with safe_open(str(path), framework="pt") as f:
+                g_key = f"{name}.{tag}.g_idx"
+                return QuantizedWeight(
+                    spec, unpack_int32(f.get_tensor(f"{name}.{tag}.qweight"), spec.bits),
+                    f.get_tensor(f"{name}.{tag}.scales"), f.get_tensor(f"{name}.{tag}.qzeros"),
+                    f.get_tensor(g_key) if g_key in f.keys() else None,
+                )
+
+        return LazyWeights(specs, shapes, load)
+
+    def fp_tensors(self) -> LazyTensors:
+        """FP tensors that calibration changed (AWQ folding), by their model name; each read
+        from its block file on access."""
+        where: dict[str, str] = {}
         for i in range(self.num_blocks):
-            with safe_open(str(block_file(self.folder, i, "safetensors")), framework="pt") as f:
-                for k in f.keys():
-                    if k.startswith("fp."):
-                        out[k[3:]] = f.get_tensor(k)
-        return out
+            path = block_file(self.folder, i, "safetensors")
+            with safe_open(str(path), framework="pt") as f:
+                where.update({k: path.name for k in f.keys() if k.startswith("fp.")})
+        return LazyTensors(self.folder / "blocks", where, prefix="fp.")
 
 
 def read_calibration(folder: str | Path) -> Calibration:

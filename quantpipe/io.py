@@ -403,10 +403,13 @@ class LazyTensors(Mapping):
     """
 
     def __init__(self, folder: str | os.PathLike, where: dict[str, str],
-                 keys: set[str] | None = None):
+                 keys: set[str] | None = None, prefix: str = ""):
+        """``where``: stored tensor name -> file; ``prefix`` is dropped from the names this
+        mapping shows (a block file's ``fp.NAME`` is ``NAME`` here)."""
         self._folder = Path(folder)
-        self._where = where  # tensor -> file name
-        self._keys = set(where) if keys is None else keys
+        self._prefix = prefix
+        self._where = {k[len(prefix):]: f for k, f in where.items() if k.startswith(prefix)}
+        self._keys = set(self._where) if keys is None else keys
         self._handles: dict[str, object] = {}
 
     @classmethod
@@ -425,7 +428,7 @@ class LazyTensors(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
             raise KeyError(key)
-        return self._open(self._where[key]).get_tensor(key)
+        return self._open(self._where[key]).get_tensor(self._prefix + key)
 
     def __iter__(self) -> Iterator[str]:
         return (k for k in self._where if k in self._keys)
@@ -438,20 +441,49 @@ class LazyTensors(Mapping):
 
     def shape(self, key: str) -> tuple[int, ...]:
         """A tensor's shape from the file header (nothing is read)."""
-        return tuple(self._open(self._where[key]).get_slice(key).get_shape())
+        return tuple(self._open(self._where[key]).get_slice(self._prefix + key).get_shape())
 
     def nbytes(self, key: str) -> int:
         """Stored bytes of one tensor, from the file header (nothing is read)."""
-        sl = self._open(self._where[key]).get_slice(key)
+        sl = self._open(self._where[key]).get_slice(self._prefix + key)
         return math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
 
     def without(self, drop: set[str]) -> LazyTensors:
-        return LazyTensors(self._folder, self._where, self._keys - drop)
+        stored = {self._prefix + k: f for k, f in self._where.items()}
+        return LazyTensors(self._folder, stored, self._keys - drop, self._prefix)
+
+
+class Overlay(Mapping):
+    """``base`` with some tensors replaced by ``overrides`` (cast to the base tensor's dtype),
+    in ``base``'s order; both are read on access."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], overrides: Mapping[str, torch.Tensor],
+                 dtype: torch.dtype) -> None:
+        unknown = [k for k in overrides if k not in base]
+        assert not unknown, f"overrides of tensors the base does not have: {unknown[:3]}"
+        self._base, self._overrides, self._dtype = base, overrides, dtype
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._overrides:
+            return self._overrides[key].to(self._dtype)
+        return self._base[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._base
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tensor_shape(self._base, key)
 
 
 def tensor_shape(state: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
     """Shape of ``state[key]``, read from the file header when ``state`` is lazy."""
-    if isinstance(state, LazyTensors):
+    if isinstance(state, (LazyTensors, Overlay)):
         return state.shape(key)
     return tuple(state[key].shape)
 

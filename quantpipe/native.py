@@ -22,22 +22,33 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from quantpipe.io import (
     MANIFEST_NAME,
+    LazyTensors,
+    Overlay,
     atomic_output_dir,
     read_manifest,
-    save_sharded,
+    tensor_shape,
     verify_shard_hashes,
     write_json_atomic,
     write_manifest,
+    write_shards,
 )
-from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.qformat import (
+    QuantizedWeight,
+    QuantSpec,
+    pack_int32,
+    unpack_int32,
+    weight_shape,
+    weight_spec,
+)
+from quantpipe.sources import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +74,9 @@ def quantized_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]
     return out
 
 
-def read_fp_state(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors folder (index-aware)."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else [p.name for p in sorted(folder.glob("*.safetensors"))]
-    )
-    state: dict[str, torch.Tensor] = {}
-    for fname in files:
-        with safe_open(str(folder / fname), framework="pt") as f:
-            for k in f.keys():
-                state[k] = f.get_tensor(k)
-    return state
+def read_fp_state(folder: str | Path) -> LazyTensors:
+    """All tensors of a safetensors folder (index-aware), each read from disk on access."""
+    return LazyTensors.of_folder(folder)
 
 
 def check_fp16_shards(fp16_dir: str | Path, fp16_manifest: dict,
@@ -103,31 +102,31 @@ def check_fp16_shards(fp16_dir: str | Path, fp16_manifest: dict,
 
 def load_fp16_source(
     fp16_dir: str | Path,
-    weights: dict[str, QuantizedWeight],
-    fp_overrides: dict[str, torch.Tensor] | None = None,
+    weights: Mapping[str, QuantizedWeight],
+    fp_overrides: Mapping[str, torch.Tensor] | None = None,
     fp16_shards: list[dict] | None = None,
     recorded_by: str = "",
-) -> tuple[dict, dict[str, torch.Tensor], dict]:
+) -> tuple[dict, Mapping[str, torch.Tensor], dict]:
     """The FP16 folder's ``(config, state, manifest)`` with ``fp_overrides`` applied.
 
     First checks the shards' sha256 (:func:`check_fp16_shards`; ``fp16_shards``: the hashes
     the calibration recorded, named by ``recorded_by``), then that every quantized layer has a
-    ``.weight`` of the same shape in the folder. Shared by every export format.
+    ``.weight`` of the same shape in the folder (from the shard headers). ``state`` reads each
+    tensor from disk when it is written, so an export holds one shard, not the model. Shared by
+    every export format.
     """
     fp16_dir = Path(fp16_dir)
     fp16_manifest = read_manifest(fp16_dir, "fp16")
     check_fp16_shards(fp16_dir, fp16_manifest, fp16_shards, recorded_by)
     config = json.loads((fp16_dir / "config.json").read_text())
-    state = read_fp_state(fp16_dir)
-    for k, v in (fp_overrides or {}).items():
-        assert k in state, f"override {k} is not a tensor of {fp16_dir}"
-        state[k] = v.to(state[k].dtype)
-    missing = set(weights) - {k[: -len(".weight")] for k in state if k.endswith(".weight")}
+    state = Overlay(read_fp_state(fp16_dir), fp_overrides or {},
+                    DTYPES[fp16_manifest.get("dtype", "fp16")])
+    missing = [n for n in weights if f"{n}.weight" not in state]
     if missing:
         raise ValueError(f"quantized layers not found in {fp16_dir}: {sorted(missing)[:5]}")
-    for name, qw in weights.items():
-        w = state[f"{name}.weight"]
-        assert tuple(w.shape) == qw.shape, (name, w.shape, qw.shape)
+    for name in weights:
+        shape, want = tensor_shape(state, f"{name}.weight"), weight_shape(weights, name)
+        assert shape == tuple(want), (name, shape, want)
     return config, state, fp16_manifest
 
 
@@ -151,8 +150,8 @@ def copy_side_files(src: str | Path, dst: str | Path) -> None:
 def write_native(
     out: str | Path,
     fp16_dir: str | Path,
-    weights: dict[str, QuantizedWeight],
-    fp_overrides: dict[str, torch.Tensor] | None = None,
+    weights: Mapping[str, QuantizedWeight],
+    fp_overrides: Mapping[str, torch.Tensor] | None = None,
     manifest_fields: dict | None = None,
     max_shard_size: str = "2GB",
     force: bool = False,
@@ -161,21 +160,15 @@ def write_native(
 ) -> dict:
     """Write a native quantized checkpoint.
 
-    ``weights``: linear name (no ``.weight``) -> its quantized weight. ``fp_overrides``: FP
+    ``weights``: linear name (no ``.weight``) -> its quantized weight (a lazy
+    :class:`~quantpipe.qformat.LazyWeights` is read one layer at a time). ``fp_overrides``: FP
     tensors that replace the FP16 folder's (e.g. AWQ-scaled norms and kept-FP16 linears).
     ``fp16_shards``/``recorded_by``: see :func:`load_fp16_source`. Returns the manifest.
     """
     fp16_dir = Path(fp16_dir)
     config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
                                                     fp16_shards, recorded_by)
-    tensors: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        lin = k[: -len(".weight")] if k.endswith(".weight") else None
-        if lin is not None and lin in weights:
-            tensors.update(quantized_tensors(lin, weights[lin]))
-        else:
-            tensors[k] = v
-    layers = {name: qw.spec.to_dict() for name, qw in weights.items()}
+    layers = {name: weight_spec(weights, name).to_dict() for name in weights}
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "format_version": NATIVE_FORMAT_VERSION,
@@ -184,7 +177,8 @@ def write_native(
     with atomic_output_dir(out, force, inputs={"FP16_DIR": fp16_dir}) as tmp:
         write_json_atomic(tmp / "config.json", config)  # OSErrors name the file
         copy_side_files(fp16_dir, tmp)
-        shards = save_sharded(tensors, tmp, max_shard_size)
+        shards = write_shards(replace_quantized(state, weights, quantized_tensors), tmp,
+                              max_shard_size)
         manifest = write_manifest(
             tmp,
             stage="quantized",
@@ -196,6 +190,21 @@ def write_native(
             **(manifest_fields or {}),
         )
     return manifest
+
+
+def replace_quantized(
+    state: Mapping[str, torch.Tensor],
+    weights: Mapping[str, QuantizedWeight],
+    layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors to save, in ``state``'s order, each quantized ``P.weight`` replaced by the
+    format's tensors; produced one at a time (one layer unpacked and packed at a time)."""
+    for k in state:
+        lin = k[: -len(".weight")] if k.endswith(".weight") else None
+        if lin is not None and lin in weights:
+            yield from layer_tensors(lin, weights[lin]).items()
+        else:
+            yield k, state[k]
 
 
 @dataclass

@@ -18,6 +18,7 @@ int32 along the input dimension, least significant bits first.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,37 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scales, self.zeros, self.group_index(), dtype)
+
+
+class LazyWeights(Mapping):
+    """Quantized weights read one at a time by ``load(name)``; each layer's spec and shape are
+    known without reading it, so writers plan a checkpoint and then stream it layer by layer."""
+
+    def __init__(self, specs: dict[str, QuantSpec], shapes: dict[str, tuple[int, int]],
+                 load: Callable[[str], QuantizedWeight]) -> None:
+        assert specs.keys() == shapes.keys()
+        self.specs, self.shapes, self._load = specs, shapes, load
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        if name not in self.specs:
+            raise KeyError(name)
+        return self._load(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
+def weight_spec(weights: Mapping[str, QuantizedWeight], name: str) -> QuantSpec:
+    """``weights[name].spec`` without unpacking the layer when ``weights`` is lazy."""
+    return weights.specs[name] if isinstance(weights, LazyWeights) else weights[name].spec
+
+
+def weight_shape(weights: Mapping[str, QuantizedWeight], name: str) -> tuple[int, int]:
+    """``weights[name].shape`` ([out, in]) without unpacking the layer when ``weights`` is lazy."""
+    return weights.shapes[name] if isinstance(weights, LazyWeights) else weights[name].shape
 
 
 def group_index(spec: QuantSpec, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:

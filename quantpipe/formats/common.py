@@ -9,13 +9,19 @@ safetensors and, last, the ``quantpipe.json`` manifest, all inside
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from quantpipe.io import atomic_output_dir, save_sharded, write_json_atomic, write_manifest
-from quantpipe.native import copy_side_files
+from quantpipe.io import (
+    atomic_output_dir,
+    tensor_shape,
+    write_json_atomic,
+    write_manifest,
+    write_shards,
+)
+from quantpipe.native import copy_side_files, replace_quantized  # noqa: F401  (re-exported)
 from quantpipe.qformat import QuantizedWeight
 
 # The three on-disk layouts quantpipe writes and reads.
@@ -26,11 +32,11 @@ FORMATS = ("native", "gptq", "compressed-tensors")
 NON_LINEAR_2D = ("embed_tokens", "lm_head", "wte", "wpe", "embed_positions")
 
 
-def kept_fp16_linears(state: dict[str, torch.Tensor], quantized: set[str]) -> list[str]:
+def kept_fp16_linears(state: Mapping[str, torch.Tensor], quantized: set[str]) -> list[str]:
     """Linears (2-D ``X.weight``, not embeddings or the head) that the plan keeps in FP16."""
     out = []
-    for k, v in state.items():
-        if not k.endswith(".weight") or v.dim() != 2:
+    for k in state:
+        if not k.endswith(".weight") or len(tensor_shape(state, k)) != 2:
             continue
         name = k[: -len(".weight")]
         if name in quantized or name.rsplit(".", 1)[-1] in NON_LINEAR_2D:
@@ -48,28 +54,12 @@ def is_sequential_g_idx(qw: QuantizedWeight) -> bool:
     return torch.equal(qw.g_idx.long(), seq)
 
 
-def replace_quantized(
-    state: dict[str, torch.Tensor],
-    weights: dict[str, QuantizedWeight],
-    layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
-) -> dict[str, torch.Tensor]:
-    """The state dict to save: each quantized ``P.weight`` replaced by the format's tensors."""
-    tensors: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        lin = k[: -len(".weight")] if k.endswith(".weight") else None
-        if lin is not None and lin in weights:
-            tensors.update(layer_tensors(lin, weights[lin]))
-        else:
-            tensors[k] = v
-    return tensors
-
-
 def write_quantized_folder(
     out: str | Path,
     *,
     config: dict,
     quantization_config: dict,
-    tensors: dict[str, torch.Tensor],
+    tensors: Iterable[tuple[str, torch.Tensor]],
     checkpoint_format: str,
     side_dir: Path,
     manifest_fields: dict,
@@ -77,7 +67,8 @@ def write_quantized_folder(
     max_shard_size: str = "2GB",
     force: bool = False,
 ) -> dict:
-    """Write config.json, side files, shards and the manifest (last) atomically."""
+    """Write config.json, side files, shards and the manifest (last) atomically; ``tensors``
+    are ``(name, tensor)`` pairs made on demand (one shard in memory at a time)."""
     assert checkpoint_format in FORMATS, checkpoint_format
     config = dict(config)
     config["quantization_config"] = quantization_config
@@ -86,7 +77,7 @@ def write_quantized_folder(
         for fname, obj in (extra_json or {}).items():
             write_json_atomic(tmp / fname, obj)
         copy_side_files(side_dir, tmp)
-        shards = save_sharded(tensors, tmp, max_shard_size)
+        shards = write_shards(tensors, tmp, max_shard_size)
         manifest = write_manifest(
             tmp,
             stage="quantized",

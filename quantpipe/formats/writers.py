@@ -3,6 +3,7 @@ an existing quantized folder to either format."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from quantpipe.formats.common import (
 )
 from quantpipe.io import check_not_overlapping
 from quantpipe.native import load_fp16_source, source_fp16_entry
-from quantpipe.qformat import QuantizedWeight
+from quantpipe.qformat import QuantizedWeight, weight_spec
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
 # manifest keys that belong to the folder being written, never copied from a converted source
@@ -25,9 +26,12 @@ _OWN_KEYS = {"format", "version", "stage", "checkpoint_format", "native_format_v
              "gptq_checkpoint_format", "shards", "packages", "layers"}
 
 
-def _check_act_order(weights: dict[str, QuantizedWeight]) -> None:
-    for name, qw in weights.items():
-        if not qw.spec.act_order and not is_sequential_g_idx(qw):
+def _check_act_order(weights: Mapping[str, QuantizedWeight]) -> None:
+    for name in weights:
+        if weight_spec(weights, name).act_order:
+            continue  # a permutation is allowed: no need to read the layer
+        qw = weights[name]
+        if not is_sequential_g_idx(qw):
             raise ValueError(f"{name}: g_idx is a permutation but its spec has act_order=False; "
                              "set act_order=True in the plan for this layer")
 
@@ -37,7 +41,7 @@ def _write_gptq(out, config, state, weights, side_dir, fields, max_shard_size, f
     _check_act_order(weights)
     fmt = gptq.choose_checkpoint_format(weights, checkpoint_format)
     v1 = fmt == "gptq"
-    plan = {n: qw.spec for n, qw in weights.items()}
+    plan = {n: weight_spec(weights, n) for n in weights}
     qcfg = gptq.gptq_quantization_config(plan, kept_fp16_linears(state, set(weights)), fmt)
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -55,7 +59,7 @@ def _write_gptq(out, config, state, weights, side_dir, fields, max_shard_size, f
 
 def _write_ct(out, config, state, weights, side_dir, fields, max_shard_size, force) -> dict:
     _check_act_order(weights)
-    plan = {n: qw.spec for n, qw in weights.items()}
+    plan = {n: weight_spec(weights, n) for n in weights}
     qcfg = ct.ct_quantization_config(plan, kept_fp16_linears(state, set(weights)))
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:

@@ -92,3 +92,49 @@ def test_stream_block_equals_the_full_model(deep_fp16):
     got = got[0] if isinstance(got, tuple) else got
     want = want[0] if isinstance(want, tuple) else want
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["native", "gptq", "compressed-tensors"])
+def test_export_streams_one_layer_at_a_time(deep_fp16, tmp_path, monkeypatch, fmt):
+    """export holds one unpacked layer and one output shard, never the model."""
+    import gc
+    import weakref
+
+    import quantpipe.io as qio
+    from quantpipe.export import ExportSpec, export_quantized
+    from quantpipe.formats import load_quantized
+    from quantpipe.qformat import LazyWeights
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{p} {i}"}) + "\n"
+                               for i in range(6) for p in CORPUS[:8]))
+    calib = tmp_path / "calib"
+    calibrate(CalibrateSpec(deep_fp16, calib, str(prompts), algo="rtn", group_size=32,
+                            samples=4, seq_len=32, min_tokens=4, batch_size=4))
+    alive: list[weakref.ref] = []
+    peak = [0]
+    real_getitem = LazyWeights.__getitem__
+
+    def tracking_getitem(self, name):
+        gc.collect()  # only references that really remain count
+        peak[0] = max(peak[0], sum(r() is not None for r in alive) + 1)
+        qw = real_getitem(self, name)
+        alive.append(weakref.ref(qw.q))  # q: [out, in] uint8, the unpacked weight
+        return qw
+
+    written: list[int] = []
+    real_save = qio.save_safetensors_atomic
+
+    def recording_save(tensors, path, metadata=None):
+        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return real_save(tensors, path, metadata)
+
+    monkeypatch.setattr(LazyWeights, "__getitem__", tracking_getitem)
+    monkeypatch.setattr(qio, "save_safetensors_atomic", recording_save)
+    limit = 60_000
+    export_quantized(ExportSpec(calib, tmp_path / "q", 4, fmt, max_shard_size=f"{limit}B"))
+    # a loop's previous layer is released when the next one is bound: 2 at most
+    assert peak[0] <= 2, f"export held {peak[0]} unpacked layers at once"
+    biggest = 300 * 64 * 2  # the embedding table [vocab, hidden] fp16 is the largest tensor
+    assert len(written) > 2 and max(written) <= max(limit, biggest) + 64 * 128 * 4
+    assert len(load_quantized(tmp_path / "q").layers) == 4 * 7

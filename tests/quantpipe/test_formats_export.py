@@ -131,7 +131,7 @@ def test_compressed_tensors_library_decompresses_export(fp16, tmp_path, bits, gr
     write_compressed_tensors(tmp_path / "q", fp16, weights)
     deq = CompressedTensorsDequantizer(tmp_path / "q", dtype=torch.float16)
     # validate(): decompress + fail on any quantization param left behind (untargeted layer)
-    out = deq.validate(read_fp_state(tmp_path / "q"))
+    out = deq.validate(dict(read_fp_state(tmp_path / "q")))  # the library wants a dict
     for name, qw in weights.items():
         # CT computes (q - zp) * scale in the fp16 scale dtype; quantpipe in fp32 then casts.
         # (q - z) is a small integer and the product needs <= 19 significant bits, so both
