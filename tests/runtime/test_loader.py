@@ -30,7 +30,8 @@ def test_loaded_model_matches_dequantized_reference(qdirs):
     model = load_quantized_model(qdirs, device="cpu")
     backends = {m.backend for m in model.modules() if isinstance(m, QuantLinear)}
     if cpu_ext.kernel_status()[0]:  # quantpipe's kernels take every layer here
-        assert backends == {"int4avx512", "int8avx512"}
+        isa = cpu_ext.active_isa()
+        assert backends == {f"int4a8{isa}", f"int8{isa}"}
     else:  # torch's int8pack is per channel only: int8 g32 asym falls back to dequant
         assert backends == {"int4pack", "int8pack", "dequant"}
     assert not any(isinstance(m, torch.nn.Linear) and n != "lm_head"
@@ -111,7 +112,7 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
     model, tok = load_model_for_serving(tmp_path / "q", "cpu", head_dtype="fp16")
-    int4 = "int4avx512" if cpu_ext.kernel_status()[0] else "int4pack"
+    int4 = f"int4a8{cpu_ext.active_isa()}" if cpu_ext.kernel_status()[0] else "int4pack"
     assert set(model.quantpipe_backends) == {int4}
     bs = 16
     runner = ModelRunner(model, bs, 64)  # 1,024 KV slots: one sequence at a time
@@ -139,7 +140,11 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     print(f"teacher-forced argmax flips: {len(flips)}/{positions}: {flips}")
     print(f"free-running divergences: {len(diverged)}/8 prompts: {diverged}")
     assert len(flips) <= 0.03 * positions, flips
-    assert all(margin < 0.1 for _, _, margin in flips), flips
+    # W4A8 (int8 activations per 32 columns, the default with quantpipe's kernels) moves
+    # logits by up to ~0.2 here (its KLD on business-eval is no higher: docs/runtime.md);
+    # bf16 activations by < 0.1
+    near_tie = 0.25 if int4.startswith("int4a8") else 0.1
+    assert all(margin < near_tie for _, _, margin in flips), flips
 
 
 def test_generate_cli_fp_and_quantized(qdirs, tiny_llama_dir):
