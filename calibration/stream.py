@@ -35,7 +35,6 @@ class ModelStream:
                                                           attn_implementation="sdpa")
         self.model.eval()
         self._where = self._weight_map()  # tensor name -> shard file
-        self._handles: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:
         index = self.folder / "model.safetensors.index.json"
@@ -53,9 +52,10 @@ class ModelStream:
         except KeyError:
             raise ValueError(f"{self.folder}: no tensor {name} in its shards; the folder does "
                              "not match its config.json (re-run export-fp16)") from None
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
-        return self._handles[fname].get_tensor(name)
+        # opened for this read only: a handle kept open keeps every page read so far mapped,
+        # and RSS would grow to the whole model as the blocks stream by
+        with safe_open(str(self.folder / fname), framework="pt") as f:
+            return f.get_tensor(name)
 
     @contextlib.contextmanager
     def load(self, module_name: str) -> Iterator[torch.nn.Module]:

@@ -410,7 +410,6 @@ class LazyTensors(Mapping):
         self._prefix = prefix
         self._where = {k[len(prefix):]: f for k, f in where.items() if k.startswith(prefix)}
         self._keys = set(self._where) if keys is None else keys
-        self._handles: dict[str, object] = {}
 
     @classmethod
     def of_folder(cls, folder: str | os.PathLike) -> LazyTensors:
@@ -420,15 +419,17 @@ class LazyTensors(Mapping):
                 where.update({k: fname for k in f.keys()})
         return cls(folder, where)
 
-    def _open(self, fname: str):
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self._folder / fname), framework="pt")
-        return self._handles[fname]
+    def _header(self, key: str, fn):
+        """``fn(open file)`` for ``key``'s file. The file is opened (mmapped) for this call
+        only: a handle kept open would keep every page read so far mapped, and the process's
+        RSS would grow to the whole checkpoint as it is streamed."""
+        with safe_open(str(self._folder / self._where[key]), framework="pt") as f:
+            return fn(f)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
             raise KeyError(key)
-        return self._open(self._where[key]).get_tensor(self._prefix + key)
+        return self._header(key, lambda f: f.get_tensor(self._prefix + key))
 
     def __iter__(self) -> Iterator[str]:
         return (k for k in self._where if k in self._keys)
@@ -441,12 +442,13 @@ class LazyTensors(Mapping):
 
     def shape(self, key: str) -> tuple[int, ...]:
         """A tensor's shape from the file header (nothing is read)."""
-        return tuple(self._open(self._where[key]).get_slice(self._prefix + key).get_shape())
+        return tuple(self._header(key, lambda f: f.get_slice(self._prefix + key).get_shape()))
 
     def nbytes(self, key: str) -> int:
         """Stored bytes of one tensor, from the file header (nothing is read)."""
-        sl = self._open(self._where[key]).get_slice(self._prefix + key)
-        return math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
+        shape, dtype = self._header(key, lambda f: (f.get_slice(self._prefix + key).get_shape(),
+                                                    f.get_slice(self._prefix + key).get_dtype()))
+        return math.prod(shape) * _DTYPE_BYTES[dtype]
 
     def without(self, drop: set[str]) -> LazyTensors:
         stored = {self._prefix + k: f for k, f in self._where.items()}
