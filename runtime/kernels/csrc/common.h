@@ -22,13 +22,19 @@ constexpr int64_t kA8Block = 32;  // activations quantized to int8 per block of 
 // stays on one thread).
 constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
 
+// int8 dot products do 4x the multiply-adds per instruction: a thread needs 4x the work to pay
+// for its wake-up (and a decode step of a small model then wakes threads for its large
+// matmuls only, which also keeps it fast when other processes load the cores)
+constexpr int64_t kMinA8MacsPerThread = int64_t{1} << 20;
+
 // Calls tile(block, m0, MT) for every block of 16 output rows and every tile of MT <= MaxTile
 // activation rows (MT a compile-time constant: the accumulators stay in registers).
 template <int MaxTile, typename Tile>
-void for_each_tile(int64_t M, int64_t NB, int64_t K, const Tile& tile) {
+void for_each_tile(int64_t M, int64_t NB, int64_t K, const Tile& tile,
+                   int64_t min_macs = kMinMacsPerThread) {
   static_assert(MaxTile >= 1 && MaxTile <= 8, "tiles of 1..8 rows");
   const int64_t macs_per_block = std::max<int64_t>(1, kRows * K * M);
-  const int64_t grain = std::max<int64_t>(1, kMinMacsPerThread / macs_per_block);
+  const int64_t grain = std::max<int64_t>(1, min_macs / macs_per_block);
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t m0 = 0; m0 < M; m0 += MaxTile) {
@@ -152,9 +158,13 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   at::Tensor out = at::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // threads only for enough work (query-key products): short contexts stay on one thread
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += qlens[b] * lens[b] * H * D;
+  const int64_t grain = work < kMinMacsPerThread ? B * KV : 1;
   auto run = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, B * KV, grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> p;  // [G, n] scores, then softmax numerators
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KV, kvh = i % KV;

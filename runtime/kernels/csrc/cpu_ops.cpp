@@ -426,7 +426,7 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
   qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
     a8_tile<decltype(mt)::value>(a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock,
                                  mzp + b * sblock, yp + m0 * N + b * kRows, N);
-  });
+  }, qp::kMinA8MacsPerThread);
   return y;
 }
 

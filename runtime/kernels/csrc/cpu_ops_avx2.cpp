@@ -241,7 +241,7 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
     else
       a8_tile<MT>(a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock, mzp + b * sblock,
                   yp + m0 * N + b * kRows, N);
-  });
+  }, qp::kMinA8MacsPerThread);
   return y;
 }
 
