@@ -339,29 +339,29 @@ def write_shards(
     max_shard_size: int | str = "2GB",
     prefix: str = "model",
 ) -> list[dict]:
-    """:func:`save_sharded` for ``(name, tensor)`` pairs made on demand (a generator): a shard
-    is written as soon as the next tensor would take it past ``max_shard_size``, so at most
-    one shard's tensors are in memory. Shards get their final ``-of-N`` names at the end."""
+    """:func:`save_sharded` for ``(name, tensor)`` pairs made on demand (a generator). Each
+    tensor's bytes go to disk as it arrives (:class:`StreamingShard`), so one tensor is in
+    memory at a time, whatever ``max_shard_size``; a new shard starts when the next tensor
+    would take the current one past ``max_shard_size``. Shards get their final ``-of-N``
+    names at the end."""
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
-    written: list[tuple[Path, list[str], int]] = []  # temp file, names, tensor bytes
-    current: dict[str, torch.Tensor] = {}
-    size = 0
+    written: list[tuple[Path, list[str], int]] = []  # finished file, names, tensor bytes
 
-    def flush() -> None:
+    def new_shard() -> StreamingShard:
         # the shard count is known only at the end: renamed to model-0000i-of-0000n then
-        tmp = out_dir / f"{prefix}-{len(written) + 1:05d}.safetensors.partial"
-        save_safetensors_atomic(current, tmp, metadata={"format": "pt"})
-        written.append((tmp, list(current), size))
+        return StreamingShard(out_dir / f"{prefix}-{len(written) + 1:05d}.safetensors.partial")
 
+    shard = new_shard()
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > limit:
-            flush()
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    flush()  # the last shard (an empty state dict still gets one, as loaders expect)
+        if shard.names and shard.nbytes + nbytes > limit:
+            written.append((shard.finish({"format": "pt"}), shard.names, shard.nbytes))
+            shard = new_shard()
+        shard.add(name, t)
+        del t  # the bytes are on disk: nothing of this tensor stays in memory
+    # the last shard (an empty state dict still gets one, as loaders expect)
+    written.append((shard.finish({"format": "pt"}), shard.names, shard.nbytes))
     n = len(written)
     weight_map: dict[str, str] = {}
     entries = []
@@ -378,6 +378,78 @@ def write_shards(
         {"metadata": {"total_size": sum(b for _, _, b in written)}, "weight_map": weight_map},
     )
     return entries
+
+
+_ST_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+              torch.float64: "F64", torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16",
+              torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+
+
+class StreamingShard:
+    """One safetensors file written a tensor at a time.
+
+    The format puts the JSON header (names, dtypes, shapes, byte offsets) before the data, and
+    the header is known only when the last tensor has arrived; so each tensor's bytes are
+    appended to a data file beside ``path`` as it arrives, and :meth:`finish` writes the
+    8-byte header length, the header (padded with spaces to 8 bytes) and then copies the data
+    file behind it. Memory: one tensor; disk: the shard twice while it is finished.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.names: list[str] = []
+        self.nbytes = 0
+        self._header: dict[str, dict] = {}
+        self._data_path = path.with_name(f".{path.name}.data")
+        self._data = open(self._data_path, "wb")  # noqa: SIM115  (closed in finish/abort)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes] raw, LSB first
+        try:
+            write_bytes(self._data, flat.numpy())
+        except BaseException as exc:
+            self.abort()
+            _raise_write_error(exc, self.path)
+        end = self.nbytes + flat.numel()
+        self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.nbytes, end]}
+        self.names.append(name)
+        self.nbytes = end
+
+    def finish(self, metadata: dict[str, str]) -> Path:
+        """Write the shard file (temp + rename); returns its path."""
+        header = json.dumps({"__metadata__": metadata, **self._header},
+                            separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            self._data.close()
+            with open(tmp, "wb") as out, open(self._data_path, "rb") as data:
+                write_bytes(out, len(header).to_bytes(8, "little") + header)
+                shutil.copyfileobj(data, out, 1 << 24)
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except BaseException as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            self.abort()
+            _raise_write_error(exc, self.path)
+        os.unlink(self._data_path)
+        return self.path
+
+    def abort(self) -> None:
+        self._data.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._data_path)
+
+
+def write_bytes(f, data) -> None:
+    """``f.write(data)``: one place for tests to simulate a full disk."""
+    f.write(data)
 
 
 # bytes per element of each safetensors dtype (header strings)

@@ -162,3 +162,30 @@ def track_unpacked(monkeypatch):
 
     monkeypatch.setattr(ver, "_unpack", unpack)
     return peak
+
+
+def track_shard_writes(monkeypatch):
+    """Wrap the streaming shard writer: returns {"alive": most tensors handed to it that were
+    still referenced at any one add, "shards": bytes of each finished shard}."""
+    import gc
+    import weakref
+
+    import quantpipe.io as qio
+
+    seen: list[weakref.ref] = []
+    stats = {"alive": 0, "shards": []}
+    real_add, real_finish = qio.StreamingShard.add, qio.StreamingShard.finish
+
+    def add(self, name, t):
+        gc.collect()  # only references that really remain count
+        stats["alive"] = max(stats["alive"], sum(r() is not None for r in seen) + 1)
+        seen.append(weakref.ref(t))
+        return real_add(self, name, t)
+
+    def finish(self, metadata):
+        stats["shards"].append(self.nbytes)
+        return real_finish(self, metadata)
+
+    monkeypatch.setattr(qio.StreamingShard, "add", add)
+    monkeypatch.setattr(qio.StreamingShard, "finish", finish)
+    return stats

@@ -92,11 +92,11 @@ def test_killed_export_leaves_nothing_valid(tmp_path, tiny_llama_dir):
     out = tmp_path / "fp16"
     code = (
         "import os, signal, quantpipe.io as io\n"
-        "orig = io.save_safetensors_atomic\n"
+        "orig = io.StreamingShard.finish\n"
         "def boom(*a, **k):\n"  # killed right after the first shard is written
         "    orig(*a, **k)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "io.save_safetensors_atomic = boom\n"
+        "io.StreamingShard.finish = boom\n"
         "import quantpipe.fp16_export as fe\n"
         "from pathlib import Path\n"
         f"fe.export_fp16(fe.Fp16ExportSpec({str(tiny_llama_dir)!r}, Path({str(out)!r})))\n"
@@ -115,20 +115,16 @@ def test_disk_full_leaves_nothing_and_names_the_file(tmp_path, tiny_llama_dir, m
     """ENOSPC on the second shard: OSError naming it; no DIR, no temp folder, no lock left."""
     import errno
 
-    from safetensors import SafetensorError
-
     import quantpipe.io as qio
 
-    orig, calls = qio.save_file, []
+    orig = qio.write_bytes
 
-    def full_on_second(tensors, filename, metadata=None):
-        calls.append(filename)
-        if len(calls) == 2:
-            raise SafetensorError("Error while serializing: I/O error: No space left on "
-                                  "device (os error 28)")
-        return orig(tensors, filename, metadata=metadata)
+    def full_on_second(f, data):
+        if "model-00002" in f.name:  # the second shard's first write: the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return orig(f, data)
 
-    monkeypatch.setattr(qio, "save_file", full_on_second)
+    monkeypatch.setattr(qio, "write_bytes", full_on_second)
     out = tmp_path / "fp16"
     with pytest.raises(OSError) as info:
         export_fp16(Fp16ExportSpec(str(tiny_llama_dir), out, max_shard_size="40KB"))
@@ -140,32 +136,27 @@ def test_disk_full_leaves_nothing_and_names_the_file(tmp_path, tiny_llama_dir, m
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_streamed_export_equals_whole_model_export(tmp_path, monkeypatch, tie):
-    """A safetensors folder is converted tensor by tensor, never loaded whole, one output
-    shard in memory at a time; the result is the whole-model path's, tensor for tensor."""
+    """A safetensors folder is converted tensor by tensor, never loaded whole, one tensor in
+    memory at a time; the result is the whole-model path's, tensor for tensor."""
     import quantpipe.fp16_export as fe
-    import quantpipe.io as qio
+    from tests.quantpipe.test_formats_common import track_shard_writes
 
     model, tok = make_model("qwen2", tie=tie)  # qkv biases too
     src = save_model(model, tok, tmp_path / "src")
     limit = 40_000
-    written: list[int] = []
-    real_save = qio.save_safetensors_atomic
-
-    def recording_save(tensors, path, metadata=None):
-        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
-        return real_save(tensors, path, metadata)
 
     def no_whole_load(*args, **kwargs):
         raise AssertionError("the streamed export loaded the whole model")
 
     with monkeypatch.context() as m:
-        m.setattr(qio, "save_safetensors_atomic", recording_save)
+        stats = track_shard_writes(m)
         m.setattr(fe, "load_model", no_whole_load)
         streamed = export_fp16(Fp16ExportSpec(str(src), tmp_path / "streamed",
                                               max_shard_size=f"{limit}B"))
-    assert len(written) > 1
+    assert len(stats["shards"]) > 1
     biggest_tensor = max(t.numel() * 2 for t in model.state_dict().values())
-    assert max(written) <= max(limit, biggest_tensor)  # one shard's tensors at a time
+    assert max(stats["shards"]) <= max(limit, biggest_tensor)
+    assert stats["alive"] == 1  # each tensor is on disk before the next is read
     with monkeypatch.context() as m:
         m.setattr(fe, "stream_plan", lambda *a, **k: None)  # the whole-model path
         whole = export_fp16(Fp16ExportSpec(str(src), tmp_path / "whole",
