@@ -19,16 +19,17 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import server_proc  # noqa: E402  (bench/server_proc.py)
+from server_proc import stop_server  # noqa: E402
 
 from quantpipe.io import write_json_atomic  # noqa: E402
 from runtime.loadgen import BenchSpec, format_table, run_bench  # noqa: E402
@@ -36,37 +37,10 @@ from runtime.loadgen import BenchSpec, format_table, run_bench  # noqa: E402
 
 def start_server(folder: Path, port: int, threads: int, head: str, prefix: bool,
                  kv: str, log: Path) -> subprocess.Popen:
-    import httpx
-
-    cmd = [sys.executable, "-m", "quantpipe.cli", "serve", str(folder), "--port", str(port),
-           "--kv-cache-memory", kv, "--head-dtype", head, "--max-num-seqs", "16"]
+    args = [str(folder), "--kv-cache-memory", kv, "--head-dtype", head, "--max-num-seqs", "16"]
     if not prefix:
-        cmd.append("--no-prefix-caching")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}:\n"
-                               + log.read_text()[-2000:])
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"server did not become healthy in 300 s; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        args.append("--no-prefix-caching")
+    return server_proc.start_server(args, port, threads, log)
 
 
 def main() -> None:

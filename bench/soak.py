@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import server_proc  # noqa: E402  (bench/server_proc.py)
+from server_proc import stop_server  # noqa: E402
 
 from quantpipe.io import write_json_atomic  # noqa: E402
 
@@ -72,36 +74,10 @@ def tiny_model(tmp: Path) -> Path:
 
 
 def start_server(args, folder: Path, port: int, log: Path) -> subprocess.Popen:
-    import httpx
-
-    cmd = [sys.executable, "-m", "quantpipe.cli", "serve", str(folder), "--port", str(port),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue),
-           "--kv-cache-memory", args.kv_cache_memory,
-           "--request-timeout", str(args.request_timeout)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"server did not become healthy in 300 s; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return server_proc.start_server(
+        [str(folder), "--max-num-seqs", str(args.max_num_seqs), "--max-queue",
+         str(args.max_queue), "--kv-cache-memory", args.kv_cache_memory,
+         "--request-timeout", str(args.request_timeout)], port, args.threads, log)
 
 
 def metric(text: str, name: str) -> float:
