@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quantpipe.heap import release_freed_memory
+
 
 class ModelStream:
     """A causal LM from an FP16 folder, materialised one submodule at a time."""
@@ -72,6 +74,8 @@ class ModelStream:
             for name, p in list(module.named_parameters()):
                 # back on meta: frees the weights; the skeleton keeps shapes (buffers stay)
                 _set(module, name, torch.empty_like(p, device="meta"))
+            # glibc keeps freed blocks in its arenas: without this, RSS creeps up block by block
+            release_freed_memory()
 
     def materialised_parameters(self) -> int:
         """Parameters currently holding real memory (the rest are on the meta device)."""

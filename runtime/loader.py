@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from quantpipe.formats.loader import QuantizedCheckpoint, load_quantized
+from quantpipe.heap import release_freed_memory
 from quantpipe.native import quantized_tensors
-from runtime.heap import release_freed_memory
 from runtime.kernels.layout import PackedLinear
 from runtime.quant_linear import QuantLinear
 

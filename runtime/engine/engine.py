@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from quantpipe.heap import release_freed_memory
 from runtime.engine.kv_cache import BlockPool
 from runtime.engine.model_runner import ModelRunner, SeqChunk
 from runtime.engine.sampling import SamplingParams, sample_token
 from runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
 from runtime.fp_head import set_half_head
-from runtime.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Process heap housekeeping shared by the runtime's loaders."""
+"""Process heap housekeeping: hand freed memory back to the OS (loaders, calibration)."""
 
 from __future__ import annotations
 
