@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from runtime.engine import EngineConfig, LLMEngine
 from runtime.server import build_app
+from tests.runtime.test_server_failures import serve_app
 from tests.tiny_models import make_model
 
 MAX_NUM_SEQS, MAX_QUEUE = 2, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +24,8 @@ def server():
     engine = LLMEngine(model, tok, EngineConfig(block_size=4, max_num_seqs=MAX_NUM_SEQS,
                                                 max_num_batched_tokens=64,
                                                 kv_cache_memory=200 * 4 * 2048))
-    app = build_app(engine, "tiny", max_queue=MAX_QUEUE)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", model, tok, engine
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serve_app(build_app(engine, "tiny", max_queue=MAX_QUEUE)) as url:
+        yield url, model, tok, engine
 
 
 def _metric(text: str, name: str) -> float:
