@@ -128,27 +128,28 @@ def _describe_os_error(exc: OSError, params: dict) -> str:
     return f"{problem}; {remedy}"
 
 
+def _corrupt_file(exc: Exception, params: dict, suffix: str, ok, kind: str, what: str,
+                  remedy: str) -> str:
+    """Name the file that fails to parse (found among the paths in play), or say how to."""
+    bad = _find_unreadable(_paths_in_traceback(exc, params), suffix, ok)
+    if bad is None:
+        return f"{kind} is {what}; run with -vv to see which, then {remedy}"
+    return f"{bad}: {what}; the file is truncated or corrupt: {remedy}"
+
+
 def _describe_failure(exc: Exception, params: dict) -> str:
     """One line for an expected failure: what is wrong, with which path, and what to do."""
     if isinstance(exc, json.JSONDecodeError):
-        bad = _find_unreadable(_paths_in_traceback(exc, params), ".json", _json_ok)
         what = f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
-        if bad is None:
-            return (f"a JSON file is {what}; run with -vv to see which, then restore it or "
-                    "re-run the step that wrote it")
-        return (f"{bad}: {what}; the file is truncated or corrupt: restore it or re-run the "
-                "step that wrote it")
+        return _corrupt_file(exc, params, ".json", _json_ok, "a JSON file", what,
+                             "restore it or re-run the step that wrote it")
     if isinstance(exc, SafetensorError) and (m := _OS_ERROR_IN_TEXT.search(str(exc))):
         # safetensors' writer reports a full disk as its own error type, errno in the text
         return _describe_os_error(OSError(int(m.group(1) or m.group(2)), str(exc)), params)
     if isinstance(exc, SafetensorError):
-        bad = _find_unreadable(_paths_in_traceback(exc, params), ".safetensors", _safetensors_ok)
-        what = f"not a readable safetensors file ({exc})"
-        if bad is None:
-            return (f"a shard is {what}; run with -vv to see which, then copy it again or "
-                    "re-run the step that wrote it")
-        return (f"{bad}: {what}; the file is truncated or corrupt: copy it again or re-run "
-                "the step that wrote it")
+        return _corrupt_file(exc, params, ".safetensors", _safetensors_ok, "a shard",
+                             f"not a readable safetensors file ({exc})",
+                             "copy it again or re-run the step that wrote it")
     if isinstance(exc, OSError):
         return _describe_os_error(exc, params)
     return str(exc)
