@@ -35,10 +35,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantpipe.native import load_dequantized_model  # noqa: E402
-from quantpipe.qformat import QuantSpec  # noqa: E402
-from runtime.engine import load_model_for_serving  # noqa: E402
-from runtime.generate import engine_decode, greedy_decode  # noqa: E402
+from quantpipe.core.native import load_dequantized_model  # noqa: E402
+from quantpipe.core.qformat import QuantSpec  # noqa: E402
+from quantpipe.runtime.engine import load_model_for_serving  # noqa: E402
+from quantpipe.runtime.generate import engine_decode, greedy_decode  # noqa: E402
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -55,9 +55,9 @@ PROMPTS = [
 def rtn_quantize(fp16_dir: Path, out: Path, spec: QuantSpec) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from calibration.grid import quantize_to_grid, scale_zero_from_range
-    from quantpipe.native import write_native
-    from quantpipe.qformat import QuantizedWeight, resolve_group_size
+    from quantpipe.calibration.grid import quantize_to_grid, scale_zero_from_range
+    from quantpipe.core.native import write_native
+    from quantpipe.core.qformat import QuantizedWeight, resolve_group_size
 
     model = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)
     weights = {}
@@ -79,7 +79,7 @@ def rtn_quantize(fp16_dir: Path, out: Path, spec: QuantSpec) -> Path:
 
 def random_smollm2_shaped(out: Path) -> Path:
     """A random-weight Llama with SmolLM2-135M's shapes (for machines without the export)."""
-    from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+    from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
     from tests.tiny_models import make_model, save_model
 
     model, tok = make_model("llama", hidden_size=576, intermediate_size=1536,

@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantpipe.qformat import QuantSpec, pack_int32, resolve_group_size  # noqa: E402
-from runtime.kernels.layout import PackedLinear  # noqa: E402
-from runtime.quant_linear import QuantLinear  # noqa: E402
+from quantpipe.core.qformat import QuantSpec, pack_int32, resolve_group_size  # noqa: E402
+from quantpipe.runtime.kernels.layout import PackedLinear  # noqa: E402
+from quantpipe.runtime.quant_linear import QuantLinear  # noqa: E402
 
 GPU_SHAPES = [(4096, 4096), (8192, 8192), (11008, 4096), (4096, 11008)]  # (N=out, K=in)
 CPU_SHAPES = [(1536, 576), (576, 1536), (4096, 4096)]

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from calibration.artifact import read_calibration
-from calibration.plan import PlanSpec, make_plan
-from calibration.sensitivity import SensitivitySpec, measure_sensitivity
-from quantpipe.export import ExportSpec, export_quantized
-from quantpipe.io import write_json_atomic
-from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.plan import PlanSpec, make_plan
+from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+from quantpipe.core.io import write_json_atomic
+from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from quantpipe.stages.export import ExportSpec, export_quantized
 
 
 def _block_rule(prefix: str, blocks: list[int], value: str) -> str:

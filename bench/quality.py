@@ -19,11 +19,11 @@ import platform
 import time
 from pathlib import Path
 
-from calibration.artifact import read_calibration
-from calibration.pipeline import CalibrateSpec, calibrate
-from quantpipe.export import ExportSpec, export_quantized
-from quantpipe.io import write_json_atomic
-from reports.eval import EvalSpec, evaluate_many, load_eval_model, load_texts
+from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.core.io import write_json_atomic
+from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model, load_texts
+from quantpipe.stages.export import ExportSpec, export_quantized
 
 
 def calibrate_and_export(fp16: Path, work: Path, name: str, bits: list[int], args) -> dict:

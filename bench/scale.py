@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantpipe.io import save_safetensors_atomic, write_json_atomic  # noqa: E402
+from quantpipe.core.io import save_safetensors_atomic, write_json_atomic  # noqa: E402
 
 # TinyLlama-1.1B's widths (its depth is 22 layers; the bench compares 4 with 16)
 _TINYLLAMA = dict(model_type="llama", hidden_size=2048, intermediate_size=5632,
@@ -67,7 +67,7 @@ def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from calibration.prompts import load_prompt_records
+    from quantpipe.calibration.prompts import load_prompt_records
 
     texts = [r.prompt or " ".join(c for _, c in r.messages)
              for r in load_prompt_records("business-calib")]

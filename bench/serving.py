@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import server_proc  # noqa: E402  (bench/server_proc.py)
 from server_proc import stop_server  # noqa: E402
 
-from quantpipe.io import write_json_atomic  # noqa: E402
-from runtime.loadgen import BenchSpec, format_table, run_bench  # noqa: E402
+from quantpipe.core.io import write_json_atomic  # noqa: E402
+from quantpipe.runtime.loadgen import BenchSpec, format_table, run_bench  # noqa: E402
 
 
 def start_server(folder: Path, port: int, threads: int, head: str, prefix: bool,

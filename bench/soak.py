@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import server_proc  # noqa: E402  (bench/server_proc.py)
 from server_proc import stop_server  # noqa: E402
 
-from quantpipe.io import write_json_atomic  # noqa: E402
+from quantpipe.core.io import write_json_atomic  # noqa: E402
 
 PROMPTS = ["The customer reports that the invoice", "Summarise the contract in one line:",
            "SELECT customer_id FROM", "Dear team, the quarterly revenue", "def total(items):"]

@@ -83,8 +83,8 @@ def _quantpipe_worker(folder: str, threads: int, head: str):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from runtime.engine import load_model_for_serving
-    from runtime.generate import engine_decode
+    from quantpipe.runtime.engine import load_model_for_serving
+    from quantpipe.runtime.generate import engine_decode
 
     torch.set_num_threads(threads)
     model, tok = load_model_for_serving(folder, "cpu", head_dtype=head)
@@ -107,7 +107,7 @@ def _hf_worker(folder: str, threads: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from runtime.generate import greedy_decode
+    from quantpipe.runtime.generate import greedy_decode
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -200,7 +200,7 @@ def lscpu() -> dict:
 def systems(args, fp16_dir: Path) -> list[tuple[str, str, str, str, dict]]:
     """(name, kind, arg, head, extra env) of every system, llama.cpp first."""
     sys.path.insert(0, str(ROOT))
-    from runtime.kernels import cpu_ext
+    from quantpipe.runtime.kernels import cpu_ext
 
     rows = [("llama.cpp", "llama", str(args.gguf), "", {})]
     for isa in [i for i in cpu_ext.ISAS if cpu_ext.cpu_can_run(i)]:
@@ -270,9 +270,9 @@ def quality(int4: Path, fp16_dir: Path, max_tokens: int, out: Path) -> None:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from reports.eval import EvalSpec, evaluate_many, load_eval_model, load_texts
-    from runtime.engine import load_model_for_serving
-    from runtime.kernels import cpu_ext
+    from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model, load_texts
+    from quantpipe.runtime.engine import load_model_for_serving
+    from quantpipe.runtime.kernels import cpu_ext
 
     torch.set_num_threads(1)
     spec = EvalSpec(fp16_dir, int4, load_texts(fp16_dir, None, "business-eval"),
@@ -347,7 +347,7 @@ def main() -> None:
                          "CALIB_DIR --bits 4 --out DIR)")
     if args.gguf is None:
         sys.path.insert(0, str(ROOT))
-        from quantpipe.sources import find_smollm2_gguf
+        from quantpipe.core.sources import find_smollm2_gguf
 
         args.gguf = find_smollm2_gguf()
     fp16_dir = fp16_source(args.int4, args.fp16)

@@ -44,12 +44,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from calibration.artifact import read_calibration
-from calibration.pipeline import CalibrateSpec, calibrate
-from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
-from quantpipe.export import ExportSpec, export_quantized
-from quantpipe.io import write_json_atomic
-from reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+from quantpipe.core.io import write_json_atomic
+from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from quantpipe.stages.export import ExportSpec, export_quantized
 
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
 WORKER = Path(__file__).with_name("llmc_worker.py")
@@ -197,12 +197,12 @@ def load_llmc_model(folder: Path, loader: str):
     if loader != "quantpipe":
         raise ValueError(f"--llmc-loader {loader!r}: use quantpipe or transformers")
     # reports.eval.load_eval_model sends compressed-tensors folders to
-    # quantpipe.formats.loader.load_dequantized_model, which does not exist (yet): build the
-    # model here from load_quantized(), as quantpipe.native.load_dequantized_model does
+    # quantpipe.core.formats.loader.load_dequantized_model, which does not exist (yet): build the
+    # model here from load_quantized(), as quantpipe.core.native.load_dequantized_model does
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from quantpipe.formats.loader import load_quantized
+    from quantpipe.core.formats.loader import load_quantized
 
     ckpt = load_quantized(folder)
     config = AutoConfig.for_model(**ckpt.model_config())
@@ -233,7 +233,7 @@ def loader_agreement(model, folder: Path) -> dict:
         raise ValueError(f"{folder}: quantpipe's compressed-tensors reader and the "
                          f"compressed-tensors library disagree (max relative weight difference "
                          f"{worst_rel:.3g}); evaluate with --llmc-loader transformers and report "
-                         "the folder as a quantpipe.formats reader bug")
+                         "the folder as a quantpipe.core.formats reader bug")
     return {"max_abs_diff": worst, "max_rel_diff": worst_rel}
 
 

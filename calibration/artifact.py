@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from calibration.result import QuantResult
-from quantpipe.io import LazyTensors, read_manifest, save_safetensors_atomic, write_json_atomic
-from quantpipe.qformat import LazyWeights, QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.calibration.result import QuantResult
+from quantpipe.core.io import LazyTensors, read_manifest, save_safetensors_atomic, write_json_atomic
+from quantpipe.core.qformat import LazyWeights, QuantizedWeight, QuantSpec, pack_int32, unpack_int32
 
 TAGS = {4: "w4", 8: "w8"}
 

@@ -14,10 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from calibration.grid import group_size_checked, params_for_groups, quantize_to_grid, to_groups
-from calibration.result import QuantResult
-from calibration.rtn import check_weight, rtn
-from quantpipe.qformat import QuantSpec
+from quantpipe.calibration.grid import (
+    group_size_checked,
+    params_for_groups,
+    quantize_to_grid,
+    to_groups,
+)
+from quantpipe.calibration.result import QuantResult
+from quantpipe.calibration.rtn import check_weight, rtn
+from quantpipe.core.qformat import QuantSpec
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from calibration.families import Family, InputGroup
+from quantpipe.calibration.families import Family, InputGroup
 
 
 @dataclass

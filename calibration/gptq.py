@@ -11,10 +11,10 @@ import logging
 
 import torch
 
-from calibration.grid import group_size_checked, params_for_groups, quantize_to_grid
-from calibration.result import QuantResult, proxy_loss
-from calibration.rtn import check_weight
-from quantpipe.qformat import QuantizedWeight, QuantSpec
+from quantpipe.calibration.grid import group_size_checked, params_for_groups, quantize_to_grid
+from quantpipe.calibration.result import QuantResult, proxy_loss
+from quantpipe.calibration.rtn import check_weight
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 logger = logging.getLogger(__name__)
 

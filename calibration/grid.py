@@ -1,6 +1,6 @@
 """Integer grids: scales and zeros from value ranges, and rounding onto the grid.
 
-Convention (``quantpipe.qformat``): ``w_hat = (q - zero) * scale`` with unsigned ``q``.
+Convention (``quantpipe.core.qformat``): ``w_hat = (q - zero) * scale`` with unsigned ``q``.
 Scales are rounded to fp16 *before* ``q`` is computed, so stored tensors reproduce exactly
 the weights that were evaluated during calibration.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from quantpipe.qformat import QuantSpec
+from quantpipe.core.qformat import QuantSpec
 
 # smallest scale allowed: keeps 1/scale finite and the fp16 scale a normal number
 MIN_SCALE = 1e-5
@@ -62,7 +62,7 @@ def group_size_checked(spec: QuantSpec, in_features: int) -> int:
     if in_features % gs != 0:
         raise ValueError(
             f"group_size {spec.group_size} does not divide in_features {in_features}; pick one "
-            "with quantpipe.qformat.resolve_group_size (e.g. 32, 64 or -1) before quantizing"
+            "with quantpipe.core.qformat.resolve_group_size (e.g. 32, 64 or -1) before quantizing"
         )
     return gs
 

@@ -12,7 +12,7 @@ For each block, in order:
 
 Data safety: every option and input (FP16 manifest, config and shard hashes, group size
 against every layer, prompts and their token count) is checked before CALIB_DIR is touched.
-The run holds CALIB_DIR's output lock (quantpipe.io) and builds the calibration in the hidden
+The run holds CALIB_DIR's output lock (quantpipe.core.io) and builds the calibration in the hidden
 work folder beside it (calibration.artifact.work_dir), which holds the resume state; the
 finished folder replaces CALIB_DIR only at the end.
 """
@@ -36,28 +36,28 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from calibration.artifact import block_file, save_block, work_dir
-from calibration.awq import awq_clip_search, awq_search_scales, fold_scales
-from calibration.capture import (
+from quantpipe.calibration.artifact import block_file, save_block, work_dir
+from quantpipe.calibration.awq import awq_clip_search, awq_search_scales, fold_scales
+from quantpipe.calibration.capture import (
     BlockContext,
     InputRecorder,
     StatsCollector,
     embed_inputs,
     run_block,
 )
-from calibration.families import (
+from quantpipe.calibration.families import (
     ONE_PLUS_NORM_FAMILIES,
     Family,
     block_linear_names,
     family_for,
     get_blocks,
 )
-from calibration.gptq import gptq
-from calibration.prompts import SHIPPED_SETS
-from calibration.result import QuantResult
-from calibration.rtn import rtn
-from calibration.stream import ModelStream
-from quantpipe.io import (
+from quantpipe.calibration.gptq import gptq
+from quantpipe.calibration.prompts import SHIPPED_SETS
+from quantpipe.calibration.result import QuantResult
+from quantpipe.calibration.rtn import rtn
+from quantpipe.calibration.stream import ModelStream
+from quantpipe.core.io import (
     check_not_overlapping,
     check_output_dir,
     clean_stale_temps,
@@ -69,7 +69,7 @@ from quantpipe.io import (
     write_json_atomic,
     write_manifest,
 )
-from quantpipe.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec, resolve_group_size
+from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec, resolve_group_size
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,11 @@ def _check_inputs(spec: CalibrateSpec) -> _Inputs:
     """Every check on the options and inputs, before CALIB_DIR (or its lock) is touched."""
     from transformers import AutoTokenizer
 
-    from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+    from quantpipe.calibration.prompts import (
+        CalibDataSpec,
+        build_calibration_set,
+        load_prompt_records,
+    )
 
     prompts_path = None if spec.prompts in SHIPPED_SETS else spec.prompts
     check_not_overlapping(spec.out, {"FP16_DIR": spec.fp16_dir, "--prompts": prompts_path})

@@ -36,8 +36,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calibration.sensitivity import SENSITIVITY_FILE
-from quantpipe.qformat import QuantSpec
+from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
+from quantpipe.core.qformat import QuantSpec
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantpipe.qformat import QuantizedWeight
+from quantpipe.core.qformat import QuantizedWeight
 
 
 @dataclass

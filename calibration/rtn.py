@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from calibration.grid import group_size_checked, params_for_groups, quantize_to_grid, to_groups
-from calibration.result import QuantResult, proxy_loss
-from quantpipe.qformat import QuantizedWeight, QuantSpec
+from quantpipe.calibration.grid import (
+    group_size_checked,
+    params_for_groups,
+    quantize_to_grid,
+    to_groups,
+)
+from quantpipe.calibration.result import QuantResult, proxy_loss
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 
 def check_weight(W: torch.Tensor, H: torch.Tensor | None = None) -> torch.Tensor:

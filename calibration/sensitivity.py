@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from calibration.artifact import Calibration, read_calibration
-from calibration.capture import BlockContext, embed_inputs, run_block
-from calibration.families import family_for, get_blocks
-from quantpipe.io import output_lock, write_json_atomic
+from quantpipe.calibration.artifact import Calibration, read_calibration
+from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
+from quantpipe.calibration.families import family_for, get_blocks
+from quantpipe.core.io import output_lock, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,11 @@ def _load_model(calib: Calibration):
 def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec) -> torch.Tensor:
     from transformers import AutoTokenizer
 
-    from calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+    from quantpipe.calibration.prompts import (
+        CalibDataSpec,
+        build_calibration_set,
+        load_prompt_records,
+    )
 
     tok = AutoTokenizer.from_pretrained(fp16_dir)
     data = build_calibration_set(

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantpipe.heap import release_freed_memory
+from quantpipe.core.heap import release_freed_memory
 
 
 class ModelStream:

@@ -200,7 +200,7 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 
     SOURCE is a local Hugging Face model folder, a .gguf file, or `smollm2-135m`.
     """
-    from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+    from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
     try:
         spec = Fp16ExportSpec(source, out, dtype, max_shard_size, force, trust_remote_code)
@@ -246,7 +246,7 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
                   static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
                   min_tokens, seed, batch_size, force):
     """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
-    from calibration.pipeline import CalibrateSpec, calibrate
+    from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 
     try:
         spec = CalibrateSpec(
@@ -280,7 +280,7 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
 def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size, force):
     """Write a quantized checkpoint from CALIB_DIR."""
-    from quantpipe.export import ExportSpec, export_quantized
+    from quantpipe.stages.export import ExportSpec, export_quantized
 
     try:
         spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
@@ -304,9 +304,9 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
 def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
     """Print the per-layer precision plan without exporting."""
-    from calibration.artifact import read_calibration
-    from calibration.plan import PlanSpec, make_plan
-    from quantpipe.io import write_json_atomic
+    from quantpipe.calibration.artifact import read_calibration
+    from quantpipe.calibration.plan import PlanSpec, make_plan
+    from quantpipe.core.io import write_json_atomic
 
     try:
         plan = make_plan(read_calibration(calib_dir),
@@ -336,8 +336,8 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
 def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out,
              allow_other_source):
     """KL divergence, top-token agreement and perplexity of CANDIDATE vs REFERENCE."""
-    from quantpipe.io import write_json_atomic
-    from reports.eval import (
+    from quantpipe.core.io import write_json_atomic
+    from quantpipe.reports.eval import (
         EvalSpec,
         check_output_file,
         eval_context,
@@ -364,7 +364,7 @@ def verify_cmd(qdir):
     Verifies manifest hashes (quantpipe folders), every tensor's presence, shape and dtype,
     finite positive scales, zero points and group sizes. Exit code 1 lists every problem.
     """
-    from quantpipe.formats.verify import verify_checkpoint
+    from quantpipe.core.formats.verify import verify_checkpoint
 
     try:
         report = verify_checkpoint(qdir)
@@ -410,8 +410,8 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
               max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype,
               max_request_bytes, max_prompt_chars, request_timeout):
     """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
-    from quantpipe.io import parse_size
-    from runtime.server import ServeSpec, serve
+    from quantpipe.core.io import parse_size
+    from quantpipe.runtime.server import ServeSpec, serve
 
     try:  # every option and the folder are checked here, before the model loads
         spec = ServeSpec(
@@ -450,7 +450,7 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
 def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats, request_rate,
                     shared_prefix_len, warmup, ttft_slo, tpot_slo, allow_remote, json_out):
     """Load-test a running server (metrics as `vllm bench serve` defines them)."""
-    from runtime.loadgen import BenchSpec, format_table, run_bench
+    from quantpipe.runtime.loadgen import BenchSpec, format_table, run_bench
 
     try:
         conc = tuple(int(c) for c in concurrency.split(",") if c.strip())
@@ -481,8 +481,8 @@ def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats,
 def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization, block_size,
                     reserve, kv_dtype):
     """Weights + KV cache + activations vs device memory; max sequences at --context."""
-    from quantpipe.io import parse_size
-    from runtime.memory_plan import MemoryPlanSpec, format_plan, plan_memory
+    from quantpipe.core.io import parse_size
+    from quantpipe.runtime.memory_plan import MemoryPlanSpec, format_plan, plan_memory
 
     try:
         spec = MemoryPlanSpec(model_dir, context=context, concurrency=concurrency,
@@ -512,7 +512,7 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
 def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ignore_eos,
                  min_new_tokens):
     """Greedy-generate from an FP16 or quantized MODEL_DIR; text on stdout, timings on stderr."""
-    from runtime.generate import GenerateSpec, run_generate
+    from quantpipe.runtime.generate import GenerateSpec, run_generate
 
     try:
         res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device,
@@ -538,7 +538,7 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
 @click.option("--force", is_flag=True, help="Measure again even if sensitivity.json exists.")
 def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
     """Measure each linear's KLD when quantized alone; writes CALIB_DIR/sensitivity.json."""
-    from calibration.sensitivity import SensitivitySpec, measure_sensitivity
+    from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
 
     try:
         try:
@@ -578,7 +578,7 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
 def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
                eval_max_tokens, speed, speed_bench, out, allow_other_source):
     """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
-    from reports.build import ReportSpec, build_report
+    from quantpipe.reports.build import ReportSpec, build_report
 
     html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
                                        max_prompts, max_new_tokens, eval_max_tokens,
@@ -610,7 +610,7 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, samples, seq_len,
             prompts, eval_tokens, speed):
     """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
-    from quantpipe.run import RunSpec, run_pipeline
+    from quantpipe.stages.run import RunSpec, run_pipeline
 
     try:
         res = run_pipeline(RunSpec(source, out, int(bits), budget_bits, tuple(overrides), algo,

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from calibration.prompts import PromptRecord, load_prompt_records
-from reports.data import (
+from quantpipe.calibration.prompts import PromptRecord, load_prompt_records
+from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
     DistributionMetrics,
@@ -25,7 +25,7 @@ from reports.data import (
     SpeedRecord,
     detect_machine,
 )
-from reports.eval import (
+from quantpipe.reports.eval import (
     EvalSpec,
     check_candidate,
     check_output_file,
@@ -34,8 +34,8 @@ from reports.eval import (
     load_texts,
     read_json_file,
 )
-from reports.html import write_report
-from reports.speed import measure_decode, read_speed_file
+from quantpipe.reports.html import write_report
+from quantpipe.reports.speed import measure_decode, read_speed_file
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def calibration_facts(qdir: Path) -> CalibrationFacts | None:
     calib = manifest.get("calibration") or {}
     calib_dir = Path(calib.get("path", ""))
     if calib and (calib_dir / "quantpipe.json").is_file():
-        from calibration.artifact import read_calibration
+        from quantpipe.calibration.artifact import read_calibration
 
         c = read_calibration(calib_dir)
         return CalibrationFacts.from_calibration(c.manifest, c.layer_infos(), manifest.get("plan"))

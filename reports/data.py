@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calibration.prompts import PromptRecord
-from reports.verdict import VerdictThresholds
+from quantpipe.calibration.prompts import PromptRecord
+from quantpipe.reports.verdict import VerdictThresholds
 
 KLD_KEYS = ("mean", "median", "p90", "p99", "p999", "max")
 TOP_PROB_DELTA_KEYS = ("rms", "p1", "p5", "p50", "p95", "p99")
@@ -74,7 +74,7 @@ class DistributionMetrics:
                 f"eval result lacks field {e}; pass reports.eval's EvalResult") from None
         except (TypeError, AttributeError) as e:  # e.g. "kld": 3 in a hand-edited eval JSON
             raise ValueError(f"eval result has a field of the wrong type ({e}); pass "
-                             "reports.eval's EvalResult") from None
+                             "quantpipe.reports.eval's EvalResult") from None
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class CalibrationFacts:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> CalibrationFacts:
-        from quantpipe.io import read_manifest
+        from quantpipe.core.io import read_manifest
 
         return cls.from_manifest(read_manifest(folder, "quantized"))
 

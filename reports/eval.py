@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.io import MANIFEST_NAME
+from quantpipe.core.io import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def load_eval_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     cfg = json.loads((folder / "config.json").read_text())
     method = (cfg.get("quantization_config") or {}).get("quant_method")
     if method is not None:  # native, GPTQ or compressed-tensors: verified, then dequantized
-        from quantpipe.formats.loader import load_dequantized_model
+        from quantpipe.core.formats.loader import load_dequantized_model
 
         return load_dequantized_model(folder, dtype)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True).eval()
@@ -369,7 +369,7 @@ def load_texts(reference: Path, text_file: Path | None, prompts: str | None) -> 
         return (text,)
     from transformers import AutoTokenizer
 
-    from calibration.prompts import load_prompt_records, render_eval_texts
+    from quantpipe.calibration.prompts import load_prompt_records, render_eval_texts
 
     records = load_prompt_records(prompts)  # a bad prompt file fails before the tokenizer loads
     tokenizer = AutoTokenizer.from_pretrained(reference)

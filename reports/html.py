@@ -18,11 +18,11 @@ import os
 import re
 from pathlib import Path
 
-from quantpipe.io import write_json_atomic
-from reports import charts
-from reports.data import CalibrationFacts, ReportData, SpeedRecord
-from reports.summary import ReportSummary, report_json, summarize
-from reports.textmetrics import word_diff_html
+from quantpipe.core.io import write_json_atomic
+from quantpipe.reports import charts
+from quantpipe.reports.data import CalibrationFacts, ReportData, SpeedRecord
+from quantpipe.reports.summary import ReportSummary, report_json, summarize
+from quantpipe.reports.textmetrics import word_diff_html
 
 CSS_PATH = Path(__file__).resolve().parent / "assets" / "report.css"
 PROMPT_PREVIEW_CHARS = 600  # longer prompts are cut in the page (the JSON keeps ids)

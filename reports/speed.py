@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from reports.data import SpeedRecord, load_speed_records
+from quantpipe.reports.data import SpeedRecord, load_speed_records
 
 
 def _decode_records(obj: dict, label: str) -> list[SpeedRecord]:
@@ -91,7 +91,7 @@ def read_speed_file(path: str | os.PathLike) -> tuple[SpeedRecord, ...]:
 def measure_decode(reference: Path, candidates: tuple[Path, ...], prompts: list[str],
                    max_new_tokens: int = 32) -> tuple[SpeedRecord, ...]:
     """Greedy decode tokens/s and prefill time of FP16 and each candidate, one after another."""
-    from runtime.generate import GenerateSpec, run_generate
+    from quantpipe.runtime.generate import GenerateSpec, run_generate
 
     records = []
     for folder in (reference, *candidates):

@@ -11,8 +11,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from reports.data import CandidateData, DistributionMetrics, ReportData
-from reports.textmetrics import (
+from quantpipe.reports.data import CandidateData, DistributionMetrics, ReportData
+from quantpipe.reports.textmetrics import (
     GarbageScore,
     GarbageThresholds,
     JsonCheck,
@@ -24,7 +24,7 @@ from reports.textmetrics import (
     length_stats,
     rouge_l,
 )
-from reports.verdict import QualityNumbers, Verdict, judge
+from quantpipe.reports.verdict import QualityNumbers, Verdict, judge
 
 REPORT_JSON_VERSION = 1
 

@@ -50,8 +50,8 @@ import logging
 import torch
 from torch import nn
 
-from runtime.kernels import cpu_ext
-from runtime.kernels.cpu import block_rows
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.kernels.cpu import block_rows
 
 log = logging.getLogger(__name__)
 

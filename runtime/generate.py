@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.io import MANIFEST_NAME
-from runtime.fp_head import HEAD_DTYPES
+from quantpipe.core.io import MANIFEST_NAME
+from quantpipe.runtime.fp_head import HEAD_DTYPES
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
     ``min_new_tokens``, EOS tokens before that count are generated and generation goes on
     (greedy: the tokens are those of an uninterrupted run); the first EOS after it ends it.
     """
-    from runtime.engine import EngineConfig, LLMEngine, SamplingParams
-    from runtime.engine.engine import eos_ids
+    from quantpipe.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+    from quantpipe.runtime.engine.engine import eos_ids
 
     blocks = -(-(len(ids) + max_new_tokens) // block_size) + 1
     engine = LLMEngine(model, tokenizer, EngineConfig(
@@ -153,9 +153,9 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
 
 
 def run_generate(spec: GenerateSpec) -> GenerateResult:
-    from runtime.engine import load_model_for_serving
-    from runtime.engine.engine import eos_ids
-    from runtime.engine.model_runner import FAMILIES
+    from quantpipe.runtime.engine import load_model_for_serving
+    from quantpipe.runtime.engine.engine import eos_ids
+    from quantpipe.runtime.engine.model_runner import FAMILIES
 
     if spec.device == "cuda":
         if not torch.cuda.is_available():

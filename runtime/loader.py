@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.formats.loader import QuantizedCheckpoint, load_quantized
-from quantpipe.heap import release_freed_memory
-from quantpipe.native import quantized_tensors
-from runtime.kernels.layout import PackedLinear
-from runtime.quant_linear import QuantLinear
+from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized
+from quantpipe.core.heap import release_freed_memory
+from quantpipe.core.native import quantized_tensors
+from quantpipe.runtime.kernels.layout import PackedLinear
+from quantpipe.runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class PackedCheckpoint:
 def read_packed(qdir: str | Path) -> PackedCheckpoint:
     """Any quantized folder (native, GPTQ, compressed-tensors) as the runtime's packed inputs.
 
-    ``quantpipe.formats.loader.load_quantized`` verifies the folder first (manifest and shard
+    ``quantpipe.core.formats.loader.load_quantized`` verifies the folder first (manifest and shard
     hashes, tensor shapes and dtypes, finite positive scales, zeros in range) and unpacks it
     to quantpipe's convention; :meth:`PackedCheckpoint.packed_layers` then packs each layer in
     the native layout the kernels take, as it is needed.

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from quantpipe.io import write_json_atomic
+from quantpipe.core.io import write_json_atomic
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

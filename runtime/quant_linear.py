@@ -29,8 +29,8 @@ import logging
 import torch
 from torch import nn
 
-from runtime.kernels import cpu as cpu_kernels
-from runtime.kernels.layout import PackedLinear, repack_for_triton
+from quantpipe.runtime.kernels import cpu as cpu_kernels
+from quantpipe.runtime.kernels.layout import PackedLinear, repack_for_triton
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class QuantLinear(nn.Module):
 
 
 def _triton_matmul(x2d: torch.Tensor, w) -> torch.Tensor:
-    from runtime.kernels import autotune
+    from quantpipe.runtime.kernels import autotune
 
     return autotune.run(x2d.contiguous(), w)
 

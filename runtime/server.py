@@ -50,11 +50,17 @@ from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantpipe.io import MANIFEST_NAME, read_manifest
-from runtime.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams
-from runtime.engine.engine import KV_DTYPES
-from runtime.engine.sampling import SEED_MAX, SEED_MIN
-from runtime.fp_head import HEAD_DTYPES
+from quantpipe.core.io import MANIFEST_NAME, read_manifest
+from quantpipe.runtime.engine import (
+    EngineConfig,
+    EngineLoop,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+)
+from quantpipe.runtime.engine.engine import KV_DTYPES
+from quantpipe.runtime.engine.sampling import SEED_MAX, SEED_MIN
+from quantpipe.runtime.fp_head import HEAD_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -919,7 +925,7 @@ def serve(spec: ServeSpec) -> None:
     import torch
     import uvicorn
 
-    from runtime.engine import load_model_for_serving
+    from quantpipe.runtime.engine import load_model_for_serving
 
     if spec.host not in LOOPBACK_HOSTS:
         log.warning("binding to %s exposes the server beyond this machine", spec.host)

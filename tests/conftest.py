@@ -26,7 +26,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_fp16_dir(tmp_path_factory):
     """The real default model exported once per test session (slow: ~25 s)."""
-    from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+    from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
     out = tmp_path_factory.mktemp("smollm2") / "fp16"
     export_fp16(Fp16ExportSpec("smollm2-135m", out))

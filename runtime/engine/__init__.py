@@ -1,13 +1,13 @@
 """Continuous-batching serving engine over a paged KV cache (see docs/serving.md)."""
 
-from runtime.engine.engine import (
+from quantpipe.runtime.engine.engine import (
     EngineConfig,
     EngineLoop,
     LLMEngine,
     RequestOutput,
     load_model_for_serving,
 )
-from runtime.engine.sampling import SamplingParams
+from quantpipe.runtime.engine.sampling import SamplingParams
 
 __all__ = [
     "EngineConfig",

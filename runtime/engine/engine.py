@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.heap import release_freed_memory
-from runtime.engine.kv_cache import BlockPool
-from runtime.engine.model_runner import ModelRunner, SeqChunk
-from runtime.engine.sampling import SamplingParams, sample_token
-from runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
-from runtime.fp_head import set_half_head
+from quantpipe.core.heap import release_freed_memory
+from quantpipe.runtime.engine.kv_cache import BlockPool
+from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
+from quantpipe.runtime.engine.sampling import SamplingParams, sample_token
+from quantpipe.runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
+from quantpipe.runtime.fp_head import set_half_head
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
     qcfg = cfg.get("quantization_config") or {}
     if qcfg.get("quant_method") == "quantpipe":
         try:
-            from runtime.loader import load_quantized_model
+            from quantpipe.runtime.loader import load_quantized_model
         except ImportError as exc:
             raise ValueError(
                 f"{folder} is a quantpipe quantized folder but runtime.loader is not available "

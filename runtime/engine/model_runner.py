@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.kv_cache import KVCacheSpec, slot_mapping
-from runtime.kernels import cpu_ext
-from runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
+from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
 
 # Model families whose decoder layers follow the Llama layout (data, not isinstance chains):
 # model_type -> attribute names of (decoder, layers, final norm). All three use

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.engine.kv_cache import BlockPool, block_hash, prefix_block_hashes
-from runtime.engine.sampling import SamplingParams
+from quantpipe.runtime.engine.kv_cache import BlockPool, block_hash, prefix_block_hashes
+from quantpipe.runtime.engine.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -64,7 +64,7 @@ def candidates(m: int) -> list[Choice]:
 
 def parse_pin(text: str) -> Choice:
     """``"kernel:KEY=V,KEY=V"`` -> (kernel, {KEY: int(V)})."""
-    from runtime.kernels.triton_kernels import KERNELS
+    from quantpipe.runtime.kernels.triton_kernels import KERNELS
 
     name, _, rest = text.partition(":")
     if name not in KERNELS:
@@ -105,7 +105,7 @@ def choose(x2d: torch.Tensor, tw, pin: Choice | None = None) -> Choice:
 def _time_candidates(x2d: torch.Tensor, tw, cands: list[Choice], key: tuple) -> Choice:
     import triton
 
-    from runtime.kernels.triton_kernels import KERNELS
+    from quantpipe.runtime.kernels.triton_kernels import KERNELS
 
     best, best_ms = None, float("inf")
     for name, cfg in cands:
@@ -125,7 +125,7 @@ def _time_candidates(x2d: torch.Tensor, tw, cands: list[Choice], key: tuple) -> 
 def run(x2d: torch.Tensor, tw, pin: Choice | None = None,
         out: torch.Tensor | None = None) -> torch.Tensor:
     """x2d [M, K] (contiguous rows) -> [M, N] through the chosen Triton kernel."""
-    from runtime.kernels.triton_kernels import KERNELS
+    from quantpipe.runtime.kernels.triton_kernels import KERNELS
 
     name, cfg = choose(x2d, tw, pin)
     return KERNELS[name](x2d, tw, cfg, out)

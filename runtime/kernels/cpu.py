@@ -72,8 +72,8 @@ from typing import Any
 
 import torch
 
-from runtime.kernels import cpu_ext
-from runtime.kernels.layout import PackedLinear
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.kernels.layout import PackedLinear
 
 QP4_ROWS = 16  # int4avx512: output rows per block, and the group size's multiple
 A8_BLOCK = 32  # W4A8: activations quantized per block of 32 columns (the group size's multiple)

@@ -2,7 +2,8 @@
 
 The seam between checkpoint formats and kernels: every loader (native today, GPTQ /
 compressed-tensors later) produces a :class:`PackedLinear` in the *native* convention of
-``quantpipe.qformat`` (``w = (q - zero) * scale``, unsigned ``q``, packed LSB-first along ``in``);
+``quantpipe.core.qformat`` (``w = (q - zero) * scale``, unsigned ``q``, packed LSB-first along
+``in``);
 the kernels only ever see the repacked layouts built here, once, at load time.
 
 Repacked layouts
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantpipe.qformat import QuantSpec, unpack_int32
+from quantpipe.core.qformat import QuantSpec, unpack_int32
 
 
 @dataclass(frozen=True)

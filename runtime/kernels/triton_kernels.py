@@ -12,7 +12,7 @@ Three kernels, all dequantizing in registers from ``qweight_t`` int32 [K*bits/32
   (the only path that materialises a dequantized weight; chosen by the autotuner only where it
   measures faster).
 
-Dequantization is ``(q - zero) * scale`` in fp32 as in ``quantpipe.qformat.dequantize``.
+Dequantization is ``(q - zero) * scale`` in fp32 as in ``quantpipe.core.qformat.dequantize``.
 Launchers take an optional pinned ``config`` (the autotune bypass used by the interpreter tests).
 """
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.layout import TritonWeights
+from quantpipe.runtime.kernels.layout import TritonWeights
 
 
 @triton.jit

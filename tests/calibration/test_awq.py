@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.awq import awq_clip_search, awq_search_scales, fold_scales, quantize_with_clip
-from calibration.rtn import rtn
-from quantpipe.qformat import QuantSpec
+from quantpipe.calibration.awq import (
+    awq_clip_search,
+    awq_search_scales,
+    fold_scales,
+    quantize_with_clip,
+)
+from quantpipe.calibration.rtn import rtn
+from quantpipe.core.qformat import QuantSpec
 
 
 def tiny_llama_layer(n_kv_heads: int):

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError
 
-import calibration.pipeline as p
-import quantpipe.io as qio
-from calibration.artifact import read_calibration, work_dir
-from calibration.pipeline import CalibrateSpec, calibrate, layer_group_size
-from quantpipe.export import ExportSpec, export_quantized
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.io import OutputLockedError, read_manifest, verify_shard_hashes
+import quantpipe.calibration.pipeline as p
+import quantpipe.core.io as qio
+from quantpipe.calibration.artifact import read_calibration, work_dir
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate, layer_group_size
+from quantpipe.core.io import OutputLockedError, read_manifest, verify_shard_hashes
+from quantpipe.stages.export import ExportSpec, export_quantized
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import CORPUS
 
 KW = dict(algo="rtn", group_size=32, samples=8, seq_len=32, min_tokens=4, batch_size=4)
@@ -295,7 +295,7 @@ def test_layer_group_size_rules():
 
 def test_sensitivity_refuses_a_calib_dir_being_written(finished, tmp_path):
     """sensitivity.json is written under CALIB_DIR's lock: a second writer fails at once."""
-    from calibration.sensitivity import SensitivitySpec, measure_sensitivity
+    from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
     from tests.quantpipe.test_io import _lock_holder
 
     calib = _copy(finished, tmp_path / "calib")

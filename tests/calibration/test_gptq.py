@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from calibration.gptq import gptq
-from calibration.grid import params_for_groups
-from calibration.result import proxy_loss
-from calibration.rtn import rtn
-from quantpipe.qformat import QuantSpec
+from quantpipe.calibration.gptq import gptq
+from quantpipe.calibration.grid import params_for_groups
+from quantpipe.calibration.result import proxy_loss
+from quantpipe.calibration.rtn import rtn
+from quantpipe.core.qformat import QuantSpec
 
 IN = 128
 
@@ -166,7 +166,7 @@ def test_failed_cholesky_raises_damping(caplog):
     H = indefinite_hessian()
     assert torch.linalg.eigvalsh(H).min() < 0 and (torch.diagonal(H) > 0).all()
     W = weight(13, n=64)
-    with caplog.at_level(logging.WARNING, logger="calibration.gptq"):
+    with caplog.at_level(logging.WARNING, logger="quantpipe.calibration.gptq"):
         res = gptq(W, H, QuantSpec(4, 32, True), percdamp=1e-4)
     # 1e-4, 1e-3 and 1e-2 leave a negative eigenvalue; 1e-1 * mean(diag) makes it positive
     assert res.damp_raises == 3

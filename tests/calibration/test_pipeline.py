@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from calibration.artifact import read_calibration
-from calibration.pipeline import CalibrateSpec, calibrate
-from quantpipe.export import ExportSpec, export_quantized
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.native import load_dequantized_model, read_native
-from reports.eval import EvalSpec, evaluate_models
+from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.core.native import load_dequantized_model, read_native
+from quantpipe.reports.eval import EvalSpec, evaluate_models
+from quantpipe.stages.export import ExportSpec, export_quantized
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import CORPUS
 
 PROMPTS = CORPUS[:8]  # eight distinct business sentences
@@ -55,7 +55,7 @@ def test_calibrate_export_eval(fp16_dir, prompt_file, tmp_path, algo):
         ckpt = read_native(q)
         assert {s.bits for s in ckpt.layers.values()} == {bits}
     # the same calibration exports to the other formats, with identical weights
-    from quantpipe.formats.loader import load_quantized
+    from quantpipe.core.formats.loader import load_quantized
 
     native = load_quantized(tmp_path / "q4")
     for fmt in ("gptq", "compressed-tensors"):
@@ -145,7 +145,7 @@ def test_errors(fp16_dir, prompt_file, tmp_path):
 
 def test_resumed_manifest_counts_every_block(fp16_dir, prompt_file, tmp_path):
     """Group-size fallbacks and timings of blocks computed before a kill are kept."""
-    import calibration.pipeline as p
+    import quantpipe.calibration.pipeline as p
 
     out = tmp_path / "calib"
     # 64-wide layers: per-channel fallback

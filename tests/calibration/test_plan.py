@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibration.plan import (
+from quantpipe.calibration.plan import (
     PlanSpec,
     bits_per_weight,
     greedy_budget_plan,
     make_plan,
 )
-from calibration.sensitivity import SENSITIVITY_FILE
-from quantpipe.native import quantized_tensors
-from quantpipe.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
+from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
+from quantpipe.core.native import quantized_tensors
+from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibration.prompts import (
+from quantpipe.calibration.prompts import (
     CalibDataSpec,
     PromptRecord,
     build_calibration_set,
@@ -232,7 +232,7 @@ def test_dedupe_and_min_tokens(tok):
 
 def test_too_few_tokens_warns_then_errors(tok, caplog):
     recs = _records(_many_texts(4))
-    with caplog.at_level(logging.INFO, logger="calibration.prompts"):
+    with caplog.at_level(logging.INFO, logger="quantpipe.calibration.prompts"):
         cs = build_calibration_set(tok, recs, CalibDataSpec(n_samples=50, seq_len=16))
     assert 0 < cs.input_ids.shape[0] < 50
     assert "ran short" in caplog.text and "of 50 requested" in caplog.text

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.result import proxy_loss
-from calibration.rtn import rtn
-from quantpipe.qformat import QuantSpec
+from quantpipe.calibration.result import proxy_loss
+from quantpipe.calibration.rtn import rtn
+from quantpipe.core.qformat import QuantSpec
 
 SPECS = [
     QuantSpec(4, 32, True), QuantSpec(4, 32, False), QuantSpec(4, 64, True),

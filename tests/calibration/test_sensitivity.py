@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from calibration.artifact import read_calibration
-from calibration.pipeline import CalibrateSpec, calibrate
-from calibration.plan import PlanSpec, make_plan
-from calibration.sensitivity import (
+from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.calibration.plan import PlanSpec, make_plan
+from quantpipe.calibration.sensitivity import (
     SENSITIVITY_FILE,
     SensitivitySpec,
     _calibration_ids,
@@ -16,7 +16,7 @@ from calibration.sensitivity import (
     spearman,
     token_kld,
 )
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import make_model, save_model
 
 BAD = "model.layers.0.mlp.down_proj"  # the layer made hard to quantize

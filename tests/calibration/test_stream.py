@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from calibration import pipeline
-from calibration.pipeline import CalibrateSpec, calibrate
-from calibration.stream import ModelStream
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+from quantpipe.calibration import pipeline
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.calibration.stream import ModelStream
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import CORPUS, make_model, save_model
 
 
@@ -76,7 +76,7 @@ def test_stream_block_equals_the_full_model(deep_fp16):
     """A streamed block computes what the same block of the eagerly loaded model computes."""
     from transformers import AutoModelForCausalLM
 
-    from calibration.capture import embed_inputs
+    from quantpipe.calibration.capture import embed_inputs
 
     full = AutoModelForCausalLM.from_pretrained(deep_fp16, dtype=torch.float32).eval()
     stream = ModelStream(deep_fp16)
@@ -100,9 +100,9 @@ def test_export_streams_one_layer_at_a_time(deep_fp16, tmp_path, monkeypatch, fm
     import gc
     import weakref
 
-    from quantpipe.export import ExportSpec, export_quantized
-    from quantpipe.formats import load_quantized
-    from quantpipe.qformat import LazyWeights
+    from quantpipe.core.formats import load_quantized
+    from quantpipe.core.qformat import LazyWeights
+    from quantpipe.stages.export import ExportSpec, export_quantized
     from tests.quantpipe.test_formats_common import track_shard_writes
 
     prompts = tmp_path / "p.jsonl"

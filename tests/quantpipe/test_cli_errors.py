@@ -22,9 +22,9 @@ class ModelLoaded(Exception):
 
 def make_folders(root: Path) -> dict[str, Path]:
     """fp16 (tiny llama), its calibration and INT4 export, and an unrelated fp16 folder."""
-    from calibration.pipeline import CalibrateSpec, calibrate
-    from quantpipe.export import ExportSpec, export_quantized
-    from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+    from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+    from quantpipe.stages.export import ExportSpec, export_quantized
+    from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
     from tests.tiny_models import make_model, save_model
 
     dirs = {}
@@ -143,7 +143,7 @@ def no_model_load(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr("reports.eval.load_eval_model", refuse)
+    monkeypatch.setattr("quantpipe.reports.eval.load_eval_model", refuse)
 
 
 def eval_args(reference, candidate, text, *extra):
@@ -196,7 +196,7 @@ def no_sensitivity_load(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr("calibration.sensitivity._load_model", refuse)
+    monkeypatch.setattr("quantpipe.calibration.sensitivity._load_model", refuse)
 
 
 def test_sensitivity_seq_len_beyond_context(dirs, tmp_path, no_sensitivity_load):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quantpipe.sources import load_model, load_tokenizer, resolve_source
+from quantpipe.core.sources import load_model, load_tokenizer, resolve_source
 
 pytestmark = pytest.mark.slow
 

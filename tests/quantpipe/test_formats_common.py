@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from calibration.grid import quantize_to_grid, scale_zero_from_range
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.native import read_fp_state
-from quantpipe.qformat import QuantizedWeight, QuantSpec, resolve_group_size
+from quantpipe.calibration.grid import quantize_to_grid, scale_zero_from_range
+from quantpipe.core.native import read_fp_state
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, resolve_group_size
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
 
 def export_tiny(model_dir: Path, out: Path) -> Path:
@@ -90,7 +90,7 @@ def ref_decode_gptq(qweight, qzeros, scales, g_idx, bits: int, v1: bool):
 
 
 def test_gptq_pack_matches_independent_decoder():
-    from quantpipe.formats.gptq import pack_gptq
+    from quantpipe.core.formats.gptq import pack_gptq
 
     torch.manual_seed(0)
     w = torch.randn(48, 128) * 0.05
@@ -114,7 +114,7 @@ def test_ct_pack_equals_library_pack():
     """quantpipe's pack-quantized words are bit-identical to compressed-tensors' own packer."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from quantpipe.formats.compressed_tensors import pack_ct
+    from quantpipe.core.formats.compressed_tensors import pack_ct
 
     torch.manual_seed(1)
     w = torch.randn(40, 96) * 0.05
@@ -133,7 +133,7 @@ def test_ct_pack_equals_library_pack():
 def test_dynamic_pattern_matches_fused_vllm_names():
     import re
 
-    from quantpipe.formats.gptq import layer_pattern
+    from quantpipe.core.formats.gptq import layer_pattern
 
     p = layer_pattern("model.layers.1.self_attn.k_proj")
     assert re.match(p, "model.layers.1.self_attn.k_proj")
@@ -147,7 +147,7 @@ def track_unpacked(monkeypatch):
     import gc
     import weakref
 
-    from quantpipe.formats import verify as ver
+    from quantpipe.core.formats import verify as ver
 
     alive: list[weakref.ref] = []
     peak = [0]
@@ -170,7 +170,7 @@ def track_shard_writes(monkeypatch):
     import gc
     import weakref
 
-    import quantpipe.io as qio
+    import quantpipe.core.io as qio
 
     seen: list[weakref.ref] = []
     stats = {"alive": 0, "shards": []}

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from quantpipe.formats import (
+from quantpipe.core.formats import (
     convert_native,
     load_quantized,
     write_compressed_tensors,
     write_gptq,
 )
-from quantpipe.native import read_fp_state, write_native
-from quantpipe.qformat import QuantSpec
+from quantpipe.core.native import read_fp_state, write_native
+from quantpipe.core.qformat import QuantSpec
 from tests.quantpipe.test_formats_common import export_tiny, quantize_plan, ref_decode_gptq
 
 MIXED = [QuantSpec(4, 32, True), QuantSpec(4, 64, False), QuantSpec(8, -1, True),

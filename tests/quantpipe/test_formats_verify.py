@@ -11,9 +11,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from quantpipe.formats import load_quantized, verify_checkpoint, write_gptq
-from quantpipe.native import read_fp_state, write_native
-from quantpipe.qformat import QuantSpec
+from quantpipe.core.formats import load_quantized, verify_checkpoint, write_gptq
+from quantpipe.core.native import read_fp_state, write_native
+from quantpipe.core.qformat import QuantSpec
 from tests.quantpipe.test_formats_common import export_tiny, quantize_plan, track_unpacked
 
 LAYER = "model.layers.0.self_attn.q_proj"

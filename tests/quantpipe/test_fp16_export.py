@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from quantpipe.cli import main
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.io import read_manifest, sha256_file
+from quantpipe.core.io import read_manifest, sha256_file
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import make_model, save_model
 
 
@@ -91,13 +91,13 @@ def test_killed_export_leaves_nothing_valid(tmp_path, tiny_llama_dir):
     """SIGKILL the export while it writes: the target folder must not exist afterwards."""
     out = tmp_path / "fp16"
     code = (
-        "import os, signal, quantpipe.io as io\n"
+        "import os, signal, quantpipe.core.io as io\n"
         "orig = io.StreamingShard.finish\n"
         "def boom(*a, **k):\n"  # killed right after the first shard is written
         "    orig(*a, **k)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "io.StreamingShard.finish = boom\n"
-        "import quantpipe.fp16_export as fe\n"
+        "import quantpipe.stages.fp16_export as fe\n"
         "from pathlib import Path\n"
         f"fe.export_fp16(fe.Fp16ExportSpec({str(tiny_llama_dir)!r}, Path({str(out)!r})))\n"
     )
@@ -115,7 +115,7 @@ def test_disk_full_leaves_nothing_and_names_the_file(tmp_path, tiny_llama_dir, m
     """ENOSPC on the second shard: OSError naming it; no DIR, no temp folder, no lock left."""
     import errno
 
-    import quantpipe.io as qio
+    import quantpipe.core.io as qio
 
     orig = qio.write_bytes
 
@@ -138,7 +138,7 @@ def test_disk_full_leaves_nothing_and_names_the_file(tmp_path, tiny_llama_dir, m
 def test_streamed_export_equals_whole_model_export(tmp_path, monkeypatch, tie):
     """A safetensors folder is converted tensor by tensor, never loaded whole, one tensor in
     memory at a time; the result is the whole-model path's, tensor for tensor."""
-    import quantpipe.fp16_export as fe
+    import quantpipe.stages.fp16_export as fe
     from tests.quantpipe.test_formats_common import track_shard_writes
 
     model, tok = make_model("qwen2", tie=tie)  # qkv biases too

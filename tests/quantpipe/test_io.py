@@ -1,4 +1,4 @@
-"""quantpipe.io: output locks, overlap checks, stale temp folders, failed writes."""
+"""quantpipe.core.io: output locks, overlap checks, stale temp folders, failed writes."""
 
 import errno
 import json
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-import quantpipe.io as qio
-from quantpipe.io import (
+import quantpipe.core.io as qio
+from quantpipe.core.io import (
     OutputExistsError,
     OutputLockedError,
     atomic_output_dir,
@@ -27,7 +27,7 @@ from quantpipe.io import (
 
 HOLD_LOCK = (
     "import sys, time\n"
-    "from quantpipe.io import output_lock\n"
+    "from quantpipe.core.io import output_lock\n"
     "with output_lock(sys.argv[1]):\n"
     "    print('locked', flush=True)\n"
     "    sys.stdin.readline()  # hold the lock until the parent says so (or kills us)\n"

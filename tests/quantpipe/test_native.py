@@ -1,9 +1,9 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.native import load_dequantized_model, read_native, write_native
-from quantpipe.qformat import QuantSpec
+from quantpipe.core.native import load_dequantized_model, read_native, write_native
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import rtn
 
 

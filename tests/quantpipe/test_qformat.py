@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from quantpipe.qformat import (
+from quantpipe.core.qformat import (
     QuantizedWeight,
     QuantSpec,
     dequantize,

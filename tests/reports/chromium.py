@@ -51,7 +51,7 @@ def screenshot(page: Path, png: Path, width: int = 1280, height: int = 2400,
 
 
 if __name__ == "__main__":
-    from reports.html import write_report
+    from quantpipe.reports.html import write_report
     from tests.reports.sample_data import sample_report
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/report-sample.png")

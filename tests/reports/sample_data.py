@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import random
 
-from calibration.prompts import PromptRecord
-from reports.data import (
+from quantpipe.calibration.prompts import PromptRecord
+from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
     DistributionMetrics,

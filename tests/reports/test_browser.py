@@ -2,7 +2,7 @@
 
 import pytest
 
-from reports.html import write_report
+from quantpipe.reports.html import write_report
 from tests.reports.chromium import dump_dom, find_chromium, screenshot
 from tests.reports.sample_data import sample_report
 

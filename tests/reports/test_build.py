@@ -6,10 +6,10 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.cli import main
-from quantpipe.export import ExportSpec, export_quantized
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
+from quantpipe.stages.export import ExportSpec, export_quantized
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.calibration.test_pipeline import PROMPTS
 
 
@@ -58,7 +58,7 @@ def no_model_load(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr("reports.build.load_eval_model", refuse)
+    monkeypatch.setattr("quantpipe.reports.build.load_eval_model", refuse)
 
 
 def _report(dirs, out, *extra):
@@ -114,7 +114,7 @@ def test_report_refuses_a_candidate_of_another_model(dirs, tmp_path, no_model_lo
 
 
 def test_reused_eval_result_is_checked_first(dirs, tmp_path, no_model_load):
-    from reports.build import ReportSpec, build_report
+    from quantpipe.reports.build import ReportSpec, build_report
     from tests.quantpipe.test_cli_errors import ModelLoaded
 
     good = {"candidate": str(dirs["int4"]), "tokens": 10, "same_top_rate": 0.5,

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from reports.eval import (
+from quantpipe.reports.eval import (
     EvalSpec,
     _Accumulator,
     check_output_file,

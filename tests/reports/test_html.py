@@ -5,9 +5,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from calibration.prompts import PromptRecord
-from reports import charts
-from reports.data import (
+from quantpipe.calibration.prompts import PromptRecord
+from quantpipe.reports import charts
+from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
     DistributionMetrics,
@@ -16,8 +16,8 @@ from reports.data import (
     SpeedRecord,
     detect_machine,
 )
-from reports.html import render_quality_report, speed_family, write_report
-from reports.summary import summarize
+from quantpipe.reports.html import render_quality_report, speed_family, write_report
+from quantpipe.reports.summary import summarize
 from tests.reports.sample_data import BAD_OUTPUTS, GOOD_OUTPUTS, XSS_OUTPUT, sample_report
 
 
@@ -169,7 +169,7 @@ def test_input_validation():
 
 
 def test_distribution_from_eval_dataclass():
-    from reports.eval import EvalResult
+    from quantpipe.reports.eval import EvalResult
 
     r = EvalResult(reference="a", candidate="b", tokens=10, windows=1,
                    kld={k: 0.1 for k in ("mean", "median", "p90", "p99", "p999", "max")},

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.speed import read_speed_file
+from quantpipe.reports.speed import read_speed_file
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 

@@ -4,7 +4,7 @@ import statistics
 import numpy as np
 import pytest
 
-from reports import textmetrics as tm
+from quantpipe.reports import textmetrics as tm
 
 
 def test_metric_modules_load_from_the_package_offline():

@@ -1,6 +1,6 @@
 import pytest
 
-from reports.verdict import QualityNumbers, VerdictThresholds, judge
+from quantpipe.reports.verdict import QualityNumbers, VerdictThresholds, judge
 
 GOOD = QualityNumbers(kld_mean=0.02, same_top_rate=0.97, ppl_ratio=1.01, rouge_l_mean=0.8,
                       json_agreement=1.0, json_prompts=4, garbage_rate=0.0,

@@ -15,10 +15,10 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from quantpipe.qformat import QuantSpec  # noqa: E402
-from runtime.kernels import autotune  # noqa: E402
-from runtime.kernels import triton_kernels as tk  # noqa: E402
-from runtime.kernels.layout import dequantize_reference, repack_for_triton  # noqa: E402
+from quantpipe.core.qformat import QuantSpec  # noqa: E402
+from quantpipe.runtime.kernels import autotune  # noqa: E402
+from quantpipe.runtime.kernels import triton_kernels as tk  # noqa: E402
+from quantpipe.runtime.kernels.layout import dequantize_reference, repack_for_triton  # noqa: E402
 from tests.runtime._quant_helpers import random_packed  # noqa: E402
 
 N = 80  # not a multiple of BLOCK_N: exercises the column masks

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from calibration.grid import quantize_to_grid, scale_zero_from_range
-from quantpipe.native import write_native
-from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32
-from runtime.kernels.layout import PackedLinear
+from quantpipe.calibration.grid import quantize_to_grid, scale_zero_from_range
+from quantpipe.core.native import write_native
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32
+from quantpipe.runtime.kernels.layout import PackedLinear
 
 
 def random_packed(out_f: int, in_f: int, spec: QuantSpec, seed: int, bias: bool = False,

@@ -20,11 +20,11 @@ import zlib
 import pytest
 import torch
 
-from quantpipe.qformat import QuantSpec
-from runtime.kernels import cpu as cpu_kernels
-from runtime.kernels import cpu_ext
-from runtime.kernels.layout import dequantize_reference
-from runtime.quant_linear import QuantLinear
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.kernels import cpu as cpu_kernels
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.kernels.layout import dequantize_reference
+from quantpipe.runtime.quant_linear import QuantLinear
 from tests.runtime._quant_helpers import random_packed
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ext.cpu_can_run(isa),
@@ -349,7 +349,7 @@ def test_unusable_build_falls_back_to_int4pack(fresh_status):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 11, 17])
 def test_head_matmuls_match_float64_reference(isa, m, ops):
     """fp16_mm: exact fp16 weights, fp32 x; bf16_mm: bf16 weights and x; fp32 sums."""
-    from runtime.fp_head import block_row_pairs, block_rows
+    from quantpipe.runtime.fp_head import block_row_pairs, block_rows
 
     gen = torch.Generator().manual_seed(m)
     w16 = (torch.randn(80, 72, generator=gen) * 0.2).half()  # [N, K]
@@ -380,7 +380,7 @@ def test_add_rms_norm_and_rope_match_float64_reference(isa, d, ops):
     got2 = ops.add_rms_norm_(h, None, w, 1e-6)  # no delta: h unchanged
     torch.testing.assert_close(got2, got, rtol=0, atol=0)
 
-    from runtime.engine.model_runner import apply_rope
+    from quantpipe.runtime.engine.model_runner import apply_rope
 
     q, k = torch.randn(5, 3, d, generator=gen), torch.randn(5, 2, d, generator=gen)
     ang = torch.rand(5, d // 2, generator=gen) * 6

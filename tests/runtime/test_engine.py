@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from runtime.engine.kv_cache import BlockPool, KVCacheSpec, prefix_block_hashes
-from runtime.engine.model_runner import apply_rope, rotate_half
-from runtime.engine.sampling import filter_logits, sample_token
+from quantpipe.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from quantpipe.runtime.engine.kv_cache import BlockPool, KVCacheSpec, prefix_block_hashes
+from quantpipe.runtime.engine.model_runner import apply_rope, rotate_half
+from quantpipe.runtime.engine.sampling import filter_logits, sample_token
 from tests.tiny_models import make_model
 
 NEW = 12
@@ -112,7 +112,7 @@ def test_stop_string_and_eos():
 def test_incremental_detokenization_equals_full_decode():
     """Streamed deltas == tokenizer.decode of all output ids, for random ids (byte-level BPE:
     lone UTF-8 continuation/lead bytes, special tokens) and for sampled engine outputs."""
-    from runtime.engine.engine import _Detok
+    from quantpipe.runtime.engine.engine import _Detok
 
     _, tok = make_model("llama")
     g = torch.Generator().manual_seed(5)
@@ -205,7 +205,12 @@ def test_sampling_filters_and_seed():
 
 
 def test_paged_attention_matches_float64_reference():
-    from runtime.engine.model_runner import SeqChunk, group_mask, paged_attention, prepare_batch
+    from quantpipe.runtime.engine.model_runner import (
+        SeqChunk,
+        group_mask,
+        paged_attention,
+        prepare_batch,
+    )
 
     g = torch.Generator().manual_seed(0)
     H, KV, D, bs, nb = 4, 2, 8, 4, 12
@@ -232,7 +237,7 @@ def test_paged_attention_matches_float64_reference():
 
 @pytest.mark.slow
 def test_smollm2_engine_matches_hf_greedy(smollm2_fp16_dir):
-    from runtime.engine import load_model_for_serving
+    from quantpipe.runtime.engine import load_model_for_serving
 
     model, tok = load_model_for_serving(smollm2_fp16_dir, "cpu")
     prompts = [tok.encode("The capital of France is"),
@@ -248,8 +253,8 @@ def test_fused_cpu_path_equals_torch_path(tiny, monkeypatch):
     """The C++ norms / RoPE / paged attention (decode tokens and short chunks) give the torch
     path's logits on mixed steps, including a chunk longer than the kernel attention's limit;
     and the engine on the torch path still matches HF greedy."""
-    from runtime.engine import model_runner
-    from runtime.engine.model_runner import KERNEL_ATTENTION_MAX_Q, ModelRunner, SeqChunk
+    from quantpipe.runtime.engine import model_runner
+    from quantpipe.runtime.engine.model_runner import KERNEL_ATTENTION_MAX_Q, ModelRunner, SeqChunk
 
     model, tok, prompts, ref = tiny
     fused = ModelRunner(model, 4, 64)
@@ -277,7 +282,7 @@ def test_bf16_kv_cache_halves_the_pool_and_stays_close(tiny):
     """kv_dtype="bf16": half the bytes per block; on short chunks (the kernel attention where
     usable) and a long one (SDPA) the logits stay within bf16 rounding of the fp32 cache's, and
     the engine runs to completion and frees its blocks."""
-    from runtime.engine.model_runner import ModelRunner, SeqChunk
+    from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
 
     model, tok, prompts, ref = tiny
     fp32 = ModelRunner(model, 4, 64)
@@ -302,7 +307,7 @@ def test_bf16_kv_cache_halves_the_pool_and_stays_close(tiny):
 def test_sampling_distribution_matches_float64_for_any_temperature(temperature):
     """token_probs against softmax(logits / T) in float64 (subtracting the max there too, as
     float64 itself overflows at T = 1e-300); tiny temperatures give the argmax one-hot."""
-    from runtime.engine.sampling import token_probs
+    from quantpipe.runtime.engine.sampling import token_probs
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(384, generator=g) * 4  # [vocab] fp32
@@ -346,7 +351,7 @@ def _run_all(eng: LLMEngine, prompts, params) -> dict:
 
 
 def test_sampling_failure_fails_only_that_request(monkeypatch):
-    import runtime.engine.engine as engine_mod
+    import quantpipe.runtime.engine.engine as engine_mod
 
     model, tok = make_model("llama")
     prompts = [[5, 6, 7, 8, 9], list(range(10, 27)), [40, 41, 42]]
@@ -397,7 +402,7 @@ def test_forward_failure_fails_the_step_frees_blocks_and_engine_goes_on():
 def test_engine_loop_survives_failures_and_fails_every_request_when_it_dies():
     import queue as queue_mod
 
-    from runtime.engine import EngineLoop
+    from quantpipe.runtime.engine import EngineLoop
 
     model, tok = make_model("llama")
     eng = _engine(model, tok, 64, max_num_seqs=4, max_num_batched_tokens=64)
@@ -435,8 +440,8 @@ def test_engine_loop_stops_after_forward_failures_in_a_row():
     MAX_CONSECUTIVE_STEP_FAILURES the loop reports itself dead instead of failing forever."""
     import queue as queue_mod
 
-    from runtime.engine import EngineLoop
-    from runtime.engine.engine import MAX_CONSECUTIVE_STEP_FAILURES
+    from quantpipe.runtime.engine import EngineLoop
+    from quantpipe.runtime.engine.engine import MAX_CONSECUTIVE_STEP_FAILURES
 
     model, tok = make_model("llama")
     eng = _engine(model, tok, 64, max_num_seqs=1, max_num_batched_tokens=64)

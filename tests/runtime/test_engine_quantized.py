@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.qformat import QuantSpec
-from runtime.engine import EngineConfig, LLMEngine, SamplingParams, load_model_for_serving
-from runtime.quant_linear import QuantLinear
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.engine import EngineConfig, LLMEngine, SamplingParams, load_model_for_serving
+from quantpipe.runtime.quant_linear import QuantLinear
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import quantize_folder
 
 

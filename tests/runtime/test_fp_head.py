@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from runtime import fp_head
-from runtime.fp_head import CastEmbedding, HalfHead, set_half_head
-from runtime.kernels import cpu_ext
+from quantpipe.runtime import fp_head
+from quantpipe.runtime.fp_head import CastEmbedding, HalfHead, set_half_head
+from quantpipe.runtime.kernels import cpu_ext
 from tests.tiny_models import make_model
 
 
@@ -112,7 +112,7 @@ def test_set_half_head_untied_and_auto_keeps_both_copies():
 def test_set_half_head_leaves_non_fp16_weights_alone(caplog):
     model, _ = make_model("llama")  # random fp32 weights: rounding would change the model
     emb = model.get_input_embeddings()
-    with caplog.at_level(logging.WARNING, logger="runtime.fp_head"):
+    with caplog.at_level(logging.WARNING, logger="quantpipe.runtime.fp_head"):
         set_half_head(model, "fp16")
     assert model.get_input_embeddings() is emb
     assert "not fp16-representable" in caplog.text
@@ -124,7 +124,7 @@ def test_set_half_head_leaves_non_fp16_weights_alone(caplog):
 
 def test_engine_decode_matches_hf_greedy_with_and_without_half_head():
     """One greedy request through the engine == HF generate on the same model object."""
-    from runtime.generate import engine_decode
+    from quantpipe.runtime.generate import engine_decode
 
     for mode in ("fp32", "fp16"):
         model, tok = _fp16_model()
@@ -176,7 +176,7 @@ def test_set_half_head_int8_keeps_the_fp16_table_and_falls_back_without_kernels(
         assert rel < 2e-2, float(rel)  # int8 weights per 32 columns: ~2**-8 relative
     model, _ = _fp16_model(tie=True)
     monkeypatch.setattr(fp_head.cpu_ext, "kernel_status", lambda: (False, "test says no"))
-    with caplog.at_level(logging.WARNING, logger="runtime.fp_head"):
+    with caplog.at_level(logging.WARNING, logger="quantpipe.runtime.fp_head"):
         set_half_head(model, "int8")
     assert isinstance(model.get_output_embeddings(), HalfHead)
     assert model.get_output_embeddings().mode == "fp16"

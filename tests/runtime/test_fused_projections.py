@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.qformat import QuantSpec
-from runtime.engine import load_model_for_serving
-from runtime.engine.model_runner import FusedProjections, ModelRunner, SeqChunk
-from runtime.kernels import cpu_ext
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.engine import load_model_for_serving
+from quantpipe.runtime.engine.model_runner import FusedProjections, ModelRunner, SeqChunk
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import quantize_folder
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ext.cpu_can_run(isa),
@@ -59,7 +59,7 @@ def test_fused_projections_match_the_layer_by_layer_run(isa, qdir, monkeypatch):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_layers_that_differ_are_not_fused(isa):
-    from runtime.kernels import cpu as cpu_kernels
+    from quantpipe.runtime.kernels import cpu as cpu_kernels
     from tests.runtime._quant_helpers import random_packed
 
     assert cpu_ext.build_status(isa)[0]

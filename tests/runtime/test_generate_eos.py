@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.generate import GenerateSpec, engine_decode, greedy_decode
+from quantpipe.runtime.generate import GenerateSpec, engine_decode, greedy_decode
 from tests.tiny_models import make_model
 
 IDS = [5, 9, 23, 7, 11, 40, 3]

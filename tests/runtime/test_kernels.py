@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpipe.qformat import QuantSpec
-from runtime.kernels.layout import dequantize_reference, repack_for_triton
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.kernels.layout import dequantize_reference, repack_for_triton
 from tests.runtime._quant_helpers import random_packed
 
 pytest.importorskip("triton")
@@ -49,7 +49,7 @@ def test_interpreter_pin_parsing(interp_results):
 
 
 def test_triton_pin_env_rejects_unknown_kernel(monkeypatch):
-    from runtime.kernels import autotune
+    from quantpipe.runtime.kernels import autotune
 
     with pytest.raises(ValueError, match="unknown"):
         autotune.parse_pin("marlin:BLOCK_N=1")
@@ -104,7 +104,7 @@ def test_kernels_compile_to_ptx_for_sm90(kernel, act, flags):
         from triton.compiler.compiler import make_backend  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"triton internals moved: {exc}")
-    from runtime.kernels import triton_kernels as tk
+    from quantpipe.runtime.kernels import triton_kernels as tk
 
     out = "*fp32" if flags.get("SPLIT_K", 1) > 1 else f"*{act}"
     if kernel == "gemv":
@@ -139,7 +139,7 @@ GPU_CASES = [(QuantSpec(4, 128, True), torch.float16),
 @pytest.mark.parametrize("spec,dtype", GPU_CASES, ids=lambda v: getattr(v, "label", str)())
 def test_gpu_kernels_all_paths(spec, dtype):
     """Every autotune candidate of every M bucket, plus the autotuned choice, compiled."""
-    from runtime.kernels import autotune
+    from quantpipe.runtime.kernels import autotune
 
     dev = torch.device("cuda")
     k, n = 512, 384

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-from quantpipe.native import load_dequantized_model
-from quantpipe.qformat import QuantSpec
-from runtime.kernels import cpu_ext
-from runtime.loader import load_quantized_model
-from runtime.quant_linear import QuantLinear
+from quantpipe.core.native import load_dequantized_model
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.loader import load_quantized_model
+from quantpipe.runtime.quant_linear import QuantLinear
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import quantize_folder
 
 # every CPU backend appears: int4pack (g32/g64, sym/asym), int8pack (pc sym), dequant (int8 g32)
@@ -90,7 +90,7 @@ def test_loaded_model_on_cuda_matches_reference(qdirs):
 
 def _held_out_prompts(n: int) -> list[str]:
     """The n shortest single-turn prompts of the shipped held-out set (business-eval)."""
-    from calibration.prompts import load_prompt_records
+    from quantpipe.calibration.prompts import load_prompt_records
 
     texts = [r.prompt for r in load_prompt_records("business-eval") if r.prompt]
     return sorted(texts, key=len)[:n]
@@ -105,9 +105,9 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     Teacher-forced on the reference's own 32 greedy tokens, the runtime must pick the same
     token at >= 97% of the 256 positions, and every position where it does not must be a near
     tie (reference top-2 logit margin < 0.1). Free-running divergences are printed."""
-    from runtime.engine import load_model_for_serving
-    from runtime.engine.model_runner import ModelRunner, SeqChunk
-    from runtime.generate import engine_decode, greedy_decode, prompt_ids
+    from quantpipe.runtime.engine import load_model_for_serving
+    from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
+    from quantpipe.runtime.generate import engine_decode, greedy_decode, prompt_ids
 
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
@@ -165,7 +165,7 @@ def test_generate_cli_fp_and_quantized(qdirs, tiny_llama_dir):
 
 
 def test_greedy_decode_matches_hf_generate(qdirs):
-    from runtime.generate import greedy_decode
+    from quantpipe.runtime.generate import greedy_decode
 
     model = load_quantized_model(qdirs, device="cpu")
     ids = torch.tensor([[5, 9, 23, 7, 11]])
@@ -177,7 +177,7 @@ def test_greedy_decode_matches_hf_generate(qdirs):
 
 def test_runtime_loads_gptq_and_compressed_tensors(qdirs, tmp_path):
     """One runtime loader for the three formats: the same logits as the native folder."""
-    from quantpipe.formats.writers import convert_native
+    from quantpipe.core.formats.writers import convert_native
 
     ids = torch.arange(3, 20)[None]
     with torch.no_grad():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import uvicorn
 
-from runtime.loadgen import (
+from quantpipe.runtime.loadgen import (
     BenchSpec,
     RequestRecord,
     RunMetrics,
@@ -73,8 +73,8 @@ def test_spec_validation(kw, fragment):
 
 
 def test_short_run_against_tiny_server(tmp_path):
-    from runtime.engine import EngineConfig, LLMEngine
-    from runtime.server import build_app
+    from quantpipe.runtime.engine import EngineConfig, LLMEngine
+    from quantpipe.runtime.server import build_app
     from tests.tiny_models import make_model
 
     model, tok = make_model("llama")
@@ -125,7 +125,7 @@ def test_cli_bench_serve_refuses_remote_host():
 def test_prompts_share_exactly_the_prefix():
     import random
 
-    from runtime.loadgen import make_prompts, shared_prefix
+    from quantpipe.runtime.loadgen import make_prompts, shared_prefix
 
     spec = BenchSpec(prompt_len=40, shared_prefix_len=30)
     prefix = shared_prefix(spec, vocab_size=500)

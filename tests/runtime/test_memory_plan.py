@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from runtime.engine.kv_cache import KVCacheSpec
-from runtime.memory_plan import (
+from quantpipe.runtime.engine.kv_cache import KVCacheSpec
+from quantpipe.runtime.memory_plan import (
     MemoryPlanSpec,
     ModelDims,
     format_plan,

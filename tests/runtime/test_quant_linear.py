@@ -5,11 +5,11 @@ import zlib
 import pytest
 import torch
 
-from quantpipe.qformat import QuantSpec
-from runtime.kernels import cpu as cpu_kernels
-from runtime.kernels import cpu_ext
-from runtime.kernels.layout import dequantize_reference, repack_for_triton
-from runtime.quant_linear import QuantLinear
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.kernels import cpu as cpu_kernels
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.kernels.layout import dequantize_reference, repack_for_triton
+from quantpipe.runtime.quant_linear import QuantLinear
 from tests.runtime._quant_helpers import random_packed
 
 OUT, IN = 96, 256

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.server import build_app
+from quantpipe.runtime.engine import EngineConfig, LLMEngine
+from quantpipe.runtime.server import build_app
 from tests.runtime.test_server_failures import serve_app
 from tests.tiny_models import make_model
 

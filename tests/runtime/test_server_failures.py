@@ -16,9 +16,9 @@ import httpx
 import pytest
 import uvicorn
 
-import runtime.engine.engine as engine_mod
-from runtime.engine import EngineConfig, LLMEngine
-from runtime.server import RequestLimits, build_app
+import quantpipe.runtime.engine.engine as engine_mod
+from quantpipe.runtime.engine import EngineConfig, LLMEngine
+from quantpipe.runtime.server import RequestLimits, build_app
 from tests.tiny_models import make_model
 
 FAIL_SEED = 4242  # sampling fails at once for requests with this seed

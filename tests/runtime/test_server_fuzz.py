@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from runtime.server import RequestLimits, build_app
+from quantpipe.runtime.server import RequestLimits, build_app
 from tests.runtime.test_server_failures import serve_app, tiny_engine, wait_idle
 
 schemathesis = pytest.importorskip("schemathesis")

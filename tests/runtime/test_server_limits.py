@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-import runtime.server as server_mod
-from runtime.server import RequestLimits, ServeSpec, build_app
+import quantpipe.runtime.server as server_mod
+from quantpipe.runtime.server import RequestLimits, ServeSpec, build_app
 from tests.runtime.test_server_failures import serve_app, tiny_engine, wait_idle
 
 LIMITS = RequestLimits(max_request_bytes=8192, max_prompt_chars=2000, request_timeout=1.0)

@@ -8,7 +8,7 @@ import socket
 import pytest
 from click.testing import CliRunner
 
-import runtime.engine
+import quantpipe.runtime.engine as engine_pkg
 from quantpipe.cli import main
 from tests.tiny_models import make_model, save_model
 
@@ -29,7 +29,7 @@ def no_loading(monkeypatch):
     def load(*_a, **_k):
         raise _Loaded("the model load started")
 
-    monkeypatch.setattr(runtime.engine, "load_model_for_serving", load)
+    monkeypatch.setattr(engine_pkg, "load_model_for_serving", load)
 
 
 def _serve(folder, *opts: str):

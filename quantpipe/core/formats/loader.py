@@ -1,5 +1,5 @@
 """Load any quantized folder quantpipe reads (native, GPTQ, compressed-tensors) into one
-format-neutral structure, after :mod:`quantpipe.formats.verify` has passed."""
+format-neutral structure, after :mod:`quantpipe.core.formats.verify` has passed."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.formats.verify import VerifyReport, inspect_checkpoint
-from quantpipe.qformat import QuantizedWeight, QuantSpec
+from quantpipe.core.formats.verify import VerifyReport, inspect_checkpoint
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 
 @dataclass
 class QuantizedCheckpoint:
     """A verified quantized checkpoint, unpacked.
 
-    ``layers`` are unpacked :class:`~quantpipe.qformat.QuantizedWeight` (uint8 q, fp16 scales,
+    ``layers`` are unpacked :class:`~quantpipe.core.qformat.QuantizedWeight` (uint8 q, fp16 scales,
     uint8 zeros, int32 g_idx or None) in quantpipe's convention whatever the format on disk;
     ``fp_tensors`` hold every other tensor under its Hugging Face name (embeddings, norms,
     biases ``P.bias`` of quantized linears, linears kept in FP16). Both are read from the
@@ -64,7 +64,7 @@ def load_quantized(folder: str | Path) -> QuantizedCheckpoint:
 def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Verify any quantized folder, then build a transformers model with dequantized weights
     (the reference model of `eval` and `report`)."""
-    from quantpipe.native import model_from_state_dict
+    from quantpipe.core.native import model_from_state_dict
 
     ckpt = load_quantized(folder)
     return model_from_state_dict(ckpt.config, ckpt.dequantized_state_dict(dtype), dtype, folder)

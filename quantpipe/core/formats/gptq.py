@@ -33,8 +33,8 @@ from collections import Counter
 import torch
 
 from quantpipe import __version__
-from quantpipe.formats.layer import Expected, UnpackedLayer
-from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.core.formats.layer import Expected, UnpackedLayer
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
 
 log = logging.getLogger(__name__)
 

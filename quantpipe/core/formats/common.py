@@ -3,7 +3,7 @@
 A quantized folder is written in one place (:func:`write_quantized_folder`): config.json with
 the format's ``quantization_config``, the side files (tokenizer, generation config), sharded
 safetensors and, last, the ``quantpipe.json`` manifest, all inside
-:func:`quantpipe.io.atomic_output_dir`.
+:func:`quantpipe.core.io.atomic_output_dir`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.io import (
+from quantpipe.core.io import (
     atomic_output_dir,
     tensor_shape,
     write_json_atomic,
     write_manifest,
     write_shards,
 )
-from quantpipe.native import copy_side_files, replace_quantized  # noqa: F401  (re-exported)
-from quantpipe.qformat import QuantizedWeight
+from quantpipe.core.native import copy_side_files, replace_quantized  # noqa: F401  (re-exported)
+from quantpipe.core.qformat import QuantizedWeight
 
 # The three on-disk layouts quantpipe writes and reads.
 FORMATS = ("native", "gptq", "compressed-tensors")

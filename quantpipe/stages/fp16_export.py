@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from quantpipe.io import (
+from quantpipe.core.io import (
     LazyTensors,
     atomic_output_dir,
     save_sharded,
@@ -19,7 +19,7 @@ from quantpipe.io import (
     write_manifest,
     write_shards,
 )
-from quantpipe.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
+from quantpipe.core.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     """Write the FP16 folder; bad input fails before ``spec.out`` is touched, and the whole
-    export runs under the output lock inside a hidden temp folder (see quantpipe.io).
+    export runs under the output lock inside a hidden temp folder (see quantpipe.core.io).
 
     A safetensors folder whose tensor names are the model's is converted tensor by tensor
     (one output shard in memory, never the model); other sources (GGUF, ``.bin``, checkpoints

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.formats import compressed_tensors as ct
-from quantpipe.formats import gptq
-from quantpipe.formats.common import (
+from quantpipe.core.formats import compressed_tensors as ct
+from quantpipe.core.formats import gptq
+from quantpipe.core.formats.common import (
     is_sequential_g_idx,
     kept_fp16_linears,
     replace_quantized,
     write_quantized_folder,
 )
-from quantpipe.io import check_not_overlapping
-from quantpipe.native import load_fp16_source, source_fp16_entry
-from quantpipe.qformat import QuantizedWeight, weight_spec
+from quantpipe.core.io import check_not_overlapping
+from quantpipe.core.native import load_fp16_source, source_fp16_entry
+from quantpipe.core.qformat import QuantizedWeight, weight_spec
 
 EXPORT_FORMATS = ("gptq", "compressed-tensors")
 # manifest keys that belong to the folder being written, never copied from a converted source
@@ -90,11 +90,11 @@ def write_gptq(
     fp16_shards: list[dict] | None = None,
     recorded_by: str = "",
 ) -> dict:
-    """GPTQ checkpoint (see :mod:`quantpipe.formats.gptq`); returns the manifest.
+    """GPTQ checkpoint (see :mod:`quantpipe.core.formats.gptq`); returns the manifest.
 
     ``checkpoint_format``: "auto" (v1 "gptq" unless an asymmetric zero point is 0, then
     "gptq_v2"), "gptq" or "gptq_v2". ``fp16_shards``/``recorded_by``: the FP16 hashes to
-    check (see :func:`quantpipe.native.load_fp16_source`).
+    check (see :func:`quantpipe.core.native.load_fp16_source`).
     """
     check_not_overlapping(out, {"FP16_DIR": fp16_dir})
     config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
@@ -116,7 +116,7 @@ def write_compressed_tensors(
     recorded_by: str = "",
 ) -> dict:
     """compressed-tensors pack-quantized checkpoint (see
-    :mod:`quantpipe.formats.compressed_tensors`); returns the manifest. ``fp16_shards``/
+    :mod:`quantpipe.core.formats.compressed_tensors`); returns the manifest. ``fp16_shards``/
     ``recorded_by``: as for :func:`write_gptq`."""
     check_not_overlapping(out, {"FP16_DIR": fp16_dir})
     config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
@@ -130,7 +130,7 @@ def convert_native(
 ) -> dict:
     """Re-export a verified quantized folder (native, or any format quantpipe reads) as
     ``fmt`` ("gptq" or "compressed-tensors"); the quantized values are copied bit for bit."""
-    from quantpipe.formats.loader import load_quantized
+    from quantpipe.core.formats.loader import load_quantized
 
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format {fmt!r}; convert to one of {EXPORT_FORMATS}")

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calibration.artifact import Calibration, read_calibration
-from calibration.plan import Plan, PlanSpec, make_plan
-from quantpipe.io import check_not_overlapping, check_output_dir, output_lock
+from quantpipe.calibration.artifact import Calibration, read_calibration
+from quantpipe.calibration.plan import Plan, PlanSpec, make_plan
+from quantpipe.core.io import check_not_overlapping, check_output_dir, output_lock
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class ExportResult:
 def export_quantized(spec: ExportSpec) -> ExportResult:
     """Write QDIR from a calibration. Every check (inputs, --out, the FP16 shards' hashes
     against those the calibration recorded) runs before QDIR is touched; the whole export
-    holds QDIR's output lock and writes through a hidden temp folder (quantpipe.io)."""
+    holds QDIR's output lock and writes through a hidden temp folder (quantpipe.core.io)."""
     t0 = time.perf_counter()
     check_not_overlapping(spec.out, {"CALIB_DIR": spec.calib_dir})
     calib = read_calibration(spec.calib_dir)
@@ -86,15 +86,15 @@ def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: dict) -> N
         recorded_by=f"the calibration {spec.calib_dir}",
     )
     if spec.fmt == "native":
-        from quantpipe.native import write_native
+        from quantpipe.core.native import write_native
 
         write_native(spec.out, calib.fp16_dir, weights, **args)
     elif spec.fmt == "gptq":
-        from quantpipe.formats.writers import write_gptq
+        from quantpipe.core.formats.writers import write_gptq
 
         write_gptq(spec.out, calib.fp16_dir, weights, **args)
     elif spec.fmt == "compressed-tensors":
-        from quantpipe.formats.writers import write_compressed_tensors
+        from quantpipe.core.formats.writers import write_compressed_tensors
 
         write_compressed_tensors(spec.out, calib.fp16_dir, weights, **args)
     else:

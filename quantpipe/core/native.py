@@ -11,7 +11,7 @@ Layout of a quantized folder (QDIR), one entry per quantized linear ``P`` (e.g.
 | ``P.g_idx``     | int32 | [in]                     | act-order specs only: group of each column  |
 | ``P.bias``      | any   | [out]                    | when the linear has a bias                  |
 
-``w[o, i] = (q[o, i] - zero[o, g_idx[i]]) * scale[o, g_idx[i]]`` (see ``quantpipe.qformat``).
+``w[o, i] = (q[o, i] - zero[o, g_idx[i]]) * scale[o, g_idx[i]]`` (see ``quantpipe.core.qformat``).
 ``config.json["quantization_config"]`` = ``{"quant_method": "quantpipe", "format_version": 1,
 "layers": {P: spec dict}}`` and ``quantpipe.json`` (stage ``quantized``) holds the whole plan,
 shard hashes and the source hashes.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.io import (
+from quantpipe.core.io import (
     MANIFEST_NAME,
     LazyTensors,
     Overlay,
@@ -40,7 +40,7 @@ from quantpipe.io import (
     write_manifest,
     write_shards,
 )
-from quantpipe.qformat import (
+from quantpipe.core.qformat import (
     QuantizedWeight,
     QuantSpec,
     pack_int32,
@@ -48,7 +48,7 @@ from quantpipe.qformat import (
     weight_shape,
     weight_spec,
 )
-from quantpipe.sources import DTYPES
+from quantpipe.core.sources import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def write_native(
     """Write a native quantized checkpoint.
 
     ``weights``: linear name (no ``.weight``) -> its quantized weight (a lazy
-    :class:`~quantpipe.qformat.LazyWeights` is read one layer at a time). ``fp_overrides``: FP
+    :class:`~quantpipe.core.qformat.LazyWeights` is read one layer at a time). ``fp_overrides``: FP
     tensors that replace the FP16 folder's (e.g. AWQ-scaled norms and kept-FP16 linears).
     ``fp16_shards``/``recorded_by``: see :func:`load_fp16_source`. Returns the manifest.
     """

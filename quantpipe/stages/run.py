@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantpipe.io import MANIFEST_NAME, write_json_atomic
+from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def _done(folder: Path) -> bool:
 
 
 def run_pipeline(spec: RunSpec) -> RunResult:
-    from calibration.pipeline import CalibrateSpec, calibrate
-    from quantpipe.export import ExportSpec, export_quantized
-    from quantpipe.fp16_export import Fp16ExportSpec, export_fp16
-    from reports.build import ReportSpec, build_report
-    from reports.eval import EvalSpec, load_texts, run_eval
+    from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+    from quantpipe.reports.build import ReportSpec, build_report
+    from quantpipe.reports.eval import EvalSpec, load_texts, run_eval
+    from quantpipe.stages.export import ExportSpec, export_quantized
+    from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
     out = Path(spec.out)
     fp16, calib = out / "fp16", out / "calib"
@@ -89,7 +89,7 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     stage("export-fp16", _done(fp16), lambda: export_fp16(fp16_spec))
     stage("calibrate", _done(calib), lambda: calibrate(calib_spec))
     if spec.budget_bits is not None:
-        from calibration.sensitivity import SensitivitySpec, measure_sensitivity
+        from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
 
         stage("sensitivity", (calib / "sensitivity.json").is_file(),
               lambda: measure_sensitivity(SensitivitySpec(calib)))

@@ -15,13 +15,13 @@ Facts checked against the installed library (compressed-tensors 0.20.1) and vLLM
 - ``compressed_tensors/compressors/pack_quantized/helpers.py`` ``pack_to_int32``: values are
   signed int8 in [-2**(b-1), 2**(b-1)-1]; it adds the offset ``1 << (bits-1)`` and packs
   element ``i`` at bit ``i*bits`` (dense, LSB first). For 4 and 8 bits that is exactly
-  ``quantpipe.qformat.pack_int32`` of the unsigned ``q = signed + 2**(bits-1)``.
+  ``quantpipe.core.qformat.pack_int32`` of the unsigned ``q = signed + 2**(bits-1)``.
 - ``compressors/pack_quantized/base.py``: ``weight_zero_point`` is packed with
   ``packed_dim=0`` for asymmetric group/channel strategies; symmetric layers store none (zero 0
   signed = 2**(bits-1) unsigned, quantpipe's sym mid-point). ``weight_shape`` is
   ``torch.tensor(weight.shape)`` (int64).
 - ``quantization/lifecycle/forward_helpers.py`` ``_dequantize``: ``(x_q - zp) * scale`` in
-  the scale dtype: the same grid as ``quantpipe.qformat.dequantize``.
+  the scale dtype: the same grid as ``quantpipe.core.qformat.dequantize``.
 - ``quantization/quant_args.py``: ``actorder`` "group" (the one that needs ``weight_g_idx``)
   was removed; "weight" (reorder during calibration only, no g_idx) is still valid. So layers
   whose act-order ``g_idx`` is a true permutation cannot be written in this format.
@@ -35,9 +35,9 @@ import re
 
 import torch
 
-from quantpipe.formats.common import is_sequential_g_idx
-from quantpipe.formats.layer import Expected, UnpackedLayer
-from quantpipe.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.core.formats.common import is_sequential_g_idx
+from quantpipe.core.formats.layer import Expected, UnpackedLayer
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"

@@ -4,7 +4,7 @@ Checks, all collected before one ``ValueError`` lists them (each names the file,
 what was expected):
 
 1. quantpipe folders (``quantpipe.json`` present): manifest readable, stage ``quantized``, every
-   shard's size and sha256 (:func:`quantpipe.io.verify_shard_hashes`), no unlisted shards,
+   shard's size and sha256 (:func:`quantpipe.core.io.verify_shard_hashes`), no unlisted shards,
    manifest ``checkpoint_format`` and per-layer plan equal to what config.json describes.
    Folders made by other tools (no manifest) skip these and get the checks below.
 2. every safetensors file parses; every quantized layer of the plan has all its tensors with
@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantpipe.formats import compressed_tensors as ct
-from quantpipe.formats import gptq
-from quantpipe.formats.layer import Expected, UnpackedLayer
-from quantpipe.io import MANIFEST_NAME, LazyTensors, read_manifest, verify_shard_hashes
-from quantpipe.native import QUANT_METHOD as NATIVE_METHOD
-from quantpipe.qformat import QuantizedWeight, QuantSpec, unpack_int32
+from quantpipe.core.formats import compressed_tensors as ct
+from quantpipe.core.formats import gptq
+from quantpipe.core.formats.layer import Expected, UnpackedLayer
+from quantpipe.core.io import MANIFEST_NAME, LazyTensors, read_manifest, verify_shard_hashes
+from quantpipe.core.native import QUANT_METHOD as NATIVE_METHOD
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, unpack_int32
 
 # quant_method in config.json -> quantpipe format name
 FORMAT_OF_METHOD = {NATIVE_METHOD: "native", gptq.QUANT_METHOD: "gptq",
