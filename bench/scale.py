@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from quantpipe.core.io import save_safetensors_atomic, write_json_atomic
 
-from quantpipe.core.io import save_safetensors_atomic, write_json_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # TinyLlama-1.1B's widths (its depth is 22 layers; the bench compares 4 with 16)
 _TINYLLAMA = dict(model_type="llama", hidden_size=2048, intermediate_size=5632,
@@ -160,7 +159,7 @@ def run_stage(args: list[str], log_path: Path) -> dict:
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=ROOT).returncode
+                            cwd=log_path.parent).returncode
     seconds = time.perf_counter() - t0
     lines = log_path.read_text(errors="replace").strip().splitlines()
     peak_kb = int(peak_file.read_text()) if peak_file.is_file() else 0
