@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 HEAD_DTYPES = ("fp32", "fp16", "bf16", "auto", "int8")
 INT8_HEAD_GROUP = 32  # int8 head: one fp16 scale per row and block of 32 columns
 BLOCK = 16  # vocabulary rows per block of the kernels' layouts (cpu.block_rows)
-# auto: rows up to which fp16 beats bf16 (kernels: 1.9 vs 2.3 ms at 2 rows, 3.6 vs 2.4 at 4;
-# torch: only at one row)
+# auto: rows up to which the fp16 head beats the bf16 one (measured in docs/runtime.md, "The
+# output head on CPU": the fp16 kernel reads exact weights but bf16's dot product wins once a
+# few rows share each weight load)
 AUTO_FP16_ROWS_KERNEL, AUTO_FP16_ROWS_TORCH = 2, 1
 
 
