@@ -19,6 +19,7 @@ import click
 from safetensors import SafetensorError
 
 from quantpipe import __version__
+from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
 
 # errno -> (what happened, what to do); the path is named in front of both
 _OS_ERRORS = {
@@ -375,36 +376,42 @@ def verify_cmd(qdir):
 
 @main.command("serve")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default=DEFAULTS.host, show_default=True,
               help="Bind address (loopback by default; other addresses expose the server).")
-@click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--max-num-seqs", default=16, show_default=True, type=int,
+@click.option("--port", default=DEFAULTS.port, show_default=True, type=int)
+@click.option("--max-num-seqs", default=DEFAULTS.max_num_seqs, show_default=True, type=int,
               help="Sequences in the running batch.")
-@click.option("--max-queue", default=64, show_default=True, type=int,
+@click.option("--max-queue", default=DEFAULTS.max_queue, show_default=True, type=int,
               help="Accepted requests waiting beyond the batch; more get 429.")
 @click.option("--kv-cache-memory", default=None,
-              help="KV pool size, e.g. 2GiB (default: half the free memory).")
-@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per block.")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int,
+              help=f"KV pool size, e.g. 2GiB (default: {DEFAULTS.kv_memory_fraction:.0%} of the "
+                   "free memory).")
+@click.option("--block-size", default=DEFAULTS.block_size, show_default=True, type=int,
+              help="Tokens per block.")
+@click.option("--max-num-batched-tokens", default=DEFAULTS.max_num_batched_tokens,
+              show_default=True, type=int,
               help="Tokens computed per engine step (prefill chunks + decodes).")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable KV prefix caching.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto"]),
-              default="bf16", show_default=True,
+              default=DEFAULTS.serve_head_dtype, show_default=True,
               help="CPU: precision of the embedding table and output head (bf16: fast at every "
                    "batch size; fp16: exact weights, fastest for one or two sequences; auto: "
                    "fp16 for 1-2 rows, bf16 for more, so outputs can depend on the batch).")
-@click.option("--kv-dtype", type=click.Choice(["model", "bf16"]), default="model",
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPE_NAMES), default=DEFAULTS.kv_dtype,
               show_default=True,
               help="KV cache elements: the model's activation dtype (fp32 on CPU), or bf16: half "
                    "the memory per token (twice the context or sequences), keys and values "
                    "rounded to bf16.")
-@click.option("--max-request-bytes", default="1MiB", show_default=True,
+@click.option("--max-request-bytes", default=f"{DEFAULTS.max_request_bytes / 2**20:g}MiB",
+              show_default=True,
               help="Largest request body (e.g. 1MiB); larger ones get 413.")
-@click.option("--max-prompt-chars", default=262144, show_default=True, type=int,
+@click.option("--max-prompt-chars", default=DEFAULTS.max_prompt_chars, show_default=True,
+              type=int,
               help="Longest prompt (chat: all messages) in characters, checked before "
                    "tokenizing; longer ones get 400.")
-@click.option("--request-timeout", default=30.0, show_default=True, type=float,
+@click.option("--request-timeout", default=DEFAULTS.request_timeout, show_default=True,
+              type=float,
               help="Seconds for a request body to arrive in full; a stalled client gets 408.")
 def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
               max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype,
@@ -429,21 +436,24 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
 
 
 @main.command("bench-serve")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True)
-@click.option("--concurrency", default="1,4,16", show_default=True,
-              help="Comma-separated in-flight caps, one run each.")
-@click.option("--prompt-len", default=256, show_default=True, type=int)
-@click.option("--output-len", default=128, show_default=True, type=int)
-@click.option("--duration", default=60.0, show_default=True, type=float,
+@click.option("--url", default=DEFAULTS.bench_url, show_default=True)
+@click.option("--concurrency", default=",".join(map(str, DEFAULTS.bench_concurrency)),
+              show_default=True, help="Comma-separated in-flight caps, one run each.")
+@click.option("--prompt-len", default=DEFAULTS.bench_prompt_len, show_default=True, type=int)
+@click.option("--output-len", default=DEFAULTS.bench_output_len, show_default=True, type=int)
+@click.option("--duration", default=DEFAULTS.bench_duration, show_default=True, type=float,
               help="Seconds of sending per run.")
-@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--repeats", default=DEFAULTS.bench_repeats, show_default=True, type=int)
 @click.option("--request-rate", default=None, type=float,
               help="Poisson arrival rate (req/s); default: closed loop at each concurrency.")
 @click.option("--shared-prefix-len", default=0, show_default=True, type=int,
               help="Leading prompt tokens common to all requests (prefix caching).")
-@click.option("--warmup", default=2, show_default=True, type=int, help="Warm-up requests.")
-@click.option("--ttft-slo", default=2.0, show_default=True, type=float, help="Seconds.")
-@click.option("--tpot-slo", default=0.060, show_default=True, type=float, help="Seconds.")
+@click.option("--warmup", default=DEFAULTS.bench_warmup_requests, show_default=True, type=int,
+              help="Warm-up requests.")
+@click.option("--ttft-slo", default=DEFAULTS.ttft_slo, show_default=True, type=float,
+              help="Seconds.")
+@click.option("--tpot-slo", default=DEFAULTS.tpot_slo, show_default=True, type=float,
+              help="Seconds.")
 @click.option("--allow-remote", is_flag=True, help="Permit a non-loopback --url.")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path),
               help="Write all runs and medians here.")
@@ -470,13 +480,15 @@ def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats,
 
 @main.command("plan-memory")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--context", default=8192, show_default=True, type=int,
+@click.option("--context", default=DEFAULTS.plan_context, show_default=True, type=int,
               help="Tokens per sequence (prompt + output).")
-@click.option("--concurrency", default=10, show_default=True, type=int)
-@click.option("--device-memory", default="80GB", show_default=True)
-@click.option("--utilization", default=0.9, show_default=True, type=float)
-@click.option("--block-size", default=16, show_default=True, type=int)
-@click.option("--reserve", default="1GiB", show_default=True, help="Runtime reserve.")
+@click.option("--concurrency", default=DEFAULTS.plan_concurrency, show_default=True, type=int)
+@click.option("--device-memory", default=f"{DEFAULTS.device_memory / 10**9:g}GB",
+              show_default=True)
+@click.option("--utilization", default=DEFAULTS.utilization, show_default=True, type=float)
+@click.option("--block-size", default=DEFAULTS.block_size, show_default=True, type=int)
+@click.option("--reserve", default=f"{DEFAULTS.runtime_reserve / 2**30:g}GiB", show_default=True,
+              help="Runtime reserve.")
 @click.option("--kv-dtype", default=None, help="KV element type (default: the config's dtype).")
 def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization, block_size,
                     reserve, kv_dtype):
@@ -498,10 +510,10 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--max-new-tokens", default=DEFAULTS.max_new_tokens, show_default=True, type=int)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto", "int8"]),
-              default="fp16", show_default=True,
+              default=DEFAULTS.generate_head_dtype, show_default=True,
               help="CPU: precision of the embedding table and output head (fp16 = the "
                    "checkpoint's; fp32 = upcast, slower; int8 = the head quantized per 32 "
                    "columns at load, half the bytes of fp16).")

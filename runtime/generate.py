@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from quantpipe.core.io import MANIFEST_NAME
+from quantpipe.runtime.config import DEFAULTS
 from quantpipe.runtime.fp_head import HEAD_DTYPES
 
 
@@ -28,9 +29,9 @@ class GenerateSpec:
     model_dir: Path  # an FP16 export / HF folder, or a quantized (native) folder
     prompt: str  # the user text
     chat: bool = False  # wrap the prompt in the tokenizer's chat template
-    max_new_tokens: int = 64  # tokens generated after the prompt (stops early at EOS)
+    max_new_tokens: int = DEFAULTS.max_new_tokens  # tokens after the prompt (stops at EOS)
     device: str = "cpu"  # cpu or cuda
-    head_dtype: str = "fp16"  # runtime.fp_head mode on CPU (one request: M = 1, fp16 is best)
+    head_dtype: str = DEFAULTS.generate_head_dtype  # runtime.fp_head mode on CPU (M = 1)
     ignore_eos: bool = False  # generate max_new_tokens even past EOS (benchmarks)
     min_new_tokens: int = 0  # EOS does not stop generation before this many new tokens
 
@@ -113,7 +114,8 @@ def _first_stop(new: list[int], eos: set[int], min_new_tokens: int) -> int | Non
 
 
 def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
-                  stop_at_eos: bool = True, block_size: int = 16, min_new_tokens: int = 0
+                  stop_at_eos: bool = True, block_size: int = DEFAULTS.block_size,
+                  min_new_tokens: int = 0
                   ) -> tuple[list[int], float, float]:
     """(new token ids, prefill seconds, decode seconds): one greedy request through the engine.
 
@@ -123,11 +125,12 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
     (greedy: the tokens are those of an uninterrupted run); the first EOS after it ends it.
     """
     from quantpipe.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-    from quantpipe.runtime.engine.engine import eos_ids
+    from quantpipe.runtime.engine.detokenize import eos_ids
 
     blocks = -(-(len(ids) + max_new_tokens) // block_size) + 1
     engine = LLMEngine(model, tokenizer, EngineConfig(
-        block_size=block_size, max_num_seqs=1, max_num_batched_tokens=max(2048, block_size),
+        block_size=block_size, max_num_seqs=1,
+        max_num_batched_tokens=max(DEFAULTS.max_num_batched_tokens, block_size),
         num_kv_blocks=blocks, enable_prefix_caching=False))
     hold = stop_at_eos and min_new_tokens > 1  # the engine ignores EOS; we stop after min
     eos = eos_ids(model, tokenizer) if hold else set()
@@ -154,7 +157,7 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
 
 def run_generate(spec: GenerateSpec) -> GenerateResult:
     from quantpipe.runtime.engine import load_model_for_serving
-    from quantpipe.runtime.engine.engine import eos_ids
+    from quantpipe.runtime.engine.detokenize import eos_ids
     from quantpipe.runtime.engine.model_runner import FAMILIES
 
     if spec.device == "cuda":

@@ -25,24 +25,25 @@ from urllib.parse import urlparse
 import numpy as np
 
 from quantpipe.core.io import write_json_atomic
+from quantpipe.runtime.config import DEFAULTS
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass(frozen=True)
 class BenchSpec:
-    url: str = "http://127.0.0.1:8000"  # server base URL (loopback unless allow_remote)
-    concurrency: tuple[int, ...] = (1, 4, 16)  # in-flight request caps, one run each
-    prompt_len: int = 256  # prompt tokens per request (random ids; shared prefix included)
-    output_len: int = 128  # output tokens per request (ignore_eos)
-    duration: float = 60.0  # seconds of sending per run
-    repeats: int = 3  # runs per concurrency; medians reported
+    url: str = DEFAULTS.bench_url  # server base URL (loopback unless allow_remote)
+    concurrency: tuple[int, ...] = DEFAULTS.bench_concurrency  # in-flight caps, one run each
+    prompt_len: int = DEFAULTS.bench_prompt_len  # prompt tokens per request (shared prefix too)
+    output_len: int = DEFAULTS.bench_output_len  # output tokens per request (ignore_eos)
+    duration: float = DEFAULTS.bench_duration  # seconds of sending per run
+    repeats: int = DEFAULTS.bench_repeats  # runs per concurrency; medians reported
     request_rate: float | None = None  # Poisson arrivals (req/s); None -> closed loop
-    warmup_requests: int = 2  # per concurrency, excluded from metrics
+    warmup_requests: int = DEFAULTS.bench_warmup_requests  # per concurrency, not measured
     max_requests: int = 10_000  # hard cap per run
     shared_prefix_len: int = 0  # leading tokens common to all prompts (prefix caching)
-    ttft_slo: float = 2.0  # seconds, for goodput
-    tpot_slo: float = 0.060  # seconds, for goodput
+    ttft_slo: float = DEFAULTS.ttft_slo  # seconds, for goodput
+    tpot_slo: float = DEFAULTS.tpot_slo  # seconds, for goodput
     request_timeout: float = 600.0  # seconds per request
     seed: int = 0
     allow_remote: bool = False  # permit a non-loopback host

@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantpipe.runtime.config import DEFAULTS
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
@@ -51,13 +53,13 @@ class ModelDims:
 @dataclass(frozen=True)
 class MemoryPlanSpec:
     model_dir: Path | None  # folder with config.json + *.safetensors (None: config-only plan)
-    context: int = 8192  # tokens per sequence (prompt + output)
-    concurrency: int = 10  # sequences that must fit at once
-    device_memory: int = 80 * 10**9  # bytes on the device
-    utilization: float = 0.9  # fraction of device memory the server may use
-    block_size: int = 16  # KV block size (context rounds up to whole blocks)
-    max_num_batched_tokens: int = 2048  # tokens per engine step (activation estimate)
-    runtime_reserve: int = 2**30  # CUDA context, allocator slack, kernels' workspaces
+    context: int = DEFAULTS.plan_context  # tokens per sequence (prompt + output)
+    concurrency: int = DEFAULTS.plan_concurrency  # sequences that must fit at once
+    device_memory: int = DEFAULTS.device_memory  # bytes on the device
+    utilization: float = DEFAULTS.utilization  # fraction of device memory the server may use
+    block_size: int = DEFAULTS.block_size  # KV block size (context rounds up to whole blocks)
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens  # per step (activations)
+    runtime_reserve: int = DEFAULTS.runtime_reserve  # CUDA context, allocator slack, workspaces
     kv_dtype: str | None = None  # None -> the config's dtype
 
     def __post_init__(self) -> None:

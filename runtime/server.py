@@ -2,8 +2,11 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> SSE ending in
 ``data: [DONE]``), GET /v1/models, /health, /metrics (Prometheus text). The engine steps in a
-background thread (:class:`runtime.engine.EngineLoop`); each HTTP request iterates an async
-generator of its outputs, which the engine thread fills through ``loop.call_soon_threadsafe``.
+background thread (:class:`runtime.engine.EngineLoop`). Each completion request is one async
+generator of its outputs (:meth:`_Server.request_outputs`, over ``EngineLoop.generate``, vLLM's
+api_server design): the handler iterates it, a client that disconnects cancels the iteration,
+and the generator's one ``try/finally`` ends the request however it ends (the engine request
+aborted, its KV blocks freed, its admission slot released).
 
 What protects the server (docs/serving.md, "Failure behaviour"):
 
@@ -29,7 +32,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -51,6 +54,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantpipe.core.io import MANIFEST_NAME, read_manifest
+from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
 from quantpipe.runtime.engine import (
     EngineConfig,
     EngineLoop,
@@ -58,7 +62,6 @@ from quantpipe.runtime.engine import (
     RequestOutput,
     SamplingParams,
 )
-from quantpipe.runtime.engine.engine import KV_DTYPES
 from quantpipe.runtime.engine.sampling import SEED_MAX, SEED_MIN
 from quantpipe.runtime.fp_head import HEAD_DTYPES
 
@@ -69,9 +72,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_request_bytes: int = 2**20  # request body bytes; more -> 413
-    max_prompt_chars: int = 2**18  # prompt (or all chat messages) characters; more -> 400
-    request_timeout: float = 30.0  # seconds for a request body to arrive in full; then 408
+    max_request_bytes: int = DEFAULTS.max_request_bytes  # request body bytes; more -> 413
+    max_prompt_chars: int = DEFAULTS.max_prompt_chars  # prompt (chat: all messages); more -> 400
+    request_timeout: float = DEFAULTS.request_timeout  # seconds for a body to arrive; then 408
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -86,20 +89,20 @@ class RequestLimits:
 @dataclass(frozen=True)
 class ServeSpec:
     model_dir: Path  # FP16 export or quantpipe quantized folder
-    host: str = "127.0.0.1"  # loopback by default; anything else exposes the server
-    port: int = 8000
-    max_num_seqs: int = 16  # running batch size
-    max_queue: int = 64  # accepted requests waiting beyond the running batch; then 429
-    kv_cache_memory: int | None = None  # KV pool bytes; None -> half the free memory
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    host: str = DEFAULTS.host  # loopback by default; anything else exposes the server
+    port: int = DEFAULTS.port
+    max_num_seqs: int = DEFAULTS.max_num_seqs  # running batch size
+    max_queue: int = DEFAULTS.max_queue  # accepted requests beyond the running batch; then 429
+    kv_cache_memory: int | None = None  # KV pool bytes; None -> kv_memory_fraction of free
+    block_size: int = DEFAULTS.block_size  # tokens per KV block
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens  # tokens per engine step
+    enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching
     device: str = "cpu"
-    head_dtype: str = "bf16"  # CPU: embedding table / output head precision (runtime.fp_head)
-    kv_dtype: str = "model"  # KV cache elements: the activation dtype, or "bf16" (half of fp32)
-    max_request_bytes: int = 2**20  # RequestLimits.max_request_bytes
-    max_prompt_chars: int = 2**18  # RequestLimits.max_prompt_chars
-    request_timeout: float = 30.0  # RequestLimits.request_timeout
+    head_dtype: str = DEFAULTS.serve_head_dtype  # CPU: embedding table / output head precision
+    kv_dtype: str = DEFAULTS.kv_dtype  # KV cache elements: the activation dtype, or "bf16"
+    max_request_bytes: int = DEFAULTS.max_request_bytes  # RequestLimits.max_request_bytes
+    max_prompt_chars: int = DEFAULTS.max_prompt_chars  # RequestLimits.max_prompt_chars
+    request_timeout: float = DEFAULTS.request_timeout  # RequestLimits.request_timeout
 
     def __post_init__(self) -> None:
         # Everything here is cheap and runs before the model loads (minutes for a big one).
@@ -124,8 +127,8 @@ class ServeSpec:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"--head-dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"--kv-dtype {self.kv_dtype!r}: use one of {sorted(KV_DTYPES)}")
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"--kv-dtype {self.kv_dtype!r}: use one of {sorted(KV_DTYPE_NAMES)}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device {self.device!r}: use cpu, cuda or cuda:N")
 
@@ -410,20 +413,6 @@ class _Metrics:
                                  registry=r)
 
 
-class _Slot:
-    """One admission slot (``in_flight`` counts them); ``release`` is idempotent."""
-
-    def __init__(self, state: dict[str, int]) -> None:
-        self._state = state
-        self._held = True
-        state["in_flight"] += 1
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._state["in_flight"] -= 1
-
-
 class _Server:
     """What the handlers share: the engine and its loop, the tokenizer thread, the metrics."""
 
@@ -433,7 +422,7 @@ class _Server:
         self.model_name = model_name
         self.limits = limits
         self.capacity = engine.config.max_num_seqs + max_queue
-        self.state = {"in_flight": 0}
+        self.in_flight = 0  # admitted requests whose generator has not ended
         self.metrics = _Metrics()
         self.loop: EngineLoop | None = None
         # The engine thread decodes with engine.tokenizer; a Rust tokenizer object may refuse
@@ -447,17 +436,57 @@ class _Server:
         el = EngineLoop(self.engine)
         el.start()
         self.loop = el
-        app.state.engine_loop = el
         yield
         el.stop()
         self.tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def respond(self, request: Request, req: CompletionRequest | ChatRequest,
+                      chat: bool) -> Response:
+        """Both endpoints, streamed or not: iterate the request's outputs into a response,
+        cancelled when the client disconnects first."""
+        head = _Head(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                     self.model_name, chat)
+        outputs = self.request_outputs(req, chat, head.rid)
+        answer = _stream(outputs, head) if req.stream else _complete(outputs, head)
+        return await _until_disconnected(request, answer)
+
+    async def request_outputs(self, req: CompletionRequest | ChatRequest, chat: bool,
+                              rid: str) -> AsyncGenerator[RequestOutput, None]:
+        """One request from admission to its last output (``finished`` set).
+
+        Raises ApiError before the first output when the request is refused (404, 400, 429,
+        503). However the request ends (finished, failed, or the consumer stopped early because
+        the client left), the ``finally`` closes the engine's generator, which aborts an
+        unfinished request and so frees its KV blocks, and releases the admission slot.
+        """
+        params = self.admissible(req, chat)
+        self.in_flight += 1  # no await since the capacity check: admission is race-free
+        timing = _Timing(self.metrics)
+        outputs: AsyncGenerator[RequestOutput, None] | None = None
+        finished = False
+        try:
+            prompt_ids = await self.prompt_ids(req)
+            params = self.fitted(req, prompt_ids, params)
+            assert self.loop is not None
+            outputs = self.loop.generate(rid, prompt_ids, params)
+            async for out in outputs:
+                finished = out.finished
+                timing.observe(out)
+                yield out
+        finally:
+            if outputs is not None:
+                await outputs.aclose()  # aborts the request unless it finished
+                if not finished:
+                    self.metrics.requests.labels("disconnected").inc()
+            self.in_flight -= 1
 
     def admissible(self, req: CompletionRequest | ChatRequest, chat: bool) -> SamplingParams:
         """The checks that need neither a slot nor the tokenizer (raise ApiError)."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(404, f"The model `{req.model}` does not exist", "model_not_found")
+        default_max = DEFAULTS.chat_max_tokens if chat else DEFAULTS.completion_max_tokens
         try:
-            params = _sampling(req, default_max=256 if chat else 16)
+            params = _sampling(req, default_max)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         n_chars, limit = _prompt_chars(req), self.limits.max_prompt_chars
@@ -469,7 +498,7 @@ class _Server:
         assert self.loop is not None, "the app's lifespan starts the engine loop"
         if self.loop.error is not None:
             raise ApiError(503, f"engine stopped: {self.loop.error}; restart the server")
-        if self.state["in_flight"] >= self.capacity:
+        if self.in_flight >= self.capacity:
             self.metrics.requests.labels("rejected").inc()
             raise ApiError(429, f"server busy: {self.capacity} requests in flight; retry "
                                 "shortly", headers={"Retry-After": "1"})
@@ -488,58 +517,18 @@ class _Server:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
-    async def outputs(self, request: Request, rid: str, prompt_ids: list[int],
-                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit the request and yield its outputs; abort it if the consumer stops early."""
-        el = self.loop
-        assert el is not None
-        aloop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        el.submit(rid, prompt_ids, params, lambda out: aloop.call_soon_threadsafe(q.put_nowait,
-                                                                                  out))
-        timing = _Timing(self.metrics)
-        finished = False
+    def fitted(self, req: CompletionRequest | ChatRequest, prompt_ids: list[int],
+               params: SamplingParams) -> SamplingParams:
+        """``params`` checked against the model and the KV pool; a default max_tokens is cut
+        to the room the prompt leaves."""
+        if not _max_tokens_given(req):
+            room = self.engine.max_model_len - len(prompt_ids)
+            params = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         try:
-            while not finished:
-                try:
-                    out = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return  # the finally aborts the sequence, which frees its KV blocks
-                    continue
-                finished = out.finished
-                timing.observe(out)
-                yield out
-        finally:
-            if not finished:
-                el.abort(rid)
-                self.metrics.requests.labels("disconnected").inc()
-
-    async def generate(self, request: Request, req: CompletionRequest | ChatRequest,
-                       chat: bool) -> Response:
-        params = self.admissible(req, chat)
-        slot = _Slot(self.state)
-        handed_off = False  # a started stream releases its slot when it ends
-        try:
-            prompt_ids = await self.prompt_ids(req)
-            if not _max_tokens_given(req):  # the default fits in the room the prompt leaves
-                room = self.engine.max_model_len - len(prompt_ids)
-                params = replace(params, max_tokens=max(1, min(params.max_tokens, room)))
-            try:
-                self.engine.validate(prompt_ids, params)
-            except ValueError as exc:
-                raise ApiError(400, str(exc)) from None
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            outputs = self.outputs(request, rid, prompt_ids, params)
-            head = _Head(rid, int(time.time()), self.model_name, chat)
-            if not req.stream:
-                return await _complete(outputs, head)
-            response = await _stream(outputs, head, slot.release)
-            handed_off = isinstance(response, _SSEResponse)
-            return response
-        finally:
-            if not handed_off:
-                slot.release()
+            self.engine.validate(prompt_ids, params)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        return params
 
     def model_list(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -559,7 +548,7 @@ class _Server:
         s, m = self.loop.stats, self.metrics
         m.queue.set(s["num_waiting"])
         m.running.set(s["num_running"])
-        m.in_flight.set(self.state["in_flight"])
+        m.in_flight.set(self.in_flight)
         m.kv_used.set(s["kv_blocks_used"])
         m.kv_total.set(s["kv_blocks_total"])
         m.hit_rate.set(s["prefix_cache_hit_rate"])
@@ -567,24 +556,23 @@ class _Server:
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(engine: LLMEngine, model_name: str, max_queue: int = 64,
+def build_app(engine: LLMEngine, model_name: str, max_queue: int = DEFAULTS.max_queue,
               limits: RequestLimits | None = None) -> FastAPI:
     """The FastAPI app; the engine loop starts and stops with the app's lifespan."""
     limits = limits or RequestLimits()
     srv = _Server(engine, model_name, max_queue, limits)
     app = FastAPI(title="quantpipe", lifespan=srv.lifespan)
-    app.state.in_flight = srv.state
     app.add_middleware(_BodyLimit, limits=limits)
     _add_error_handlers(app)
     _tighten_openapi(app, model_name, engine, limits)
 
     @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await srv.generate(request, req, chat=False)
+        return await srv.respond(request, req, chat=False)
 
     @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
-        return await srv.generate(request, req, chat=True)
+        return await srv.respond(request, req, chat=True)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
@@ -720,16 +708,43 @@ def _generation_failed(out: RequestOutput) -> ApiError:
                          "(the server goes on; retry or report the server log)")
 
 
-async def _complete(outputs: AsyncIterator[RequestOutput], head: _Head) -> Response:
-    """Collect a whole completion; 500 if the engine failed it, 499 if the client left."""
+async def _until_disconnected(request: Request,
+                              answer: Coroutine[Any, Any, Response]) -> Response:
+    """Await ``answer`` unless the client disconnects first (vLLM's ``with_cancellation``).
+
+    A disconnect cancels ``answer``; the CancelledError reaches the request's outputs generator,
+    whose ``finally`` aborts the request. A streamed answer returns once its first output is
+    there; from then on the SSE response watches the connection itself.
+    """
+    task = asyncio.ensure_future(answer)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled() and task.done():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # let its cleanup finish
+    return Response(status_code=499)  # client closed the connection; nobody reads this
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body was read already: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(outputs: AsyncGenerator[RequestOutput, None], head: _Head) -> Response:
+    """Collect a whole completion; 500 if the engine failed it."""
     text: list[str] = []
     last: RequestOutput | None = None
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             text.append(out.new_text)
             last = out
-    if last is None or not last.finished:
-        return Response(status_code=499)  # client closed the connection; nobody reads this
+    assert last is not None and last.finished, "a request's last output is finished"
     if last.finish_reason == "error":
         raise _generation_failed(last)
     usage = _usage(last)
@@ -747,38 +762,33 @@ async def _complete(outputs: AsyncIterator[RequestOutput], head: _Head) -> Respo
     })
 
 
-async def _stream(outputs: AsyncIterator[RequestOutput], head: _Head,
-                  release: Callable[[], None]) -> Response:
+async def _stream(outputs: AsyncGenerator[RequestOutput, None], head: _Head) -> Response:
     """SSE response, started once the first output is there: a request that fails before
     its first token gets a plain 500, like a non-streamed one."""
-    try:
-        first = await anext(outputs)
-    except StopAsyncIteration:
-        return Response(status_code=499)  # hung up while queued
+    first = await anext(outputs)
     if first.finish_reason == "error":
         await outputs.aclose()
         raise _generation_failed(first)
-
-    async def cleanup() -> None:
-        await outputs.aclose()  # aborts the sequence unless it finished
-        release()
-
-    return _SSEResponse(_sse(first, outputs, head), cleanup)
+    return _SSEResponse(_sse(first, outputs, head), outputs)
 
 
 class _SSEResponse(StreamingResponse):
-    """A text/event-stream response that always runs ``cleanup`` when it ends."""
+    """A text/event-stream response that always closes the request's outputs when it ends.
+
+    Starlette cancels a stream whose client left; if that lands while an event is being sent,
+    the outputs generator is not running and only this ``aclose`` reaches its ``finally``.
+    """
 
     def __init__(self, content: AsyncIterator[str],
-                 cleanup: Callable[[], Awaitable[None]]) -> None:
+                 outputs: AsyncGenerator[RequestOutput, None]) -> None:
         super().__init__(content, media_type="text/event-stream")
-        self._cleanup = cleanup
+        self._outputs = outputs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._cleanup()
+            await self._outputs.aclose()
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -786,38 +796,41 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
-async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput],
+async def _sse(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None],
                head: _Head) -> AsyncIterator[str]:
-    """One SSE event per generated token; the last carries finish_reason and usage."""
+    """One SSE event per output, the last with finish_reason and usage, then [DONE]; a
+    failure is one error event and the end of the stream (no [DONE]: it did not complete)."""
     out = first
-    is_first = True
     while True:
         if out.finish_reason == "error":
             err = _generation_failed(out)
             body = {"message": err.message, "type": "server_error", "param": None, "code": 500}
             yield f"data: {json.dumps({'error': body}, ensure_ascii=False)}\n\n"
-            return  # no [DONE]: the stream did not complete
-        reason = out.finish_reason if out.finished else None
-        if head.chat:
-            delta: dict[str, str] = {"content": out.new_text}
-            if is_first:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": out.new_text, "logprobs": None,
-                      "finish_reason": reason}
-        is_first = False
-        event: dict[str, Any] = {
-            "id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
-            "created": head.created, "model": head.model_name, "choices": [choice],
-        }
-        if out.finished:
-            event["usage"] = _usage(out)
-        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            return
+        yield f"data: {json.dumps(_chunk(out, head, out is first), ensure_ascii=False)}\n\n"
         if out.finished:
             break
         out = await anext(rest)
     yield "data: [DONE]\n\n"
+
+
+def _chunk(out: RequestOutput, head: _Head, is_first: bool) -> dict[str, Any]:
+    """One streamed chunk: the non-streamed body's shape with a delta."""
+    reason = out.finish_reason if out.finished else None
+    if head.chat:
+        delta: dict[str, str] = {"content": out.new_text}
+        if is_first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": reason}
+    event: dict[str, Any] = {
+        "id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
+        "created": head.created, "model": head.model_name, "choices": [choice],
+    }
+    if out.finished:
+        event["usage"] = _usage(out)
+    return event
 
 
 # --- request bodies: size and time limits ------------------------------------------------------

@@ -1,58 +1,51 @@
 """The serving engine: requests in, token/text deltas out, one continuous-batching step at a time.
 
-``LLMEngine`` is single-threaded (``add_request`` / ``abort`` / ``step``). ``EngineLoop`` runs it
-in a background thread for the server: other threads submit and abort through a thread-safe
-command queue, and receive outputs through the callback they registered.
+``LLMEngine`` is single-threaded (``add_request`` / ``abort`` / ``step``); the server steps it
+in a background thread (``engine_loop.EngineLoop``). Model folders are loaded by
+``loading.load_model_for_serving``; token ids become text deltas, and EOS / stop strings end a
+request, in ``detokenize``.
 
 Failures stay with the requests they hit: an exception while sampling or detokenizing one
 sequence finishes that sequence with ``finish_reason == "error"``; an exception in a step's
 forward pass finishes every sequence of that step the same way (their KV blocks are freed) and
 the engine goes on. Only an error outside both (the scheduler's bookkeeping), or
-``MAX_CONSECUTIVE_STEP_FAILURES`` failed forwards in a row (a broken device), stops the loop.
+``engine_loop.MAX_CONSECUTIVE_STEP_FAILURES`` failed forwards in a row (a broken device), stops
+the loop.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import queue
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from quantpipe.core.heap import release_freed_memory
+from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
+from quantpipe.runtime.engine.detokenize import Detokenizer, eos_ids
 from quantpipe.runtime.engine.kv_cache import BlockPool
 from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
 from quantpipe.runtime.engine.sampling import SamplingParams, sample_token
 from quantpipe.runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
-from quantpipe.runtime.fp_head import set_half_head
 
 log = logging.getLogger(__name__)
 
 
-# Forward passes failing back to back mean the device or model is broken, not one request:
-# the loop then stops and reports itself dead (/health 503) instead of failing every request.
-MAX_CONSECUTIVE_STEP_FAILURES = 8
-
 # kv_dtype -> KV cache element type (None: the model's activation dtype)
 KV_DTYPES: dict[str, torch.dtype | None] = {"model": None, "bf16": torch.bfloat16}
+assert tuple(KV_DTYPES) == KV_DTYPE_NAMES, "runtime.config.KV_DTYPE_NAMES lists the same names"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 16  # running sequences per step
-    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    block_size: int = DEFAULTS.block_size  # tokens per KV block
+    max_num_seqs: int = DEFAULTS.max_num_seqs  # running sequences per step
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens  # tokens per step
     kv_cache_memory: int | None = None  # KV pool bytes; None -> kv_memory_fraction of free
     num_kv_blocks: int | None = None  # KV pool size in blocks, instead of kv_cache_memory
-    kv_dtype: str = "model"  # KV cache elements: "model" (activation dtype) or "bf16"
-    kv_memory_fraction: float = 0.5  # of free device (or system) memory, when bytes not given
-    enable_prefix_caching: bool = True  # reuse full KV blocks across requests
+    kv_dtype: str = DEFAULTS.kv_dtype  # KV cache elements: "model" (activation dtype) or "bf16"
+    kv_memory_fraction: float = DEFAULTS.kv_memory_fraction  # of free memory, when no bytes
+    enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching  # reuse full KV blocks
     max_model_len: int | None = None  # prompt + output limit; None -> the model's own limit
 
     def __post_init__(self) -> None:
@@ -89,30 +82,6 @@ def failed_output(request_id: str, message: str, prompt_tokens: int = 0,
     """The last output of a request that failed (no text: the client gets an error)."""
     return RequestOutput(request_id, [], "", True, "error", prompt_tokens, completion_tokens, 0,
                          error=message)
-
-
-@dataclass
-class _Detok:
-    """Incremental detokenization state of one request (vLLM's prefix/read offsets)."""
-
-    text: str = ""  # decoded text of the output tokens so far
-    emitted: int = 0  # characters already returned
-    prefix: int = 0  # output index where the decode window starts (a character boundary)
-    read: int = 0  # output tokens already turned into text
-
-    def advance(self, tokenizer, ids: list[int], final: bool) -> None:
-        """Append the text of ``ids[self.read:]``, decoding only a short window.
-
-        The window starts at ``prefix``, an earlier boundary, so tokenizers whose decode
-        depends on the previous token (leading spaces) diff correctly; text is only taken
-        once it does not end in an incomplete UTF-8 character (U+FFFD), unless ``final``.
-        Each call costs O(window), not O(output): the full text is never decoded again.
-        """
-        before = tokenizer.decode(ids[self.prefix:self.read], skip_special_tokens=True)
-        after = tokenizer.decode(ids[self.prefix:], skip_special_tokens=True)
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -152,7 +121,7 @@ class LLMEngine:
         )
         self.eos_ids = eos_ids(model, tokenizer)
         self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, _Detok] = {}
+        self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self.num_failed = 0  # requests finished with finish_reason "error"
         self.consecutive_step_failures = 0  # forward passes failed in a row (reset on success)
@@ -173,7 +142,7 @@ class LLMEngine:
                             torch.randint(0, 2**62, ()).item())
         seq = Sequence(rid, list(prompt_ids), params, gen)
         self._seqs[rid] = seq
-        self._detok[rid] = _Detok()
+        self._detok[rid] = Detokenizer()
         self.scheduler.add(seq)
         return rid
 
@@ -250,30 +219,8 @@ class LLMEngine:
         return failed_output(seq.request_id, message, len(seq.prompt_ids), len(seq.output_ids))
 
     def _emit(self, seq: Sequence, tok: int) -> RequestOutput:
-        p = seq.params
-        d = self._detok[seq.request_id]
-        reason = None
-        if tok in self.eos_ids and not p.ignore_eos:
-            reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens:
-            reason = "length"
-        d.advance(self.tokenizer, seq.output_ids, final=reason is not None)
-        for s in p.stop:
-            # Only search the new region (+ overlap) so an earlier emitted char cannot match.
-            at = d.text.find(s, max(0, d.emitted - len(s) + 1))
-            if at != -1:
-                d.text, reason = d.text[:at], "stop"
-                break
-        if reason is None:
-            # Hold back a possible stop-string prefix and an incomplete UTF-8 character.
-            hold = max((len(s) - 1 for s in p.stop), default=0)
-            end = len(d.text) - hold
-            while end > d.emitted and d.text[end - 1] == "\ufffd":
-                end -= 1
-        else:
-            end = len(d.text)
-        end = max(end, d.emitted)
-        new_text, d.emitted = d.text[d.emitted : end], end
+        new_text, reason = self._detok[seq.request_id].emit(self.tokenizer, seq.output_ids,
+                                                            seq.params, self.eos_ids)
         if reason is not None:
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
@@ -304,173 +251,3 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_failed": self.num_failed,
         }
-
-
-def eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    gc = getattr(model, "generation_config", None)
-    for src in (getattr(gc, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return ids
-
-
-def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
-                           dtype: torch.dtype | None = None, head_dtype: str = "fp32"):
-    """(model, tokenizer) from an FP16 export or a quantpipe quantized folder.
-
-    ``head_dtype``: precision of the embedding table and output head on CPU
-    (``runtime.fp_head``; fp32 = the model's dtype, unchanged). On CUDA the whole model already
-    runs in fp16 and ``head_dtype`` is ignored.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(model_dir)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"{folder} has no config.json; pass a folder written by export-fp16 "
-                         "or export")
-    cfg = json.loads(cfg_path.read_text())
-    # fp32 on CPU: fp16 matmuls there are slow and less exact; fp16 on CUDA.
-    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-    qcfg = cfg.get("quantization_config") or {}
-    if qcfg.get("quant_method") == "quantpipe":
-        try:
-            from quantpipe.runtime.loader import load_quantized_model
-        except ImportError as exc:
-            raise ValueError(
-                f"{folder} is a quantpipe quantized folder but runtime.loader is not available "
-                f"({exc}); serve the FP16 folder instead"
-            ) from exc
-        model = load_quantized_model(folder, device, dtype)
-    elif qcfg:
-        raise ValueError(f"{folder} uses quant_method {qcfg.get('quant_method')!r}; the engine "
-                         "serves FP16 folders and quantpipe-native quantized folders")
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
-        ).to(device)
-    set_half_head(model, head_dtype if device == "cpu" else "fp32")
-    release_freed_memory()  # the load's temporaries and a replaced fp32 table
-    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    return model.eval(), tok
-
-
-# --- background thread for the server -------------------------------------------------------
-Callback = Callable[[RequestOutput], None]
-
-
-class EngineLoop:
-    """Steps an ``LLMEngine`` in a daemon thread; submit/abort are thread-safe.
-
-    Every submitted request gets exactly one finished output through its callback, also when
-    the loop dies: ``error`` is then set (the server answers /health with 503) and every
-    pending and later request is finished with ``finish_reason == "error"``.
-    """
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._cmds: queue.Queue = queue.Queue()
-        self._callbacks: dict[str, Callback] = {}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # orders submit() against the loop's death
-        self._thread = threading.Thread(target=self._run, name="quantpipe-engine", daemon=True)
-        self.stats: dict[str, float] = engine.stats()
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._cmds.put(("wake",))
-        self._thread.join(timeout=10)
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               callback: Callback) -> None:
-        with self._lock:
-            if self.error is None:
-                self._cmds.put(("add", request_id, prompt_ids, params, callback))
-                return
-        _deliver(callback, failed_output(request_id, f"engine stopped: {self.error}",
-                                         len(prompt_ids)))
-
-    def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
-
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, rid, ids, params, cb = cmd
-            try:
-                self.engine.add_request(ids, params, rid)
-            except Exception as exc:  # validated up front by the server; fail it, never crash
-                log.exception("adding request %s failed", rid)
-                _deliver(cb, failed_output(rid, f"request rejected by the engine: {exc}",
-                                           len(ids)))
-                return
-            self._callbacks[rid] = cb
-        elif cmd[0] == "abort":
-            self.engine.abort(cmd[1])
-            self._callbacks.pop(cmd[1], None)
-        elif cmd[0] == "wake":
-            pass
-        else:
-            raise AssertionError(f"unknown engine command {cmd[0]!r}")
-
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        outs = self.engine.step() if self.engine.has_work() else []
-        for out in outs:
-            cb = self._callbacks.get(out.request_id)
-            if out.finished:
-                self._callbacks.pop(out.request_id, None)
-            if cb is not None:
-                _deliver(cb, out)
-        if self.engine.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-            raise RuntimeError(f"{self.engine.consecutive_step_failures} forward passes failed "
-                               "in a row; restart the server (see its log for the cause)")
-        self.stats = {**self.engine.stats(), "step_seconds": time.perf_counter() - t0}
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                block = not self.engine.has_work()
-                try:
-                    cmd = self._cmds.get(timeout=0.1) if block else self._cmds.get_nowait()
-                    self._apply(cmd)
-                    while True:
-                        self._apply(self._cmds.get_nowait())
-                except queue.Empty:
-                    pass
-                self._step()
-        except BaseException as exc:  # surface engine crashes through /health, never hang
-            log.exception("engine loop crashed")
-            self._die(exc)
-
-    def _die(self, exc: BaseException) -> None:
-        with self._lock:
-            self.error = exc
-            pending = []
-            while True:
-                try:
-                    pending.append(self._cmds.get_nowait())
-                except queue.Empty:
-                    break
-        message = f"engine stopped: {type(exc).__name__}: {exc}"
-        for cmd in pending:
-            if cmd[0] == "add":
-                _deliver(cmd[4], failed_output(cmd[1], message, len(cmd[2])))
-        for rid, cb in list(self._callbacks.items()):
-            _deliver(cb, failed_output(rid, message))
-        self._callbacks.clear()
-
-
-def _deliver(callback: Callback, out: RequestOutput) -> None:
-    """Hand one output to its request; a broken callback must not stop the engine."""
-    try:
-        callback(out)
-    except Exception:
-        log.exception("delivering an output of request %s failed", out.request_id)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpipe.runtime.config import DEFAULTS
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -26,7 +28,7 @@ class KVCacheSpec:
     num_kv_heads: int  # key/value heads (GQA: fewer than query heads)
     head_dim: int  # channels per head
     dtype: torch.dtype  # KV element type (the model's compute dtype)
-    block_size: int = 16  # tokens per block
+    block_size: int = DEFAULTS.block_size  # tokens per block
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -158,16 +160,6 @@ class BlockPool:
             return  # another sequence computed the same prefix concurrently
         self.block_key[b] = key
         self._by_key[key] = b
-
-
-def allocate_kv_tensors(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V pools: each ``[num_blocks, block_size, kv_heads, head_dim]``."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-    v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-    return k, v
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantpipe.runtime.config import DEFAULTS
 from quantpipe.runtime.engine.kv_cache import BlockPool, block_hash, prefix_block_hashes
 from quantpipe.runtime.engine.sampling import SamplingParams
 
@@ -52,9 +53,9 @@ class Sequence:
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_num_seqs: int = 16  # sequences in the running batch
-    max_num_batched_tokens: int = 2048  # tokens computed per step (prefill + decode)
-    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = DEFAULTS.max_num_seqs  # sequences in the running batch
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens  # tokens per step
+    block_size: int = DEFAULTS.block_size  # tokens per KV block
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -112,14 +112,14 @@ def test_stop_string_and_eos():
 def test_incremental_detokenization_equals_full_decode():
     """Streamed deltas == tokenizer.decode of all output ids, for random ids (byte-level BPE:
     lone UTF-8 continuation/lead bytes, special tokens) and for sampled engine outputs."""
-    from quantpipe.runtime.engine.engine import _Detok
+    from quantpipe.runtime.engine.detokenize import Detokenizer
 
     _, tok = make_model("llama")
     g = torch.Generator().manual_seed(5)
     for _ in range(200):
         ids = torch.randint(0, len(tok), (int(torch.randint(1, 40, (1,), generator=g)),),
                             generator=g).tolist()
-        d, streamed = _Detok(), ""
+        d, streamed = Detokenizer(), ""
         for n in range(1, len(ids) + 1):
             d.advance(tok, ids[:n], final=n == len(ids))
             assert d.text.startswith(streamed)  # text only grows
@@ -441,7 +441,7 @@ def test_engine_loop_stops_after_forward_failures_in_a_row():
     import queue as queue_mod
 
     from quantpipe.runtime.engine import EngineLoop
-    from quantpipe.runtime.engine.engine import MAX_CONSECUTIVE_STEP_FAILURES
+    from quantpipe.runtime.engine.engine_loop import MAX_CONSECUTIVE_STEP_FAILURES
 
     model, tok = make_model("llama")
     eng = _engine(model, tok, 64, max_num_seqs=1, max_num_batched_tokens=64)

@@ -1,0 +1,52 @@
+"""Model folders -> (model, tokenizer) ready for the engine: FP16 exports and quantpipe folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from quantpipe.core.heap import release_freed_memory
+from quantpipe.runtime.fp_head import set_half_head
+
+
+def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
+                           dtype: torch.dtype | None = None, head_dtype: str = "fp32"):
+    """(model, tokenizer) from an FP16 export or a quantpipe quantized folder.
+
+    ``head_dtype``: precision of the embedding table and output head on CPU
+    (``runtime.fp_head``; fp32 = the model's dtype, unchanged). On CUDA the whole model already
+    runs in fp16 and ``head_dtype`` is ignored.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(model_dir)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{folder} has no config.json; pass a folder written by export-fp16 "
+                         "or export")
+    cfg = json.loads(cfg_path.read_text())
+    # fp32 on CPU: fp16 matmuls there are slow and less exact; fp16 on CUDA.
+    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    qcfg = cfg.get("quantization_config") or {}
+    if qcfg.get("quant_method") == "quantpipe":
+        try:
+            from quantpipe.runtime.loader import load_quantized_model
+        except ImportError as exc:
+            raise ValueError(
+                f"{folder} is a quantpipe quantized folder but runtime.loader is not available "
+                f"({exc}); serve the FP16 folder instead"
+            ) from exc
+        model = load_quantized_model(folder, device, dtype)
+    elif qcfg:
+        raise ValueError(f"{folder} uses quant_method {qcfg.get('quant_method')!r}; the engine "
+                         "serves FP16 folders and quantpipe-native quantized folders")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
+        ).to(device)
+    set_half_head(model, head_dtype if device == "cpu" else "fp32")
+    release_freed_memory()  # the load's temporaries and a replaced fp32 table
+    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    return model.eval(), tok
