@@ -461,13 +461,13 @@ class _Server:
         """
         params = self.admissible(req, chat)
         self.in_flight += 1  # no await since the capacity check: admission is race-free
-        timing = _Timing(self.metrics)
         outputs: AsyncGenerator[RequestOutput, None] | None = None
         finished = False
         try:
             prompt_ids = await self.prompt_ids(req)
             params = self.fitted(req, prompt_ids, params)
             assert self.loop is not None
+            timing = _Timing(self.metrics)
             outputs = self.loop.generate(rid, prompt_ids, params)
             async for out in outputs:
                 finished = out.finished
@@ -724,7 +724,7 @@ async def _until_disconnected(request: Request,
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if not task.cancelled() and task.done():
+    if task.done():  # it finished first (a done task is never cancelled above)
         return task.result()
     await asyncio.gather(task, return_exceptions=True)  # let its cleanup finish
     return Response(status_code=499)  # client closed the connection; nobody reads this
