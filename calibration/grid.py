@@ -13,6 +13,9 @@ from quantpipe.core.qformat import QuantSpec
 
 # smallest scale allowed: keeps 1/scale finite and the fp16 scale a normal number
 MIN_SCALE = 1e-5
+# elements of W per chunk of rows in the MSE clip search (a float64 copy of a chunk stays in
+# the L2 cache while the candidates are evaluated)
+CLIP_CHUNK = 1 << 17
 
 
 def scale_zero_from_range(
@@ -108,21 +111,54 @@ def params_for_groups(
             f"mse_clip needs grid >= 1 and 0 < max_shrink <= 1, got grid={grid}, "
             f"max_shrink={max_shrink}; the defaults are 20 and 0.8"
         )
-    wd = Wg.double()
-    cw = None if col_weight is None else col_weight.double().unsqueeze(0)  # [1, G, gs]
+    col_weight = None if col_weight is None else col_weight.expand(Wg.shape[1:])  # [G, gs]
+    # Rows are searched in chunks of about CLIP_CHUNK elements: each candidate's error passes
+    # then stay in cache instead of streaming the whole float64 error through memory.
+    rows = max(1, CLIP_CHUNK // (Wg.shape[1] * Wg.shape[2]))
+    for r in range(0, Wg.shape[0], rows):
+        chunk = slice(r, r + rows)
+        scale[chunk], zero[chunk] = _mse_clip_rows(
+            Wg[chunk], xmin[chunk], xmax[chunk], scale[chunk], zero[chunk], spec, col_weight,
+            grid, max_shrink,
+        )
+    return scale, zero
+
+
+
+def _mse_clip_rows(
+    Wg: torch.Tensor,
+    xmin: torch.Tensor,
+    xmax: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    spec: QuantSpec,
+    col_weight: torch.Tensor | None,
+    grid: int,
+    max_shrink: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shrink search of :func:`params_for_groups` on some rows.
+
+    Wg: [rows, G, gs] fp32, xmin / xmax / scale / zero: [rows, G] (min-max params),
+    col_weight: [G, gs] or None -> the best scale, zero [rows, G].
+    """
 
     def err_of(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # the fp32 ops of fake_quantize, in place: [rows, G, gs]
+        s, z = s.unsqueeze(-1), z.unsqueeze(-1)  # [rows, G, 1]
+        w_hat = (Wg / s).round_().add_(z).clamp_(0, spec.maxq).sub_(z).mul_(s)
         # errors in float64 so that ties between candidates compare exactly
-        d = fake_quantize(Wg, s.unsqueeze(-1), z.unsqueeze(-1), spec.maxq).double() - wd
-        d2 = d * d if cw is None else d * d * cw  # [out, G, gs]
-        return d2.sum(dim=-1)  # [out, G]
+        d = w_hat.double().sub_(Wg)  # [rows, G, gs] f64
+        d.square_()
+        if col_weight is not None:
+            d.mul_(col_weight)
+        return d.sum(dim=-1)  # [rows, G]
 
     best_err = err_of(scale, zero)
     for i in range(1, int(max_shrink * grid)):
         p = 1.0 - i / grid
         s, z = scale_zero_from_range(p * xmin, p * xmax, spec)
         err = err_of(s, z)
-        better = err < best_err  # [out, G] bool
+        better = err < best_err  # [rows, G] bool
         best_err = torch.where(better, err, best_err)
         scale = torch.where(better, s, scale)
         zero = torch.where(better, z, zero)
