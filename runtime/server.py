@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +50,6 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import Counter as PromCounter
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantpipe.core.io import MANIFEST_NAME, read_manifest
@@ -62,8 +61,19 @@ from quantpipe.runtime.engine import (
     RequestOutput,
     SamplingParams,
 )
-from quantpipe.runtime.engine.sampling import SEED_MAX, SEED_MIN
 from quantpipe.runtime.fp_head import HEAD_DTYPES
+from quantpipe.runtime.openai_protocol import (
+    ChatCompletionResponse,
+    ChatRequest,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    GenerationRequest,
+    HealthStatus,
+    ModelList,
+    generation_responses,
+    tighten_openapi,
+)
 
 log = logging.getLogger(__name__)
 
@@ -173,153 +183,7 @@ def check_model_dir(folder: Path) -> None:
         raise ValueError(f"{folder} has no tokenizer (tokenizer.json); {remedy}")
 
 
-# --- request bodies (OpenAI fields + vLLM's top_k / ignore_eos extensions) --------------------
-# Strict: a string "16" or true is not a number here, as in the OpenAI API; but 16.0 is an
-# integer in JSON Schema, so integral floats are taken as integers.
-def _integral(value: Any) -> Any:
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _int(**constraints: int) -> Any:
-    # The constraints before the validator, or the schema shows pydantic's "ge" keywords.
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
-
-
-NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = _int(ge=0)
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str | None = None  # must name the served model (GET /v1/models) when given
-    max_tokens: _int(ge=1) | None = None
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: _int(ge=-1) = -1
-    seed: _int(ge=SEED_MIN, le=SEED_MAX) | None = None
-    stop: NonEmpty | list[NonEmpty] | None = None
-    stream: bool = False
-    ignore_eos: bool = False
-    n: _int(ge=1, le=1) = 1
-
-
-class CompletionRequest(_Common):
-    # A string, one string in a list (batches are not supported), or token ids.
-    prompt: (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)])
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)
-    role: str = Field(min_length=1)
-    content: str
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: _int(ge=1) | None = None
-
-
-# --- response bodies (for the OpenAPI schema; handlers build the same dicts) ------------------
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"]
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    owned_by: str
-    max_model_len: int
-    vocab_size: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class HealthStatus(BaseModel):
-    status: Literal["ok"]
-
-
 _ERROR_TYPES = {429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
-_SSE_DOC = ("with stream: true, server-sent events: one `data: {chunk}` per token, the last with "
-            "finish_reason and usage, then `data: [DONE]`; a failure after the stream started "
-            "is one `data: {\"error\": {...}}` event, then the stream ends without [DONE]")
-
-# OpenAPI 3.1: for text/event-stream, ``schema`` describes one event.
-_SSE_EVENT = {
-    "type": "object", "required": ["data"],
-    "properties": {"data": {"type": "string", "description": "a JSON chunk (the non-streamed "
-                                                            "body's shape with a delta), a JSON "
-                                                            "error body, or [DONE]"},
-                   "event": {"type": "string"}},
-}
-
-
-def _generation_responses(ok: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    err = {"model": ErrorResponse}
-    return {
-        200: {"model": ok, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
-              "description": "the completion; " + _SSE_DOC},
-        400: {**err, "description": "invalid request (schema, limits, prompt + max_tokens)"},
-        404: {**err, "description": "unknown model (code model_not_found)"},
-        408: {**err, "description": "the request body did not arrive within --request-timeout"},
-        413: {**err, "description": "request body over --max-request-bytes"},
-        429: {**err, "description": "max_num_seqs + max_queue requests in flight; Retry-After"},
-        500: {**err, "description": "the engine failed this request (others are unaffected)"},
-        503: {**err, "description": "the engine loop stopped; restart the server"},
-    }
 
 
 class ApiError(Exception):
@@ -341,14 +205,14 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return ApiError(status, message, headers=headers).response()
 
 
-def _sampling(req: _Common, default_max: int) -> SamplingParams:
+def _sampling(req: GenerationRequest, default_max: int) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
 
 
-def _max_tokens_given(req: _Common) -> bool:
+def _max_tokens_given(req: GenerationRequest) -> bool:
     return req.max_tokens is not None or getattr(req, "max_completion_tokens", None) is not None
 
 
@@ -564,13 +428,14 @@ def build_app(engine: LLMEngine, model_name: str, max_queue: int = DEFAULTS.max_
     app = FastAPI(title="quantpipe", lifespan=srv.lifespan)
     app.add_middleware(_BodyLimit, limits=limits)
     _add_error_handlers(app)
-    _tighten_openapi(app, model_name, engine, limits)
+    tighten_openapi(app, model_name, engine.max_model_len,
+                    engine.runner.decoder.embed_tokens.num_embeddings, limits.max_prompt_chars)
 
-    @app.post("/v1/completions", responses=_generation_responses(CompletionResponse))
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await srv.respond(request, req, chat=False)
 
-    @app.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
         return await srv.respond(request, req, chat=True)
 
@@ -623,55 +488,6 @@ def _validation_message(errors) -> str:
         if e["msg"] not in msgs:
             msgs.append(e["msg"])
     return "; ".join(f"{field}: {' or '.join(msgs)}" for field, msgs in by_field.items())
-
-
-def _tighten_openapi(app: FastAPI, model_name: str, engine: LLMEngine,
-                     limits: RequestLimits) -> None:
-    """The served schema states this server's real limits (so a schema fuzzer aims well).
-
-    The request models are shared by every app, so the per-model facts (the one accepted
-    ``model``, the vocabulary, the length limits) are patched into the generated schema; the
-    unused 422 response FastAPI adds is dropped (validation errors answer 400).
-    """
-    generate = app.openapi
-    vocab = engine.runner.decoder.embed_tokens.num_embeddings
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = generate()
-            _drop_422(schema)
-            _state_limits(schema["components"]["schemas"], model_name, engine.max_model_len,
-                          vocab, limits.max_prompt_chars)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
-def _drop_422(schema: dict[str, Any]) -> None:
-    for name in ("HTTPValidationError", "ValidationError"):
-        schema["components"]["schemas"].pop(name, None)
-    for path in schema["paths"].values():
-        for op in path.values():
-            op["responses"].pop("422", None)
-
-
-def _state_limits(comps: dict[str, Any], model_name: str, max_model_len: int, vocab: int,
-                  max_chars: int) -> None:
-    for name in ("CompletionRequest", "ChatRequest"):
-        props = comps[name]["properties"]
-        props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
-                          "title": "Model"}
-        for key in ("max_tokens", "max_completion_tokens"):
-            if key in props:
-                props[key]["anyOf"][0]["maximum"] = max_model_len - 1
-    for alt in comps["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
-        if alt["type"] == "string":
-            alt["maxLength"] = max_chars
-        elif alt["items"]["type"] == "integer":
-            alt["items"]["maximum"] = vocab - 1
-            alt["maxItems"] = max_model_len - 1
-    comps["ChatMessage"]["properties"]["content"]["maxLength"] = max_chars
 
 
 class _Timing:
