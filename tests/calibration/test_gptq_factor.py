@@ -1,0 +1,153 @@
+"""GPTQ's shared Hessian factor, its column loop against the plain IST loop, and the chunked
+MSE clip search against an unchunked float64 search."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantpipe.calibration import gptq as gptq_mod
+from quantpipe.calibration import grid
+from quantpipe.calibration.gptq import gptq, hessian_factor
+from quantpipe.calibration.grid import (
+    fake_quantize,
+    params_for_groups,
+    quantize_to_grid,
+    scale_zero_from_range,
+)
+from quantpipe.core.qformat import QuantSpec
+
+from .test_gptq import correlated_hessian, weight
+
+
+def test_factor_is_the_damped_inverse_cholesky_in_float64():
+    """Hinv^T Hinv = (H_perm + damp I)^-1, Hinv upper with a positive diagonal."""
+    H = correlated_hessian(20)
+    H[:, 5] = 0.0
+    H[5, :] = 0.0  # a dead input
+    f = hessian_factor(H, act_order=True, percdamp=0.01)
+    Hd = H.double().clone()
+    Hd[5, 5] = 1.0
+    assert torch.equal(f.perm, torch.argsort(torch.diagonal(Hd), descending=True))
+    assert f.dead.nonzero().flatten().tolist() == [5]
+    Hp = Hd[f.perm][:, f.perm]
+    Hp.diagonal().add_(0.01 * torch.diagonal(Hd).mean())
+    ref = torch.linalg.inv(Hp)  # [in, in] f64
+    U = f.Hinv.double()
+    assert torch.equal(U, U.triu()) and (torch.diagonal(U) > 0).all()
+    # the factor is stored in fp32: relative error of fp32 rounding, amplified by cond(H)
+    assert torch.allclose(U.T @ U, ref, rtol=1e-4, atol=1e-6 * ref.abs().max())
+    assert f.percdamp == 0.01 and f.damp_raises == 0
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32, True, True), QuantSpec(8, -1, True, True),
+                                  QuantSpec(4, 32, False)], ids=lambda s: s.label())
+def test_explicit_and_shared_factor_give_the_same_result(spec):
+    H, W = correlated_hessian(21), weight(22)
+    fresh = gptq(W, H, spec, mse_clip=True, static_groups=True)
+    again = gptq(W, H, spec, mse_clip=True, static_groups=True)  # the shared factor
+    explicit = gptq(W, H, spec, mse_clip=True, static_groups=True,
+                    factor=hessian_factor(H, spec.act_order))
+    for res in (again, explicit):
+        assert torch.equal(res.weight.q, fresh.weight.q)
+        assert torch.equal(res.weight.scales, fresh.weight.scales)
+        assert res.loss == fresh.loss
+
+
+def test_shared_factor_follows_the_h_object_and_its_changes():
+    spec = QuantSpec(4, 32, True, True)
+    H, W = correlated_hessian(23), weight(24)
+    first = gptq_mod._shared_factor(H, True, 0.01, 8)
+    assert gptq_mod._shared_factor(H, True, 0.01, 8) is first
+    assert gptq_mod._shared_factor(H, False, 0.01, 8) is not first  # other column order
+    assert gptq_mod._shared_factor(H, True, 0.1, 8) is not first  # other damping
+    same_values = H.clone()
+    assert gptq_mod._shared_factor(same_values, True, 0.01, 8) is not first  # other object
+    before = gptq(W, H, spec)
+    H.mul_(4.0)  # modified in place: the version counter changes
+    after = gptq(W, H, spec)
+    assert gptq_mod._shared_factor(H, True, 0.01, 8).Hinv.abs().max() < first.Hinv.abs().max()
+    assert after.loss == pytest.approx(4 * before.loss, rel=1e-5)
+    del H, same_values
+    assert True not in gptq_mod._SHARED  # dropped with the H it was made for
+
+
+def test_factor_for_another_h_or_order_is_refused():
+    H, W = correlated_hessian(25), weight(26)
+    with pytest.raises(ValueError, match="another H or act_order"):
+        gptq(W, H, QuantSpec(4, 32, True, True), factor=hessian_factor(H, act_order=False))
+    with pytest.raises(ValueError, match="another H or act_order"):
+        gptq(W, H, QuantSpec(4, 32, True), factor=hessian_factor(torch.eye(64), False))
+
+
+def ist_column_loop(W, Hinv, scales, zeros, col_group, maxq, block_size):
+    """IST gptq.py's loop as written there ([out, count] blocks, column slices), fp32."""
+    W = W.clone()
+    Q = torch.zeros_like(W)
+    for i1 in range(0, W.shape[1], block_size):
+        i2 = min(i1 + block_size, W.shape[1])
+        W1, Q1 = W[:, i1:i2].clone(), torch.zeros(W.shape[0], i2 - i1)
+        Err1, Hinv1 = torch.zeros_like(Q1), Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w, d = W1[:, i], Hinv1[i, i]
+            s, z = scales[:, col_group[i1 + i]], zeros[:, col_group[i1 + i]]
+            Q1[:, i] = (quantize_to_grid(w, s, z, maxq) - z) * s
+            err1 = (w - Q1[:, i]) / d
+            W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err1
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q
+
+
+@pytest.mark.parametrize("block_size", [128, 24])
+def test_transposed_column_loop_equals_the_ist_loop(block_size):
+    """The blocks run transposed for contiguous memory: the fp32 ops and values are the same,
+    so the result is bit for bit the one of the plain loop."""
+    H, W = correlated_hessian(27), weight(28)
+    f = hessian_factor(H, act_order=True)
+    Wp = W[:, f.perm]
+    scales, zeros = params_for_groups(Wp.reshape(64, 4, 32), QuantSpec(4, 32, True))
+    col_group = torch.arange(128) // 32
+    Q, q, _ = gptq_mod.gptq_columns(Wp.clone(), f.Hinv, scales, zeros, col_group, 15,
+                                    block_size)
+    ref = ist_column_loop(Wp, f.Hinv, scales, zeros, col_group, 15, block_size)
+    assert torch.equal(Q, ref)
+    assert torch.equal((q.float() - zeros[:, col_group]) * scales[:, col_group], Q)
+
+
+def mse_clip_reference(Wg, spec, col_weight, grid_n=20, max_shrink=0.8):
+    """The shrink search on the whole tensor with float64 errors (no chunks, no in place)."""
+    xmin, xmax = Wg.amin(dim=-1), Wg.amax(dim=-1)
+    best_s, best_z = scale_zero_from_range(xmin, xmax, spec)
+    cw = None if col_weight is None else col_weight.double()
+
+    def err_of(s, z):
+        d = fake_quantize(Wg, s.unsqueeze(-1), z.unsqueeze(-1), spec.maxq).double() - Wg.double()
+        return (d * d if cw is None else d * d * cw).sum(dim=-1)
+
+    best = err_of(best_s, best_z)
+    for i in range(1, int(max_shrink * grid_n)):
+        s, z = scale_zero_from_range((1 - i / grid_n) * xmin, (1 - i / grid_n) * xmax, spec)
+        err = err_of(s, z)
+        better = err < best
+        best, best_s, best_z = (torch.where(better, err, best), torch.where(better, s, best_s),
+                                torch.where(better, z, best_z))
+    return best_s, best_z
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32, True), QuantSpec(4, 32, False),
+                                  QuantSpec(8, -1, True)], ids=lambda s: s.label())
+@pytest.mark.parametrize("chunk", [1 << 17, 100, 1])  # one chunk, several rows, one row
+def test_chunked_clip_search_equals_the_whole_tensor_search(spec, chunk, monkeypatch):
+    monkeypatch.setattr(grid, "CLIP_CHUNK", chunk)
+    W = weight(29, out=48)
+    gs = 128 if spec.group_size == -1 else spec.group_size
+    Wg = W.reshape(48, 128 // gs, gs)  # [out, G, gs]
+    cw = torch.rand(128 // gs, gs, generator=torch.Generator().manual_seed(30)) + 0.1
+    for col_weight in (None, cw):
+        s, z = params_for_groups(Wg, spec, mse_clip=True, col_weight=col_weight)
+        s_ref, z_ref = mse_clip_reference(Wg, spec, col_weight)
+        assert torch.equal(s, s_ref) and torch.equal(z, z_ref)
+        if spec.bits == 4:  # (8 bits: min-max is already best on these Gaussian rows)
+            assert not torch.equal(s, params_for_groups(Wg, spec)[0])  # it did shrink
