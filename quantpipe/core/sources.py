@@ -128,11 +128,3 @@ def load_model(
     )
     return model
 
-
-def load_pretrained_dir(path: str | Path, dtype: torch.dtype | str = "auto"):
-    """Load an FP16 folder written by ``export-fp16`` (safetensors only)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, use_safetensors=True, low_cpu_mem_usage=True
-    )

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpipe.runtime.config import DEFAULTS
+
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit integer
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16  # new tokens to generate at most
+    max_tokens: int = DEFAULTS.completion_max_tokens  # new tokens to generate at most
     temperature: float = 0.0  # 0 -> greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 -> all
