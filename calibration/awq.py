@@ -1,9 +1,13 @@
 """AWQ: activation-aware per-channel scaling and weight clipping.
 
 Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and Acceleration",
-arXiv 2306.00978; follows llm-awq ``auto_scale`` / ``auto_clip`` and AutoAWQ. Pure maths: the
-caller captures inputs, runs the inspected module inside ``loss_fn`` and applies the results
-(compute an artifact, apply it in a separate step, as llm-awq ``run_awq`` -> ``apply_awq``).
+arXiv 2306.00978; follows llm-awq ``auto_scale`` / ``auto_clip`` and AutoAWQ.
+
+- maths on tensors: :func:`awq_search_scales`, :func:`fold_scales`, :func:`awq_clip_search`;
+- one decoder block: :func:`scale_block` searches and folds the scales of each input group
+  into the block's modules (in place; llm-awq ``run_awq`` + ``apply_scale``), and
+  :func:`awq_quantize` quantizes one linear with its clip search. No hooks or file I/O here:
+  the caller (calibration.pipeline) captures the statistics and writes the artifact.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpipe.calibration.capture import GroupStats
+from quantpipe.calibration.families import InputGroup
 from quantpipe.calibration.grid import (
     group_size_checked,
     params_for_groups,
@@ -208,3 +214,134 @@ def quantize_with_clip(W: torch.Tensor, spec: QuantSpec, max_val: torch.Tensor,
                        H: torch.Tensor | None = None) -> QuantResult:
     """RTN with each group's range clipped to +-max_val [out, G] (from awq_clip_search)."""
     return rtn(W, spec, H=H, clip=max_val)
+
+
+# ---------------------------------------------------------------------------------------
+# one decoder block (modules in, modules changed in place)
+
+# llm-awq does not clip q/k: attention scores are sensitive to their range
+NO_CLIP_SUFFIXES = ("q_proj", "k_proj")
+
+
+def awq_quantize(name: str, W: torch.Tensor, spec: QuantSpec, x: torch.Tensor,
+                 H: torch.Tensor | None = None) -> QuantResult:
+    """One linear of an AWQ-scaled block: RTN with each group's range from the clip search.
+
+    name: the linear's name (q/k are not clipped); W: [out, in]; x: [rows, in] its inputs
+    (already divided by the folded scales). INT8's grid is fine enough that clipping buys
+    nothing measurable and its search costs as much: plain RTN there.
+    """
+    if name.endswith(NO_CLIP_SUFFIXES) or spec.bits == 8:
+        return rtn(W, spec, H=H)
+    return rtn(W, spec, H=H, clip=awq_clip_search(W, x, spec))
+
+
+def inspect_output(module: torch.nn.Module, x: torch.Tensor, block_kwargs: dict) -> torch.Tensor:
+    """The inspected module's output on x [n, L, d]: attention needs the block's positions and
+    mask (``block_kwargs``), a linear or an MLP only x."""
+    if isinstance(module, torch.nn.Linear) or not hasattr(module, "q_proj"):
+        out = module(x)
+    else:
+        out = module(hidden_states=x, **block_kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _module_loss(module: torch.nn.Module, linears: list[torch.nn.Linear], x_in: torch.Tensor,
+                 block_kwargs: dict) -> Callable[[list[torch.Tensor]], float]:
+    """Mean squared change of ``module``'s output when ``linears`` get candidate weights."""
+    with torch.no_grad():
+        ref = inspect_output(module, x_in, block_kwargs)  # [n, L, d]
+
+    def loss_fn(candidates: list[torch.Tensor]) -> float:
+        saved = [lin.weight.data for lin in linears]
+        try:
+            for lin, w in zip(linears, candidates):
+                lin.weight.data = w.to(saved[0].dtype)
+            with torch.no_grad():
+                out = inspect_output(module, x_in, block_kwargs)
+        finally:
+            for lin, w in zip(linears, saved):
+                lin.weight.data = w
+        return float((out - ref).float().pow(2).mean())
+
+    return loss_fn
+
+
+def _linear_loss(x: torch.Tensor, W: torch.Tensor) -> Callable[[list[torch.Tensor]], float]:
+    """Mean squared change of x @ W^T (x: [rows, in], W: [out, in]) with a candidate W."""
+    ref = x @ W.T  # [rows, out]
+
+    def loss_fn(candidates: list[torch.Tensor]) -> float:
+        return float((x @ candidates[0].T - ref).pow(2).mean())
+
+    return loss_fn
+
+
+def _fold_into(prev: torch.nn.Module, prev_kind: str, linears: list[torch.nn.Linear],
+               weights: list[torch.Tensor], s: torch.Tensor) -> None:
+    """Apply :func:`fold_scales` to the modules, keeping each parameter's dtype."""
+    prev_b = prev.bias.data.float() if getattr(prev, "bias", None) is not None else None
+    folded = fold_scales(prev.weight.data.float(), prev_kind, weights, s, prev_b)
+    prev.weight.data = folded.prev_weight.to(prev.weight.dtype)
+    if prev_b is not None:
+        prev.bias.data = folded.prev_bias.to(prev.bias.dtype)
+    for lin, w in zip(linears, folded.weights):
+        lin.weight.data = w.to(lin.weight.dtype)
+
+
+def _rescale_inputs(st: GroupStats, recorded: list[torch.Tensor] | None, s: torch.Tensor) -> None:
+    """After folding, the group's input is x / s: keep its statistics in the new coordinates
+    (the Hessian X^T X, mean |x|, the clip-search sample and the recorded module inputs)."""
+    st.xtx /= (s[:, None] * s[None, :]).double()  # [in, in]
+    st.abs_sum /= s.double()  # [in]
+    st.sample = [t / s for t in st.sample]  # [rows, in] each
+    if recorded is not None:
+        recorded[:] = [t / s for t in recorded]  # [n, L, in] each
+
+
+def scale_group(block: torch.nn.Module, group: InputGroup, st: GroupStats,
+                recorded: dict[str, list[torch.Tensor]], block_kwargs: dict, spec: QuantSpec,
+                norm_kind: str) -> dict:
+    """Search the scale of one input group (sec. 3.2), fold it into the block (in place) and
+    rescale the captured statistics; returns what the artifact records for the group.
+
+    The loss is the inspected module's output error (``group.inspect``, on its ``recorded``
+    inputs) or, without one, the group's single linear's output error on the stats' sample.
+    A previous linear whose outputs do not match the group's inputs (grouped-query attention:
+    v_proj -> o_proj) cannot carry the scale: the group is skipped, and the reason recorded.
+    """
+    linears = [block.get_submodule(n) for n in group.linears]
+    prev = block.get_submodule(group.prev_op)
+    is_norm = not isinstance(prev, torch.nn.Linear)
+    if not is_norm and prev.out_features != linears[0].in_features:
+        return {"skipped": f"{group.prev_op} -> {group.linears} shapes differ "
+                           "(grouped-query attention)"}
+    weights = [lin.weight.data.float() for lin in linears]  # [out_i, in] each
+    if group.inspect:
+        x_in = torch.cat(recorded[group.inspect])  # [n, L, d]
+        loss_fn = _module_loss(block.get_submodule(group.inspect), linears, x_in, block_kwargs)
+    else:
+        loss_fn = _linear_loss(st.x_sample(), weights[0])
+    res = awq_search_scales(st.x_absmean, weights, spec, loss_fn)
+    _fold_into(prev, norm_kind if is_norm else "linear", linears, weights, res.scales)
+    _rescale_inputs(st, recorded.get(group.inspect) if group.inspect else None, res.scales)
+    return {"ratio": res.ratio, "loss_s1": res.losses[0], "loss_best": min(res.losses)}
+
+
+def scale_block(block: torch.nn.Module, groups: tuple[InputGroup, ...],
+                stats: dict[InputGroup, GroupStats], recorded: dict[str, list[torch.Tensor]],
+                block_kwargs: dict, spec_for: Callable[[int], QuantSpec],
+                norm_kind: str) -> dict[str, dict]:
+    """:func:`scale_group` for every input group of one block, in execution order.
+
+    stats: the captured statistics per group (rescaled in place); recorded: the inspected
+    modules' inputs [n, L, d] by module name; spec_for(in_features): the INT4 spec the scales
+    are searched for; norm_kind: "norm" or "one_plus_norm" (how the block's norms apply
+    their gain). Returns {first linear of the group: record}.
+    """
+    info = {}
+    for group in groups:
+        in_features = block.get_submodule(group.linears[0]).in_features
+        info[group.linears[0]] = scale_group(block, group, stats[group], recorded, block_kwargs,
+                                             spec_for(in_features), norm_kind)
+    return info

@@ -1,20 +1,27 @@
 """`quantpipe calibrate`: layer-sequential calibration of every decoder block.
 
-For each block, in order:
-1. run it over the cached block inputs with hooks that gather each input group's statistics
-   (GPTQ Hessian, mean |x|, a token sample) and, for AWQ, the inputs of the inspected modules;
-2. AWQ only: search and fold the per-channel scales group by group (arXiv 2306.00978, sec. 3.2);
-3. quantize every linear at INT4 (the requested spec) and INT8 (per channel) with the chosen
-   algorithm; record losses and numerical fallbacks;
-4. compute the next block's inputs: through the INT4-quantized block for GPTQ (the original
-   ``llama_sequential`` propagates quantized outputs), through the FP block otherwise;
-5. save the block's results and the next inputs, so a killed run resumes from here.
+The stages, in order (``calibrate`` and ``_calibrate_block`` read as this list):
 
-Data safety: every option and input (FP16 manifest, config and shard hashes, group size
-against every layer, prompts and their token count) is checked before CALIB_DIR is touched.
-The run holds CALIB_DIR's output lock (quantpipe.core.io) and builds the calibration in the hidden
-work folder beside it (calibration.artifact.work_dir), which holds the resume state; the
-finished folder replaces CALIB_DIR only at the end.
+1. check every option and input, before CALIB_DIR is touched (FP16 manifest, config and shard
+   hashes, group size against every layer, prompts and their token count);
+2. take CALIB_DIR's output lock (quantpipe.core.io) and find the resume point in the hidden
+   work folder beside it (calibration.artifact.work_dir);
+3. open the model as a stream (calibration.stream: one block's weights in memory at a time)
+   and embed the calibration tokens;
+4. for each block:
+   a. capture: run it over the cached block inputs with hooks that gather each input group's
+      statistics (GPTQ Hessian, mean |x|, a token sample) and, where the algorithm needs them,
+      the inputs of the inspected modules;
+   b. algorithm step on the FP block (AWQ: search and fold the per-channel scales group by
+      group, arXiv 2306.00978, sec. 3.2; calibration.awq.scale_block);
+   c. quantize every linear at INT4 (the requested spec) and INT8 (per channel) with the
+      algorithm's per-layer function; record losses and numerical fallbacks;
+   d. the next block's inputs: through the INT4-quantized block for GPTQ (the original
+      ``llama_sequential`` propagates quantized outputs), through the FP block otherwise;
+   e. write the block's results and the next inputs, so a killed run resumes from here;
+5. write the manifest (it marks the artifact valid) and replace CALIB_DIR with the work folder.
+
+What differs between algorithms is data: one :class:`Algorithm` per name in ``ALGORITHMS``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import re
 import resource
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -37,9 +45,10 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from quantpipe.calibration.artifact import block_file, save_block, work_dir
-from quantpipe.calibration.awq import awq_clip_search, awq_search_scales, fold_scales
+from quantpipe.calibration.awq import awq_quantize, scale_block
 from quantpipe.calibration.capture import (
     BlockContext,
+    GroupStats,
     InputRecorder,
     StatsCollector,
     embed_inputs,
@@ -48,6 +57,7 @@ from quantpipe.calibration.capture import (
 from quantpipe.calibration.families import (
     ONE_PLUS_NORM_FAMILIES,
     Family,
+    InputGroup,
     block_linear_names,
     family_for,
     get_blocks,
@@ -73,7 +83,6 @@ from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec,
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("gptq", "awq", "rtn")
 # GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
 # with static groups this changes no stored layout (docs/algorithms.md has the measurements)
 GPTQ_ACT_ORDER_DEFAULT = True
@@ -124,14 +133,15 @@ class CalibrateSpec:
     per_channel_if_larger: bool = False
 
     def __post_init__(self) -> None:
-        if self.algo not in ALGOS:
+        if self.algo not in ALGORITHMS:
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
         check_group_size(self.group_size)
-        if self.act_order and self.algo != "gptq":
+        algo = ALGORITHMS[self.algo]
+        if self.act_order and algo.act_order_default is None:
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
-        if self.mse_clip and self.algo == "awq":
+        if self.mse_clip and algo.mse_clip_default is None:
             raise ValueError("--mse-clip applies to RTN and GPTQ; AWQ runs its own clip search")
-        if self.static_groups is not None and self.algo != "gptq":
+        if self.static_groups is not None and not algo.takes_static_groups:
             raise ValueError("--static-groups/--dynamic-groups apply to GPTQ only; drop it or "
                              "use --algo gptq")
         lowest = {"samples": 1, "seq_len": 2, "min_tokens": 1, "seed": 0, "batch_size": 1,
@@ -144,13 +154,12 @@ class CalibrateSpec:
     def resolved(self) -> CalibrateSpec:
         """The same spec with every default (None) replaced by the value it stands for, and
         the input paths resolved (so a relative and an absolute path resume the same run)."""
-        gptq_algo = self.algo == "gptq"
-        act_order = self.act_order if self.act_order is not None else (
-            gptq_algo and GPTQ_ACT_ORDER_DEFAULT)
+        algo = ALGORITHMS[self.algo]
+        act_order = self.act_order if self.act_order is not None else bool(
+            algo.act_order_default)
         static = self.static_groups if self.static_groups is not None else (
-            act_order if gptq_algo else None)
-        mse = self.mse_clip if self.mse_clip is not None else (
-            gptq_algo and GPTQ_MSE_CLIP_DEFAULT)
+            act_order if algo.takes_static_groups else None)
+        mse = self.mse_clip if self.mse_clip is not None else bool(algo.mse_clip_default)
         prompts = self.prompts
         if prompts not in SHIPPED_SETS and Path(prompts).expanduser().exists():
             prompts = str(Path(prompts).expanduser().resolve())
@@ -345,132 +354,116 @@ def _save_progress(run: _Run, next_block: int, extra: dict) -> None:
     )
 
 
-def _layer_spec(spec: CalibrateSpec, name: str, in_features: int,
-                fallbacks: dict[str, int]) -> QuantSpec:
-    gs = layer_group_size(spec, name, in_features)
-    if gs != spec.group_size:
-        fallbacks[name] = gs
-    return spec.int4.with_group_size(gs)
+def _layer_spec(spec: CalibrateSpec, name: str, in_features: int) -> QuantSpec:
+    """The INT4 spec of one linear (its group size after any fallback; the block files record
+    it, and _finish counts the fallbacks from them)."""
+    return spec.int4.with_group_size(layer_group_size(spec, name, in_features))
 
 
-def _quantize(spec: CalibrateSpec, W: torch.Tensor, H: torch.Tensor, qspec: QuantSpec,
-              clip_x: torch.Tensor | None) -> QuantResult:
-    """One linear, one spec, with the chosen algorithm. W: [out, in] fp32, H: [in, in] fp32."""
-    if spec.algo == "gptq":
-        if qspec.group_size == -1 and not qspec.act_order:
-            # One group per row: act-order only changes the order in which GPTQ walks the
-            # columns (decreasing Hessian diagonal, so errors go to the columns that matter
-            # least); every column keeps group 0, so no g_idx is stored and kernels and
-            # formats see a plain per-channel layer. ~2.5x lower proxy loss on INT8.
-            res = gptq(W, H, QuantSpec(qspec.bits, -1, qspec.sym, act_order=True),
-                       mse_clip=spec.mse_clip)
-            w = res.weight
-            assert w.g_idx is None
-            res.weight = QuantizedWeight(qspec, w.q, w.scales, w.zeros, None)
-            return res
-        return gptq(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups)
-    if spec.algo == "rtn":
-        return rtn(W, qspec, mse_clip=spec.mse_clip, H=H)
-    if spec.algo == "awq":
-        # q/k: llm-awq does not clip them (attention scores are sensitive); INT8's grid is
-        # fine enough that clipping buys nothing measurable and its search costs as much
-        if clip_x is None or qspec.bits == 8:
-            return rtn(W, qspec, H=H)
-        max_val = awq_clip_search(W, clip_x, qspec)
-        return rtn(W, qspec, H=H, clip=max_val)
-    raise ValueError(f"unknown algorithm {spec.algo!r}")
+# ---------------------------------------------------------------------------------------
+# the algorithms as data: what stages 4a-4d do for each one
 
 
-def _awq_block(block, family: Family, model_type: str, collector: StatsCollector,
-               recorder: InputRecorder, ctx: BlockContext, spec_for) -> dict:
-    """Search and fold AWQ scales for each input group of one block (in place)."""
-    info = {}
-    prev_kind_norm = "one_plus_norm" if model_type in ONE_PLUS_NORM_FAMILIES else "norm"
-    for group in family.groups:
-        st = collector.stats[group]
-        linears = [block.get_submodule(n) for n in group.linears]
-        prev = block.get_submodule(group.prev_op)
-        is_norm = not isinstance(prev, torch.nn.Linear)
-        if not is_norm and prev.out_features != linears[0].in_features:
-            info[group.linears[0]] = {"skipped": f"{group.prev_op} -> {group.linears} shapes "
-                                      "differ (grouped-query attention)"}
-            continue
-        weights = [lin.weight.data.float() for lin in linears]
-        if group.inspect:
-            module = block.get_submodule(group.inspect)
-            x_in = recorder.get(group.inspect)  # [n, L, d]
-            with torch.no_grad():
-                ref = _run_inspect(module, x_in, ctx)
+@dataclass
+class _BlockWork:
+    """What the stages of one block share: the block, its context and what 4a captured."""
 
-            def loss_fn(candidates, module=module, linears=linears, x_in=x_in, ref=ref):
-                saved = [lin.weight.data for lin in linears]
-                try:
-                    for lin, w in zip(linears, candidates):
-                        lin.weight.data = w.to(saved[0].dtype)
-                    with torch.no_grad():
-                        out = _run_inspect(module, x_in, ctx)
-                finally:
-                    for lin, w in zip(linears, saved):
-                        lin.weight.data = w
-                return float((out - ref).float().pow(2).mean())
-        else:
-            x = st.x_sample()  # [rows, in]
-            ref = x @ weights[0].T  # [rows, out]
-
-            def loss_fn(candidates, x=x, ref=ref):
-                return float((x @ candidates[0].T - ref).pow(2).mean())
-
-        res = awq_search_scales(st.x_absmean, weights, spec_for(linears[0].in_features),
-                                loss_fn)
-        s = res.scales  # [in]
-        prev_w = prev.weight.data.float()
-        prev_b = prev.bias.data.float() if getattr(prev, "bias", None) is not None else None
-        folded = fold_scales(prev_w, prev_kind_norm if is_norm else "linear", weights, s, prev_b)
-        prev.weight.data = folded.prev_weight.to(prev.weight.dtype)
-        if prev_b is not None:
-            prev.bias.data = folded.prev_bias.to(prev.bias.dtype)
-        for lin, w in zip(linears, folded.weights):
-            lin.weight.data = w.to(lin.weight.dtype)
-        # the group's input is now x / s: keep statistics in the new coordinates
-        st.xtx /= (s[:, None] * s[None, :]).double()
-        st.abs_sum /= s.double()
-        st.sample = [t / s for t in st.sample]
-        if group.inspect:
-            recorder.inputs[group.inspect] = [t / s for t in recorder.inputs[group.inspect]]
-        info[group.linears[0]] = {"ratio": res.ratio, "loss_s1": res.losses[0],
-                                  "loss_best": min(res.losses)}
-    return info
+    block: torch.nn.Module  # materialised by the stream for the duration of the block
+    name: str  # its model name, e.g. "model.layers.3"
+    model_type: str  # config.json's model_type (how its norms apply their gain)
+    groups: tuple[InputGroup, ...]  # the family's input groups, in execution order
+    ctx: BlockContext  # positions and mask shared by every sample
+    stats: dict[InputGroup, GroupStats]  # per input group: X^T X, mean |x|, a token sample
+    recorded: dict[str, list[torch.Tensor]]  # inspected module -> its inputs [n, L, d] each
+    fp_out: torch.Tensor  # [n, L, d] the FP block's outputs
 
 
-def _run_inspect(module, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-    if isinstance(module, torch.nn.Linear) or not hasattr(module, "q_proj"):
-        out = module(x)
-    else:  # attention needs the positions and the mask
-        out = module(hidden_states=x, **ctx.kwargs())
-    return out[0] if isinstance(out, tuple) else out
+@dataclass(frozen=True)
+class _StepResult:
+    """What an algorithm step (4b) changed in the FP block."""
+
+    info: dict  # recorded in the block's JSON under "awq" (per input group)
+    fp_changed: dict[str, torch.Tensor]  # model name -> the changed FP tensor, fp16
 
 
-def _quantize_block(spec: CalibrateSpec, block, family: Family, collector: StatsCollector,
-                    prefix: str, i: int, fallbacks: dict[str, int]):
-    """INT4 and INT8 results for every linear of block ``i`` (GPTQ: weights left quantized)."""
-    results: dict[str, dict[int, QuantResult]] = {}
-    raises = 0
-    for group in family.groups:
-        H = collector.stats[group].H  # [in, in] fp32
-        x_clip = collector.stats[group].x_sample()  # [rows, in]
-        for lin_name in group.linears:
-            full = f"{prefix}.{i}.{lin_name}"
-            lin = block.get_submodule(lin_name)
-            W = lin.weight.data.float()  # [out, in]
-            q4 = _layer_spec(spec, full, lin.in_features, fallbacks)
-            clip_x = None if lin_name.endswith(("q_proj", "k_proj")) else x_clip
-            r4 = _quantize(spec, W, H, q4, clip_x)
-            r8 = _quantize(spec, W, H, INT8_PER_CHANNEL, clip_x)
-            results[full] = {4: r4, 8: r8}
-            raises += r4.damp_raises + r8.damp_raises
-            if spec.algo == "gptq":  # the next block sees this block's quantized outputs
-                lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
-    return results, raises
+_NO_STEP = _StepResult({}, {})
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """How calibrate runs one algorithm, stage by stage (module docstring, stage 4)."""
+
+    # 4a: also record the inputs of the family's inspected modules (AWQ's block-output loss)
+    records_inputs: bool
+    # 4b: changes the FP block before it is quantized (AWQ's scales); None: no step
+    block_step: Callable[[CalibrateSpec, _BlockWork], _StepResult] | None
+    # 4c: one linear -> its result: (spec, model name, W [out, in] fp32, H [in, in] fp32,
+    # the layer's QuantSpec, a sample of its inputs [rows, in] fp32)
+    quantize: Callable[..., QuantResult]
+    # 4c: run with one thread. GPTQ runs many small column operations: with several OpenMP
+    # threads each pays thread wake-ups (and spins when cores are shared), which costs far
+    # more than the work itself (docs/algorithms.md); large matmuls keep all threads
+    one_thread: bool
+    # 4c-4d: leave the block's weights quantized, so that the next block's inputs go through
+    # the quantized block (the original GPTQ ``llama_sequential``)
+    quantized_forward: bool
+    # CalibrateSpec defaults; None: the option does not apply and giving it is an error
+    act_order_default: bool | None
+    mse_clip_default: bool | None
+    takes_static_groups: bool  # --static-groups / --dynamic-groups apply
+
+
+def _quantize_gptq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
+                   qspec: QuantSpec, x: torch.Tensor) -> QuantResult:
+    if qspec.group_size == -1 and not qspec.act_order:
+        # One group per row: act-order only changes the order in which GPTQ walks the
+        # columns (decreasing Hessian diagonal, so errors go to the columns that matter
+        # least); every column keeps group 0, so no g_idx is stored and kernels and
+        # formats see a plain per-channel layer, with a lower proxy loss (docs/algorithms.md)
+        res = gptq(W, H, QuantSpec(qspec.bits, -1, qspec.sym, act_order=True),
+                   mse_clip=spec.mse_clip)
+        w = res.weight
+        assert w.g_idx is None
+        res.weight = QuantizedWeight(qspec, w.q, w.scales, w.zeros, None)
+        return res
+    return gptq(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups)
+
+
+def _quantize_rtn(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
+                  qspec: QuantSpec, x: torch.Tensor) -> QuantResult:
+    return rtn(W, qspec, mse_clip=spec.mse_clip, H=H)
+
+
+def _quantize_awq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
+                  qspec: QuantSpec, x: torch.Tensor) -> QuantResult:
+    return awq_quantize(name, W, qspec, x, H=H)
+
+
+def _awq_step(spec: CalibrateSpec, work: _BlockWork) -> _StepResult:
+    """AWQ's scales, searched and folded into the block; the changed tensors in fp16."""
+    before = {k: v.detach().clone() for k, v in work.block.state_dict().items()}
+    norm_kind = "one_plus_norm" if work.model_type in ONE_PLUS_NORM_FAMILIES else "norm"
+    info = scale_block(work.block, work.groups, work.stats, work.recorded, work.ctx.kwargs(),
+                       lambda in_f: _layer_spec(spec, work.name, in_f), norm_kind)
+    changed = {f"{work.name}.{k}": v.detach().to(torch.float16).clone()
+               for k, v in work.block.state_dict().items() if not torch.equal(v, before[k])}
+    return _StepResult(info, changed)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "gptq": Algorithm(records_inputs=False, block_step=None, quantize=_quantize_gptq,
+                      one_thread=True, quantized_forward=True,
+                      act_order_default=GPTQ_ACT_ORDER_DEFAULT,
+                      mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True),
+    "awq": Algorithm(records_inputs=True, block_step=_awq_step, quantize=_quantize_awq,
+                     one_thread=False, quantized_forward=False,
+                     act_order_default=None, mse_clip_default=None, takes_static_groups=False),
+    # mse_clip off by default: RTN is the plain min-max baseline
+    "rtn": Algorithm(records_inputs=False, block_step=None, quantize=_quantize_rtn,
+                     one_thread=False, quantized_forward=False,
+                     act_order_default=None, mse_clip_default=False, takes_static_groups=False),
+}
+ALGOS = tuple(ALGORITHMS)  # --algo choices
 
 
 def calibrate(spec: CalibrateSpec) -> CalibrateResult:
@@ -552,42 +545,64 @@ def _embeddings_name(model: torch.nn.Module) -> str:
 
 def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
                      hidden: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-    """Steps 1-5 of the module docstring for block ``i``; returns the next block's inputs."""
-    spec, prefix = run.spec, family.blocks
+    """Stages 4a-4e of the module docstring for block ``i``; returns the next block's inputs."""
+    spec, algo = run.spec, ALGORITHMS[run.spec.algo]
     tb = time.perf_counter()
-    collector = StatsCollector(block, family.groups, seed=spec.seed + i)
-    inspect_names = [g.inspect for g in family.groups if g.inspect]
-    recorder = (InputRecorder(block, inspect_names, spec.awq_samples)
-                if spec.algo == "awq" else None)
-    fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
-    collector.remove()
-    if recorder is not None:
-        recorder.remove()
-    awq_info: dict = {}
-    fp_changed: dict[str, torch.Tensor] = {}
-    if spec.algo == "awq":
-        before = {k: v.detach().clone() for k, v in block.state_dict().items()}
-        awq_info = _awq_block(block, family, model_type, collector, recorder, ctx,
-                              lambda in_f: _layer_spec(spec, f"{prefix}.{i}", in_f, {}))
-        for k, v in block.state_dict().items():
-            if not torch.equal(v, before[k]):
-                fp_changed[f"{prefix}.{i}.{k}"] = v.detach().to(torch.float16).clone()
-    # GPTQ runs many small column operations: with several OpenMP threads each one pays
-    # thread wake-ups (and spins when cores are shared), which was measured to cost 20x
-    # the work itself on 2 cores. Large forwards keep all threads.
-    threads = torch.get_num_threads()
-    if spec.algo == "gptq":  # AWQ's clip search is large matmuls: keep all threads
-        torch.set_num_threads(1)
-    try:
-        results, block_raises = _quantize_block(spec, block, family, collector, prefix, i, {})
-    finally:
-        torch.set_num_threads(threads)
-    # GPTQ: the next block sees this block's quantized outputs
-    next_hidden = run_block(block, hidden, ctx, spec.batch_size) if spec.algo == "gptq" else fp_out
-    save_block(run.work, i, results, fp_changed, {
-        "seconds": time.perf_counter() - tb, "awq": awq_info, "damp_raises": block_raises,
+    work = _capture(spec, algo, block, f"{family.blocks}.{i}", model_type, family, hidden, ctx,
+                    seed=spec.seed + i)  # 4a
+    step = algo.block_step(spec, work) if algo.block_step is not None else _NO_STEP  # 4b
+    results, raises = _quantize_block(spec, algo, work)  # 4c
+    next_hidden = (run_block(block, hidden, ctx, spec.batch_size) if algo.quantized_forward
+                   else work.fp_out)  # 4d
+    save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves next_hidden)
+        "seconds": time.perf_counter() - tb, "awq": step.info, "damp_raises": raises,
     })
     return next_hidden
+
+
+def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
+             family: Family, hidden: torch.Tensor, ctx: BlockContext, seed: int) -> _BlockWork:
+    """Run the FP block over its inputs hidden [n, L, d] with the capture hooks."""
+    collector = StatsCollector(block, family.groups, seed=seed)
+    recorder = None
+    if algo.records_inputs:
+        inspect_names = [g.inspect for g in family.groups if g.inspect]
+        recorder = InputRecorder(block, inspect_names, spec.awq_samples)
+    try:
+        fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
+    finally:
+        collector.remove()
+        if recorder is not None:
+            recorder.remove()
+    return _BlockWork(block, name, model_type, family.groups, ctx, collector.stats,
+                      recorder.inputs if recorder is not None else {}, fp_out)
+
+
+def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
+    """INT4 and INT8 results for every linear of the block, and the damping raises."""
+    threads = torch.get_num_threads()
+    if algo.one_thread:
+        torch.set_num_threads(1)
+    results: dict[str, dict[int, QuantResult]] = {}
+    raises = 0
+    try:
+        for group in work.groups:
+            H = work.stats[group].H  # [in, in] fp32
+            x = work.stats[group].x_sample()  # [rows, in] fp32
+            for lin_name in group.linears:
+                full = f"{work.name}.{lin_name}"
+                lin = work.block.get_submodule(lin_name)
+                W = lin.weight.data.float()  # [out, in]
+                q4 = _layer_spec(spec, full, lin.in_features)
+                r4 = algo.quantize(spec, full, W, H, q4, x)
+                r8 = algo.quantize(spec, full, W, H, INT8_PER_CHANNEL, x)
+                results[full] = {4: r4, 8: r8}
+                raises += r4.damp_raises + r8.damp_raises
+                if algo.quantized_forward:  # the next block sees this block's quantized outputs
+                    lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
+    finally:
+        torch.set_num_threads(threads)
+    return results, raises
 
 
 def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,

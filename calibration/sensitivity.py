@@ -15,7 +15,8 @@ Cost control (the model is small, the number of runs is 2 x layers):
   of block i starts at block i (layers are never re-run upstream of the change);
 - the FP16 reference logits and probabilities are computed once; per run only the
   candidate's final norm, LM head and a few float32 passes over the logit difference (see
-  :func:`token_kld`) are computed, in row chunks (memory O(chunk x vocab));
+  :func:`quantpipe.core.metrics.token_kld`) are computed, in row chunks (memory
+  O(chunk x vocab));
 - all sequences of a block go through in one batch.
 
 Cheap proxies, stored beside the measurement for comparison:
@@ -41,6 +42,7 @@ from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
 from quantpipe.calibration.families import family_for, get_blocks
 from quantpipe.core.io import output_lock, write_json_atomic
+from quantpipe.core.metrics import mean_kld, token_kld
 
 log = logging.getLogger(__name__)
 
@@ -110,26 +112,6 @@ class SensitivityResult:
 # maths (pure)
 
 
-def token_kld(logits_ref: torch.Tensor, p_ref: torch.Tensor,
-              logits_cand: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(P_ref || P_cand) [T] fp32 from the logit difference, in float32.
-
-    logits_ref, logits_cand [T, V] fp32, p_ref [T, V] fp32 = softmax(logits_ref).
-    With dz = z_ref - z_cand, log q = log p - dz - log sum_v p_v exp(-dz_v), so
-
-        KL = sum_v p_v dz_v + log1p(sum_v p_v expm1(-dz_v)).
-
-    Both terms are first order in dz and cancel to second order; written this way every
-    rounding error is relative to dz (1e-3), not to a log-probability (~20), so float32 is
-    enough for per-layer INT8 KLDs of 1e-7 (a float32 log-softmax is not: its logsumexp alone
-    is off by ~1e-6) and several times cheaper than a float64 log-softmax over the vocabulary.
-    Clamped at 0: the true value is >= 0, rounding may leave -1e-12.
-    """
-    dz = logits_ref - logits_cand  # [T, V] fp32
-    first = (p_ref * dz).sum(-1)  # [T]
-    return (first + torch.log1p((p_ref * torch.expm1(-dz)).sum(-1))).clamp_min(0.0)
-
-
 def spearman(x: list[float], y: list[float]) -> float:
     """Spearman rank correlation with average ranks for ties (Pearson on the ranks)."""
     if len(x) != len(y) or len(x) < 2:
@@ -179,11 +161,11 @@ class _Scorer:
     @torch.no_grad()
     def mean_kld(self, final: torch.Tensor) -> float:
         h = final.reshape(-1, final.shape[-1])  # [T, d]
-        total = 0.0
+        per_chunk = []  # [rows] fp32 per chunk
         for k, s in enumerate(range(0, h.shape[0], self.chunk)):
             logits = _head_logits(self.model, h[s : s + self.chunk])  # [rows, V] fp32
-            total += float(token_kld(self.logits_ref[k], self.p_ref[k], logits).double().sum())
-        return total / self.tokens
+            per_chunk.append(token_kld(self.logits_ref[k], logits, self.p_ref[k]))
+        return mean_kld(per_chunk)
 
 
 def _existing(path: Path, spec: SensitivitySpec) -> dict | None:

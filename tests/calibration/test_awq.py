@@ -7,9 +7,11 @@ import torch
 
 from quantpipe.calibration.awq import (
     awq_clip_search,
+    awq_quantize,
     awq_search_scales,
     fold_scales,
     quantize_with_clip,
+    scale_block,
 )
 from quantpipe.calibration.rtn import rtn
 from quantpipe.core.qformat import QuantSpec
@@ -180,3 +182,72 @@ def test_clip_search_lowers_output_error():
     clipped, plain = quantize_with_clip(W, spec, max_val), rtn(W, spec)
     assert out_err(clipped) < out_err(plain)
     assert torch.equal(quantize_with_clip(W, spec, absmax).weight.q, plain.weight.q)
+
+
+def _captured_layer(n_kv_heads: int):
+    """A tiny float64 Llama layer run once with the pipeline's capture hooks."""
+    from quantpipe.calibration.capture import InputRecorder, StatsCollector
+    from quantpipe.calibration.families import family_for
+
+    layer, rope = tiny_llama_layer(n_kv_heads)
+    groups = family_for("llama").groups
+    x = torch.randn(4, 16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[..., [5, 20]] *= 20.0  # salient channels, so that scaling pays off
+    pos = torch.arange(16)[None]  # [1, L]
+    cos, sin = rope(x, pos)
+    kwargs = {"position_embeddings": (cos.double(), sin.double()), "position_ids": pos,
+              "attention_mask": None}
+    collector = StatsCollector(layer, groups, seed=0)
+    recorder = InputRecorder(layer, [g.inspect for g in groups if g.inspect], max_samples=4)
+    out = run_layer(layer, rope, x)  # [n, L, d]
+    collector.remove()
+    recorder.remove()
+    return layer, rope, groups, x, kwargs, collector, recorder, out
+
+
+@pytest.mark.parametrize("n_kv_heads", [2, 4])
+def test_scale_block_keeps_the_function_and_rescales_the_statistics(n_kv_heads):
+    """scale_block folds scales without changing the block's output, and the statistics it
+    rescales equal those captured again on the folded block."""
+    from quantpipe.calibration.capture import StatsCollector
+
+    layer, rope, groups, x, kwargs, collector, recorder, out = _captured_layer(n_kv_heads)
+    spec = QuantSpec(4, 32, True)
+    info = scale_block(layer, groups, collector.stats, recorder.inputs, kwargs,
+                       lambda in_f: spec, "norm")
+    assert list(info) == [g.linears[0] for g in groups]
+    if n_kv_heads == 2:  # v_proj [32 out] cannot carry o_proj's [64 in] scales
+        assert "grouped-query" in info["self_attn.o_proj"]["skipped"]
+    else:
+        assert "ratio" in info["self_attn.o_proj"]
+    searched = [v for v in info.values() if "ratio" in v]
+    assert all(v["loss_best"] <= v["loss_s1"] for v in searched)
+    assert any(v["ratio"] > 0 for v in searched)
+    # the fold is exact in float64, but calibration's weights are float32 (scale_block reads
+    # them as such): the float64 layer's output moves by float32 rounding of its weights
+    torch.testing.assert_close(run_layer(layer, rope, x), out, rtol=1e-5, atol=1e-6)
+    again = StatsCollector(layer, groups, seed=0)
+    run_layer(layer, rope, x)
+    again.remove()
+    for g in groups:  # x / s seen by each group: float32 activations in the hooks
+        torch.testing.assert_close(collector.stats[g].H, again.stats[g].H, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(collector.stats[g].x_absmean, again.stats[g].x_absmean,
+                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(collector.stats[g].x_sample(), again.stats[g].x_sample(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_awq_quantize_clips_all_but_q_k_at_int4():
+    torch.manual_seed(4)
+    x = outlier_inputs(7, tokens=256)
+    W = torch.distributions.StudentT(2.5).sample((48, 64)) * 0.03
+    spec4, spec8 = QuantSpec(4, 32, False), QuantSpec(8, -1, True)
+    clipped = quantize_with_clip(W, spec4, awq_clip_search(W, x, spec4))
+    assert torch.equal(awq_quantize("mlp.up_proj", W, spec4, x).weight.q, clipped.weight.q)
+    assert not torch.equal(clipped.weight.q, rtn(W, spec4).weight.q)  # the clip did something
+    for name, spec in (("self_attn.q_proj", spec4), ("self_attn.k_proj", spec4),
+                       ("mlp.up_proj", spec8)):
+        assert torch.equal(awq_quantize(name, W, spec, x).weight.q, rtn(W, spec).weight.q)
+    H = x.T @ x / x.shape[0]  # [in, in]: the loss is tr(dW H dW^T) when H is given
+    assert awq_quantize("mlp.up_proj", W, spec4, x, H=H).loss == pytest.approx(
+        rtn(W, spec4, H=H, clip=awq_clip_search(W, x, spec4)).loss, rel=1e-12)

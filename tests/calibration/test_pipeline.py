@@ -104,7 +104,7 @@ def test_resume_after_kill(fp16_dir, prompt_file, tmp_path):
     code = (
         "import os, signal\n"
         "from pathlib import Path\n"
-        "import calibration.pipeline as p\n"
+        "import quantpipe.calibration.pipeline as p\n"
         "orig = p._save_progress\n"
         "def prog(spec, nxt, extra):\n"
         "    orig(spec, nxt, extra)\n"
