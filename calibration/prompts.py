@@ -202,7 +202,7 @@ def load_prompt_records(path: str | os.PathLike, column: str | None = None) -> l
     """
     name = str(path)
     if name in SHIPPED_SETS:
-        ref = resources.files("calibration") / "data" / SHIPPED_SETS[name]
+        ref = resources.files(__package__) / "data" / SHIPPED_SETS[name]
         with resources.as_file(ref) as real:
             if not real.is_file():
                 raise ValueError(f"shipped prompt set {name!r} is missing at {real}; "

@@ -1,4 +1,6 @@
+import importlib.abc
 import os
+import sys
 
 import pytest
 
@@ -6,6 +8,25 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+
+class _InstalledNamesOnly(importlib.abc.MetaPathFinder):
+    """The repository root is on sys.path under pytest, so its top-level folders would import
+    as ``calibration`` / ``runtime`` / ``reports``; installed, they exist only as
+    ``quantpipe.calibration`` etc. Refuse the bare names so tests catch a stray one (including
+    ``importlib.resources.files("calibration")``-style strings) as the installed package would."""
+
+    BARE = frozenset({"calibration", "runtime", "reports"})
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.BARE:
+            raise ModuleNotFoundError(f"No module named {fullname!r} once installed: import "
+                                      f"quantpipe.{fullname}", name=fullname)
+        return None
+
+
+sys.meta_path.insert(0, _InstalledNamesOnly())
 
 from tests.tiny_models import make_model, save_model  # noqa: E402
 

@@ -92,10 +92,13 @@ def test_wheel_installs_only_quantpipe(installed):
         "        stray.append(name)\n"
         "    except ModuleNotFoundError:\n"
         "        pass\n"
-        "print(json.dumps({'files': files, 'stray': stray}))\n"
+        "from quantpipe.calibration.prompts import load_prompt_records\n"
+        "shipped = {n: len(load_prompt_records(n)) for n in ('business-calib', 'business-eval')}\n"
+        "print(json.dumps({'files': files, 'stray': stray, 'shipped': shipped}))\n"
     )
     out = json.loads(_run([str(python), "-c", probe], cwd=work).splitlines()[-1])
     assert not out["stray"]
+    assert min(out["shipped"].values()) > 0, out["shipped"]  # package data found by name
     assert len(out["files"]) > 40
     venv = python.parent.parent
     outside = {m: f for m, f in out["files"].items() if not Path(f).is_relative_to(venv)}
