@@ -86,3 +86,60 @@ def save_model(model, tok, folder: Path, dtype: torch.dtype = torch.float32) -> 
     model.to(dtype).save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
+
+
+# Per-family extras of the tiny configs in FAMILY_CONFIGS: each exercises what the family adds
+# over Llama (small sliding windows and soft-caps so that they change the result).
+FAMILY_CONFIGS: dict[str, dict] = {
+    # Llama 3.x RoPE scaling (rope_type llama3): frequencies below the original context rescaled
+    "llama": dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=16)),
+    "mistral": dict(sliding_window=16),  # every layer sliding; the engine caps context at it
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {},  # q_norm / k_norm per head
+    "gemma": {},  # (1 + w) norms, scaled embeddings
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=5.0),
+    "gemma3_text": dict(sliding_window=8, query_pre_attn_scalar=32,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(partial_rotary_factor=0.5),  # fused qkv_proj / gate_up_proj, partial RoPE
+}
+
+
+def make_family_model(model_type: str, seed: int = 0, **over):
+    """A tiny random model of any registry family (config class via AutoConfig.for_model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = make_tokenizer()
+    kw = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    kw.update(FAMILY_CONFIGS.get(model_type, {}))
+    kw.update(over)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    one_plus = model_type.startswith("gemma")  # gain (1 + w): keep it near 1 as well
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.copy_((0.0 if one_plus else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    model.eval()
+    return model, tok
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    """Greedy tokens from full forwards (argmax of the last logits): no generation-config
+    processors (``min_new_tokens`` would mask EOS, which the engine's ignore_eos does not)."""
+    ids = list(prompt)
+    for _ in range(new):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

@@ -1,4 +1,4 @@
-"""Run a Llama/Qwen2/Mistral decoder over the paged KV cache, one batched step at a time.
+"""Run a decoder of any family in :mod:`quantpipe.core.families` over the paged KV cache.
 
 We call the Hugging Face module's own submodules (embeddings, norms, q/k/v/o projections, rotary
 embedding, MLP, lm_head), so any ``nn.Linear`` replaced by a QuantLinear runs unchanged. Only
@@ -7,6 +7,10 @@ gathered (whole blocks, one copy per block) into a dense, padded ``[B, blocks_ma
 kv_heads, head_dim]`` tensor and fed to
 ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask that is causal *and*
 hides padding. Prefill chunks and decode tokens share one step (queries padded per sequence).
+Family differences come from the registry as data: (1 + w) norms, norms around the attention
+and MLP outputs, per-head q/k norms, fused qkv / gate_up projections, the query scale, logit
+soft-capping (attention scores: an explicit softmax instead of SDPA) and sliding-window layers
+(the mask also hides keys at or beyond ``window`` positions back).
 The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused kernel); there
 is no custom paged-attention kernel.
 
@@ -16,7 +20,9 @@ C++ call each instead of ~8 small torch ops, and a step whose chunks are all sho
 tokens, prefill chunks of at most ``KERNEL_ATTENTION_MAX_Q`` tokens) attends with
 ``quantpipe_cpu::paged_attention``, which reads each sequence's K/V straight from its paged
 blocks (no gather, no padding, no mask): the same formulas in fp32 (:func:`fused_ops_status`
-says whether and why not). Longer prefill chunks keep the gather + SDPA path.
+says whether and why not). Longer prefill chunks, and layers with a sliding window or score
+soft-capping (the kernel has neither), keep the gather + SDPA path. The C++ norm takes the
+gain as a weight, so a (1 + w) norm passes (1 + w), computed once.
 """
 
 from __future__ import annotations
@@ -26,19 +32,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from quantpipe.core.families import (  # runtime.generate reads FAMILIES from here
+    FAMILIES,
+    Family,
+    config_value,
+    family_for,
+    get_path,
+    layer_windows,
+)
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
-
-# Model families whose decoder layers follow the Llama layout (data, not isinstance chains):
-# model_type -> attribute names of (decoder, layers, final norm). All three use
-# input_layernorm / self_attn.{q,k,v,o}_proj / post_attention_layernorm / mlp inside a layer.
-FAMILIES: dict[str, tuple[str, str, str]] = {
-    "llama": ("model", "layers", "norm"),
-    "qwen2": ("model", "layers", "norm"),
-    "mistral": ("model", "layers", "norm"),
-}
-
 
 # longest query chunk for the kernel attention path (its cost is O(q_len * ctx) per sequence;
 # a mixed step of 7 decodes and one 16-token prefill: 14 ms of SDPA + gathers -> ~1 ms)
@@ -119,8 +123,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D], cos/sin: [T, D] -> [T, heads, D]."""
+    """x: [T, heads, D], cos/sin: [T, R] -> [T, heads, D]; R < D (partial rotary, Phi-3 style):
+    the first R dims rotate, the rest pass through."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :R], cos, sin), x[..., R:]), dim=-1)
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+
+
+def window_mask(meta: BatchMeta, window: int) -> torch.Tensor:
+    """The step's causal mask, also hiding keys ``window`` or more positions back:
+    [B, 1, q_max, ctx_max] bool (a query at position p sees keys at positions > p - window)."""
+    B, _, q_max, ctx_max = meta.attn_mask.shape
+    device = meta.attn_mask.device
+    starts = (meta.ctx_lens - meta.q_lens).view(-1, 1, 1)  # [B, 1, 1]
+    rows = torch.arange(q_max, device=device).view(1, -1, 1)  # [1, q_max, 1]
+    kpos = torch.arange(ctx_max, device=device).view(1, 1, -1)  # [1, 1, ctx_max]
+    mask = meta.attn_mask[:, 0] & (kpos > starts + rows - window)  # [B, q_max, ctx_max]
+    # padded query rows keep seeing key 0 (no all -inf softmax row); they are dropped later
+    mask |= (rows >= meta.q_lens.view(-1, 1, 1)) & (kpos == 0)
+    return mask.unsqueeze(1)
+
+
+def _attend(q_g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """q_g: [B, KV, Q, D], k/v: [B, KV, C, D], mask: [B, 1, Q, C] bool -> [B, KV, Q, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q_g, k, v, attn_mask=mask, scale=scale)
+    # soft-capping acts between the scaled scores and the softmax, where SDPA has no hook
+    scores = (q_g @ k.transpose(-1, -2)).float() * scale  # [B, KV, Q, C] fp32
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q_g.dtype)  # [B, KV, Q, D]
 
 
 def paged_attention(
@@ -130,11 +166,13 @@ def paged_attention(
     meta: BatchMeta,
     grouped_mask: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over each sequence's paged context.
 
     q: [T, H, D]; k_pool/v_pool: [num_blocks, block_size, KV, D];
     grouped_mask: [B, 1, G * q_max, ctx_max] bool (see :func:`group_mask`) -> out [T, H, D].
+    ``softcap`` c: scores -> c * tanh(scores / c) before the softmax (Gemma 2).
 
     GQA without copying K/V per query head: query head h uses KV head h // G (HF repeat_kv
     order), so the G query heads of one KV head are folded into the query length and attend to
@@ -156,7 +194,7 @@ def paged_attention(
     # [B * q_max, H, D] -> [B, q_max, KV, G, D] -> [B, KV, G, q_max, D] -> [B, KV, G*q_max, D]
     q_g = q_pad.view(B, meta.q_max, KV, G, D).permute(0, 2, 3, 1, 4).reshape(
         B, KV, G * meta.q_max, D)
-    out = F.scaled_dot_product_attention(q_g, k, v, attn_mask=grouped_mask, scale=scale)
+    out = _attend(q_g, k, v, grouped_mask, scale, softcap)
     # [B, KV, G*q_max, D] -> [B, KV, G, q_max, D] -> [B, q_max, KV, G, D] -> [B * q_max, H, D]
     out = out.view(B, KV, G, meta.q_max, D).permute(0, 3, 1, 2, 4).reshape(B * meta.q_max, H, D)
     return out[meta.q_index]  # [T, H, D]
@@ -203,26 +241,52 @@ def _fuse(mods) -> CpuA8W4 | None:
     return fused
 
 
-def fuse_projections(layer, hidden_act: str) -> FusedProjections:
+def fuse_projections(layer, hidden_act: str | None,
+                     family: Family | None = None) -> FusedProjections:
+    """Stack separate q/k/v (and silu gate/up) W4A8 layers; a family whose checkpoint already
+    has one qkv_proj / gate_up_proj linear (Phi-3) runs that linear as it is."""
     attn, mlp = layer.self_attn, layer.mlp
-    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if hidden_act == "silu" else None
-    return FusedProjections(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), gate_up)
+    family = family or FAMILIES["llama"]
+    qkv = None if family.qkv_proj else _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = None
+    if hidden_act == "silu" and not family.gate_up_proj:
+        gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+    return FusedProjections(qkv, gate_up)
 
 
-def fused_ops_status(layers, final_norm, dtype: torch.dtype,
-                     device: torch.device) -> tuple[bool, str]:
+def _norm_eps(norm: torch.nn.Module, family: Family) -> float | None:
+    eps = getattr(norm, family.norm_eps, None)
+    w = getattr(norm, "weight", None)
+    if eps is None or w is None or w.dtype != torch.float32 or w.dim() != 1:
+        return None
+    return float(eps)
+
+
+def fused_ops_status(layers, final_norm, dtype: torch.dtype, device: torch.device,
+                     family: Family | None = None) -> tuple[bool, str]:
     """(use quantpipe's fused CPU norm / RoPE / paged-attention ops, reason)."""
+    family = family or FAMILIES["llama"]
     if device.type != "cpu" or dtype != torch.float32:
         return False, "fused ops are for fp32 activations on CPU"
-    norms = [final_norm] + [n for layer in layers
-                            for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    for norm in norms:  # RMSNorm as Llama / Qwen2 / Mistral define it: weight * x / rms(x)
-        w = getattr(norm, "weight", None)
-        if (not hasattr(norm, "variance_epsilon") or w is None or w.dtype != torch.float32
-                or w.dim() != 1):
-            return False, f"{type(norm).__name__} is not an fp32 RMSNorm with variance_epsilon"
+    norms = [final_norm] + [n for layer in layers for n in
+                            (layer.input_layernorm, layer.get_submodule(family.mlp_in_norm))]
+    for norm in norms:  # an RMSNorm: gain * x / rms(x), gain = weight or (1 + weight)
+        if _norm_eps(norm, family) is None:
+            return False, (f"{type(norm).__name__} is not an fp32 RMSNorm with "
+                           f"{family.norm_eps}")
     usable, why = cpu_ext.kernel_status()
     return usable, why
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer needs beyond its modules (from the family and the config)."""
+
+    window: int | None  # sliding window (None: full attention)
+    rope_key: str | None  # which RoPE table (Gemma 3: the layer type; None: the only one)
+    mlp_in_norm: torch.nn.Module
+    attn_out_norm: torch.nn.Module | None
+    mlp_out_norm: torch.nn.Module | None
 
 
 class ModelRunner:
@@ -231,22 +295,30 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int,
                  kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
-        if cfg.model_type not in FAMILIES:
-            raise ValueError(
-                f"model_type {cfg.model_type!r} is not supported by the serving engine; "
-                f"supported: {sorted(FAMILIES)}"
-            )
-        decoder_name, layers_name, norm_name = FAMILIES[cfg.model_type]
+        try:
+            self.family = family = family_for(cfg.model_type)
+        except ValueError as e:
+            raise ValueError(f"the serving engine cannot run this model: {e}") from None
         self.model = model
-        self.decoder = getattr(model, decoder_name)
-        self.layers = getattr(self.decoder, layers_name)
-        self.final_norm = getattr(self.decoder, norm_name)
+        self.decoder = get_path(model, family.decoder)
+        self.layers = get_path(model, family.blocks)
+        self.final_norm = get_path(self.decoder, family.final_norm)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim**-0.5
-        self.device = next(model.parameters()).device
+        query_scalar = config_value(cfg, family.query_scale) or self.head_dim
+        self.scale = query_scalar**-0.5
+        self.attn_softcap = config_value(cfg, family.attn_softcap)
+        self.final_softcap = config_value(cfg, family.final_softcap)
+        # HF's Gemma embedding multiplies by sqrt(hidden) itself (its embed_scale buffer); a
+        # runtime replacement table (fp_head.CastEmbedding) returns the rows unscaled
         embed = self.decoder.embed_tokens
+        self.embed_scale = (cfg.hidden_size**0.5 if family.embed_scale
+                            and not hasattr(embed, "embed_scale") else None)
+        types = getattr(cfg, "layer_types", None) if family.rope_per_layer_type else None
+        self.plans = [self._plan(layer, w, types[i] if types else None, family)
+                      for i, (layer, w) in enumerate(zip(self.layers, layer_windows(cfg)))]
+        self.device = next(model.parameters()).device
         # activation (and KV) dtype; runtime.fp_head's CastEmbedding stores fp16, returns this
         self.dtype = getattr(embed, "out_dtype", embed.weight.dtype)
         # KV cache element type: the activation dtype, or bf16 (half the bytes of fp32; keys and
@@ -256,71 +328,135 @@ class ModelRunner:
                                    self.kv_dtype, block_size)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
-                                                         self.dtype, self.device)
+                                                         self.dtype, self.device, family)
         self.ops = cpu_ext.ops() if self.fused else None  # the active ISA build's ops
-        act = getattr(cfg, "hidden_act", None)
-        self.projections = [fuse_projections(layer, act) if self.fused
+        # the C++ norm's gain, one tensor per norm module: weight, or (1 + weight) computed once
+        self.gains = {id(n): self._gain(n) for n in self._residual_norms()} if self.fused else {}
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        self.projections = [fuse_projections(layer, act, family) if self.fused
                             else FusedProjections(None, None) for layer in self.layers]
         self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
         self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
 
+    @staticmethod
+    def _plan(layer, window: int | None, rope_key: str | None, family: Family) -> LayerPlan:
+        def part(name):
+            return None if name is None else layer.get_submodule(name)
+
+        return LayerPlan(window, rope_key, part(family.mlp_in_norm), part(family.attn_out_norm),
+                         part(family.mlp_out_norm))
+
+    def _residual_norms(self) -> list[torch.nn.Module]:
+        """The norms that run fused with a residual add (the C++ add_rms_norm_)."""
+        return [self.final_norm] + [n for layer, plan in zip(self.layers, self.plans)
+                                    for n in (layer.input_layernorm, plan.mlp_in_norm)]
+
+    def _gain(self, norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+        w = norm.weight.detach()
+        return (1.0 + w if self.family.one_plus_norm else w), _norm_eps(norm, self.family)
+
+    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> dict:
+        """{rope_key: (cos, sin) [T, R]}: the model's own rotary module (rope_type, scaling)."""
+        pos = positions.unsqueeze(0)  # [1, T]
+        x = h.unsqueeze(0)  # [1, T, hidden]
+        tables = {}
+        for key in {p.rope_key for p in self.plans}:
+            if key is None:
+                cos, sin = self.decoder.rotary_emb(x, pos)  # [1, T, R]
+            else:
+                cos, sin = self.decoder.rotary_emb(x, pos, key)
+            tables[key] = (cos[0], sin[0])
+        return tables
+
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         meta = prepare_batch(chunks, self.kv_spec.block_size, self.device)
-        T = meta.input_ids.numel()
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.decoder.embed_tokens(meta.input_ids)  # [T, hidden]
-        # The model's own rotary module (handles rope_type / scaling); cos, sin: [1, T, D].
-        cos, sin = self.decoder.rotary_emb(h.unsqueeze(0), meta.positions.unsqueeze(0))
-        cos, sin = cos[0], sin[0]  # [T, D]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        rope = self._rope_tables(h, meta.positions)
         # short chunks only (decode, small prefills): the kernel's work is O(q_len * ctx)
         attn_kernel = self.fused and meta.q_max <= KERNEL_ATTENTION_MAX_Q
-        # the padded path's mask: built once, shared by every layer
-        mask = None if attn_kernel else group_mask(meta.attn_mask, H // KV)
+        # the padded path's masks, one per window size: built once, shared by the layers
+        G = self.num_heads // self.num_kv_heads
+        masks = {w: group_mask(meta.attn_mask if w is None else window_mask(meta, w), G)
+                 for w in {p.window for p in self.plans}}
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            fp = self.projections[i]
+            plan = self.plans[i]
             x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
-            if fp.qkv is not None:  # one matmul: [T, hidden] -> [T, (H + 2 KV) * D]
-                q, k, v = a8w4_matmul(x, fp.qkv).split([H * D, KV * D, KV * D], dim=1)
-                # column slices of a [T, ...] tensor: contiguous copies unless T == 1
-                q, k, v = (t.reshape(T, -1, D).contiguous() for t in (q, k, v))
-            else:
-                q = attn.q_proj(x).view(T, H, D)  # [T, H * D] -> [T, H, D]
-                k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
-                v = attn.v_proj(x).view(T, KV, D)
-            if self.fused:
-                self.ops.rope_(q, k, cos, sin)  # in place
-            else:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            # write into the paged slots (rounded to the KV dtype when it is narrower)
-            self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k.to(self.kv_dtype)
-            self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v.to(self.kv_dtype)
-            if attn_kernel:  # read the paged blocks directly
-                o = self.ops.paged_attention.default(
-                    q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
-                    meta.q_lens, self.scale)  # [T, H, D]
-            else:
-                o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask,
-                                    self.scale)
-            o = attn.o_proj(o.reshape(T, H * D))  # [T, H, D] -> [T, hidden]
-            x = self._add_norm(h, o, layer.post_attention_layernorm)
-            if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> silu(gate) * up [T, I]
-                delta = layer.mlp.down_proj(self.ops.silu_mul(a8w4_matmul(x, fp.gate_up)))
-            else:
-                delta = layer.mlp(x)
+            o = self._attention(i, layer, x, meta, rope[plan.rope_key],
+                                None if attn_kernel and plan.window is None
+                                and self.attn_softcap is None else masks[plan.window])
+            if plan.attn_out_norm is not None:
+                o = plan.attn_out_norm(o)
+            x = self._add_norm(h, o, plan.mlp_in_norm)
+            delta = self._mlp(i, layer, x)
+            if plan.mlp_out_norm is not None:
+                delta = plan.mlp_out_norm(delta)
         h_last = h[meta.last_index] + delta[meta.last_index]  # [B, hidden]: rows we sample
         last = self._add_norm(h_last, None, self.final_norm)
-        return self.model.lm_head(last).float()  # [B, vocab] fp32 logits
+        logits = self.model.lm_head(last).float()  # [B, vocab] fp32 logits
+        if self.final_softcap is not None:
+            logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
+        return logits
+
+    def _qkv(self, i: int, attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KV, D]."""
+        T = x.shape[0]
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        fused = self.projections[i].qkv
+        if fused is not None or self.family.qkv_proj:  # one matmul: [T, (H + 2 KV) * D]
+            qkv = a8w4_matmul(x, fused) if fused is not None else attn.qkv_proj(x)
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=1)
+            # column slices of a [T, ...] tensor: contiguous copies unless T == 1
+            return tuple(t.reshape(T, -1, D).contiguous() for t in (q, k, v))
+        q = attn.q_proj(x).view(T, H, D)  # [T, H * D] -> [T, H, D]
+        k = attn.k_proj(x).view(T, KV, D)  # [T, KV * D] -> [T, KV, D]
+        v = attn.v_proj(x).view(T, KV, D)
+        return q, k, v
+
+    def _attention(self, i: int, layer, x: torch.Tensor, meta: BatchMeta,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, hidden] -> o_proj output [T, hidden]; ``mask`` None: the C++ paged kernel."""
+        attn = layer.self_attn
+        T = x.shape[0]
+        q, k, v = self._qkv(i, attn, x)
+        if self.family.qk_norm:  # RMSNorm over D of each head, before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = cos_sin
+        if self.fused and cos.shape[-1] == self.head_dim:
+            self.ops.rope_(q, k, cos, sin)  # in place
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # write into the paged slots (rounded to the KV dtype when it is narrower)
+        KV, D = self.num_kv_heads, self.head_dim
+        self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k.to(self.kv_dtype)
+        self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v.to(self.kv_dtype)
+        if mask is None:  # read the paged blocks directly
+            o = self.ops.paged_attention.default(
+                q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
+                meta.q_lens, self.scale)  # [T, H, D]
+        else:
+            o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask, self.scale,
+                                self.attn_softcap)
+        return attn.o_proj(o.reshape(T, -1))  # [T, H, D] -> [T, hidden]
+
+    def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
+        fp = self.projections[i]
+        if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> silu(gate) * up [T, I]
+            return layer.mlp.down_proj(self.ops.silu_mul(a8w4_matmul(x, fp.gate_up)))
+        return layer.mlp(x)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
                   norm: torch.nn.Module) -> torch.Tensor:
         """h += delta (in place: h is this step's residual stream), then norm(h)."""
         if self.fused:
-            return self.ops.add_rms_norm_(h, delta, norm.weight, norm.variance_epsilon)
+            gain, eps = self.gains[id(norm)]
+            return self.ops.add_rms_norm_(h, delta, gain, eps)
         if delta is not None:
             h += delta
         return norm(h)
