@@ -467,36 +467,38 @@ ALGOS = tuple(ALGORITHMS)  # --algo choices
 
 
 def calibrate(spec: CalibrateSpec) -> CalibrateResult:
-    """Calibrate ``spec.fp16_dir`` into ``spec.out`` (see the module docstring)."""
+    """Calibrate ``spec.fp16_dir`` into ``spec.out``: the stages of the module docstring."""
     t0 = time.perf_counter()
     spec = spec.resolved()  # the manifest and the resume fingerprint record concrete values
-    inputs = _check_inputs(spec)
+    inputs = _check_inputs(spec)  # 1
     run = _Run(spec, work_dir(spec.out), _resume_settings(spec, inputs.fp16_manifest))
-    with output_lock(spec.out):
+    with output_lock(spec.out):  # 2
         clean_stale_temps(spec.out)
         check_output_dir(spec.out, spec.force)  # again: another run may have finished
         start = _prepare_work(run, inputs.num_blocks)
         try:
-            result = _calibrate_into_work(run, inputs, start, t0)
+            data_summary, earlier_seconds = _earlier_progress(run, inputs, start)
+            if start < inputs.num_blocks:
+                _run_blocks(run, inputs, start, t0, earlier_seconds, data_summary)  # 3, 4
+            result = _finish(run, inputs, data_summary,  # 5: the manifest
+                             earlier_seconds + time.perf_counter() - t0, start)
         except BaseException:
             if not (run.work / "progress.json").is_file():
                 shutil.rmtree(run.work, ignore_errors=True)  # nothing to resume from
             raise
-        replace_dir(run.work, spec.out)
+        replace_dir(run.work, spec.out)  # 5: the finished folder replaces CALIB_DIR
         with contextlib.suppress(FileNotFoundError):  # the resume point, kept as a record
             os.replace(spec.out / "progress.json", spec.out / "blocks" / "progress-final.json")
     return result
 
 
-def _calibrate_into_work(run: _Run, inputs: _Inputs, start: int, t0: float) -> CalibrateResult:
-    data_summary, earlier_seconds = inputs.data_summary, 0.0
-    if start > 0:
-        progress = json.loads((run.work / "progress.json").read_text())
-        data_summary = progress.get("data", data_summary)
-        earlier_seconds = float(progress.get("seconds", 0.0))  # time spent before the kill
-    if start < inputs.num_blocks:
-        _run_blocks(run, inputs, start, t0, earlier_seconds, data_summary)
-    return _finish(run, inputs, data_summary, earlier_seconds + time.perf_counter() - t0, start)
+def _earlier_progress(run: _Run, inputs: _Inputs, start: int) -> tuple[dict, float]:
+    """The data summary and the seconds of the run a resume continues (or this run's)."""
+    if start == 0:
+        return inputs.data_summary, 0.0
+    progress = json.loads((run.work / "progress.json").read_text())
+    # time spent before the kill counts in the manifest
+    return progress.get("data", inputs.data_summary), float(progress.get("seconds", 0.0))
 
 
 def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_seconds: float,

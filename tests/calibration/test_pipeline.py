@@ -178,3 +178,25 @@ def test_bad_prompt_file_creates_nothing(fp16_dir, tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(tmp_path / "nope.jsonl")))
     assert not (tmp_path / "calib").exists()
+
+
+def test_algorithm_table_resolves_the_documented_defaults():
+    """ALGORITHMS drives CalibrateSpec's defaults and option checks; the resolved values are
+    part of the resume fingerprint, so they must not drift (docs/algorithms.md's table)."""
+    from pathlib import Path
+
+    from quantpipe.calibration.pipeline import ALGORITHMS, ALGOS
+
+    assert ALGOS == ("gptq", "awq", "rtn")
+    want = {"gptq": (True, True, True), "awq": (False, None, False), "rtn": (False, None, False)}
+    for algo, (act_order, static, mse) in want.items():
+        r = CalibrateSpec(Path("f"), Path("o"), algo=algo).resolved()
+        assert (r.act_order, r.static_groups, r.mse_clip) == (act_order, static, mse)
+    r = CalibrateSpec(Path("f"), Path("o"), algo="gptq", act_order=False).resolved()
+    assert (r.act_order, r.static_groups) == (False, False)  # dynamic groups without act-order
+    assert CalibrateSpec(Path("f"), Path("o"), algo="rtn", mse_clip=True).resolved().mse_clip
+    for algo, bad in (("awq", dict(mse_clip=True)), ("rtn", dict(static_groups=False)),
+                      ("awq", dict(act_order=True))):
+        with pytest.raises(ValueError, match="applies to|apply to"):
+            CalibrateSpec(Path("f"), Path("o"), algo=algo, **bad)
+    assert [a.quantized_forward for a in ALGORITHMS.values()] == [True, False, False]
