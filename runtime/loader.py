@@ -3,13 +3,13 @@
 ``load_quantized_model(qdir, device, dtype)``:
 1. verify and read the checkpoint (native, GPTQ or compressed-tensors, also made by other
    tools) into :class:`PackedCheckpoint`;
-2. build the model from its config with parameters on the meta device (accelerate's
-   ``init_empty_weights``; buffers such as rotary ``inv_freq`` stay real), so no FP16 copy of a
-   quantized weight is ever allocated;
-3. put a ``QuantLinear`` (repacked on ``device``) in place of every quantized ``nn.Linear``,
+2. build the model with :func:`quantpipe.core.hf_model.build_causal_lm` (parameters on the
+   meta device, so no FP16 copy of a quantized weight is ever allocated), which
+3. puts a ``QuantLinear`` (repacked on ``device``) in place of every quantized ``nn.Linear``,
    one layer at a time: each is read from the mmapped files, unpacked, repacked and dropped
    before the next, so the peak is the packed model plus one layer;
-4. assign the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``; tie embeddings.
+4. and assigns the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``, tying
+   embeddings.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized
+from quantpipe.core.formats.native import quantized_tensors
 from quantpipe.core.heap import release_freed_memory
-from quantpipe.core.native import quantized_tensors
+from quantpipe.core.hf_model import build_causal_lm
 from quantpipe.runtime.kernels.layout import PackedLinear
 from quantpipe.runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -87,43 +87,21 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
                          dtype: torch.dtype | None = None, backend: str | None = None):
     """A transformers causal LM running from the packed weights of ``qdir`` (eval mode)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch.cuda.is_available() is False; "
                          "use --device cpu")
     dtype = dtype or default_dtype(device)
     ckpt = read_packed(qdir)
-    config = AutoConfig.for_model(**ckpt.config)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, packed in ckpt.packed_layers():  # one layer unpacked at a time
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        if not isinstance(getattr(parent, child, None), torch.nn.Linear):
-            raise ValueError(f"{qdir}: quantized layer {name} is not an nn.Linear of "
-                             f"{type(model).__name__}")
-        setattr(parent, child, QuantLinear(packed, device, backend=backend, bias_dtype=dtype))
-    state = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
-             for k, v in ckpt.fp_tensors()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
-    if missing or unexpected:
-        raise ValueError(f"{qdir}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
-    if tied:
-        model.tie_weights()
-        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    model.to(device)  # non-persistent buffers (rotary inv_freq) built on CPU
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"{qdir}: tensors never loaded: {left[:5]}")
-    del ckpt, state
+    # each QuantLinear is built (repacked on device) as build_causal_lm asks for the next one
+    quant_linears = ((name, QuantLinear(packed, device, backend=backend, bias_dtype=dtype))
+                     for name, packed in ckpt.packed_layers())
+    model = build_causal_lm(ckpt.config, ckpt.fp_tensors(), dtype, device=device,
+                            modules=quant_linears, where=qdir)
+    del ckpt, quant_linears
     release_freed_memory()
     counts = Counter(m.backend for m in model.modules() if isinstance(m, QuantLinear))
     log.info("loaded %s on %s: %d QuantLinear layers %s", qdir, device, sum(counts.values()),
              dict(counts))
     model.quantpipe_backends = dict(counts)
-    return model.eval()
+    return model

@@ -30,39 +30,41 @@ import torch
 from torch import nn
 
 from quantpipe.runtime.kernels import cpu as cpu_kernels
+from quantpipe.runtime.kernels.backend import Backend
 from quantpipe.runtime.kernels.layout import PackedLinear, repack_for_triton
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("triton", "int4a8avx512", "int4a8avx2", "int4avx512", "int4pack", "int8avx512",
-            "int8avx2", "int8pack", "dequant")
-# quantpipe's C++ backends: (repack, the ISA build that runs it)
-_QP_REPACKS = {
-    "int4a8avx512": (cpu_kernels.repack_a8w4, "avx512"),
-    "int4a8avx2": (cpu_kernels.repack_a8w4, "avx2"),
-    "int4avx512": (lambda p, isa: cpu_kernels.repack_qp4(p), "avx512"),
-    "int8avx512": (cpu_kernels.repack_q8, "avx512"),
-    "int8avx2": (cpu_kernels.repack_q8, "avx2"),
-}
 
-
-def _triton_available() -> bool:
+def _triton_available() -> tuple[bool, str]:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return False, "triton is not installed (pip install triton)"
+    return True, "CUDA device"
+
+
+def _triton_matmul(x2d: torch.Tensor, w) -> torch.Tensor:
+    from quantpipe.runtime.kernels import autotune
+
+    return autotune.run(x2d.contiguous(), w)
+
+
+TRITON = Backend("triton", "cuda", repack_for_triton, _triton_matmul, lambda p: None,
+                 _triton_available)
+# Every backend by name (the module docstring's table): a new kernel is one Backend and one
+# entry here, plus its place in choose_backend's order for its device.
+BACKENDS: dict[str, Backend] = {b.name: b for b in (TRITON, *cpu_kernels.CPU_BACKENDS)}
 
 
 def choose_backend(p: PackedLinear, device: torch.device) -> tuple[str, str]:
-    """(backend, reason) for layer ``p`` on ``device``."""
+    """(backend name, reason) for layer ``p`` on ``device``."""
     if device.type == "cuda":
-        if _triton_available():
-            return "triton", "CUDA device"
-        return "dequant", "triton is not installed (pip install triton)"
+        ok, why = TRITON.usable(p, device)
+        return (TRITON.name, why) if ok else (cpu_kernels.DEQUANT.name, why)
     if device.type == "cpu":
         return cpu_kernels.cpu_backend_for(p)
-    return "dequant", f"no fast kernel for device type {device.type!r}"
+    return cpu_kernels.DEQUANT.name, f"no fast kernel for device type {device.type!r}"
 
 
 class QuantLinear(nn.Module):
@@ -77,32 +79,17 @@ class QuantLinear(nn.Module):
         self.spec = packed.spec
         if backend is None:
             backend, reason = choose_backend(packed, device)
+        elif backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} unknown; use one of {tuple(BACKENDS)}")
         else:
-            if backend not in BACKENDS:
-                raise ValueError(f"backend {backend!r} unknown; use one of {BACKENDS}")
-            reason = "requested"
-        self.backend = backend
-        self.reason = reason
-        if backend == "triton":
-            self._w = repack_for_triton(packed, device)
-        elif backend in _QP_REPACKS:
-            repack, isa = _QP_REPACKS[backend]
-            usable, why = cpu_kernels.cpu_ext.kernel_status()
-            if usable and cpu_kernels.cpu_ext.cpu_can_run(isa):
-                usable, why = cpu_kernels.cpu_ext.build_status(isa)
-            elif usable:
-                usable, why = False, f"the CPU cannot run the {isa} build"
+            usable, why = BACKENDS[backend].usable(packed, device)
             if not usable:
                 raise ValueError(f"backend {backend} is not usable here: {why}")
-            self._w = repack(packed, isa)
-        elif backend == "int4pack":
-            self._w = cpu_kernels.repack_int4(packed)
-        elif backend == "int8pack":
-            self._w = cpu_kernels.repack_int8(packed)
-        elif backend == "dequant":
-            self._w = cpu_kernels.repack_unpacked(packed, device)
-        else:
-            raise AssertionError(backend)
+            reason = f"requested ({why})"
+        self.backend = backend
+        self.reason = reason
+        kernel = BACKENDS[backend]
+        self._w = kernel.repack(packed, device)
         self._expose_weights()
         bias = packed.bias
         if bias is not None:
@@ -110,7 +97,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.device_ = device
         self._on_cuda = device.type == "cuda"
-        self._matmul = MATMULS[backend]
+        self._matmul = kernel.matmul
 
     def _expose_weights(self) -> None:
         """The repacked tensors as buffers (memory accounting, state inspection)."""
@@ -144,22 +131,3 @@ class QuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
-
-def _triton_matmul(x2d: torch.Tensor, w) -> torch.Tensor:
-    from quantpipe.runtime.kernels import autotune
-
-    return autotune.run(x2d.contiguous(), w)
-
-
-# backend -> (x2d [M, in], repacked weights) -> [M, out]
-MATMULS = {
-    "triton": _triton_matmul,
-    "int4a8avx512": cpu_kernels.a8w4_matmul,
-    "int4a8avx2": cpu_kernels.a8w4_matmul,
-    "int4avx512": cpu_kernels.qp4_matmul,
-    "int4pack": cpu_kernels.int4_matmul,
-    "int8avx512": cpu_kernels.q8_matmul,
-    "int8avx2": cpu_kernels.q8_matmul,
-    "int8pack": cpu_kernels.int8_matmul,
-    "dequant": cpu_kernels.dequant_matmul,
-}

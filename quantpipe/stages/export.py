@@ -13,11 +13,11 @@ from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.plan import Plan, PlanSpec, make_plan
+from quantpipe.core.formats.registry import FORMAT_NAMES
+from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.io import check_not_overlapping, check_output_dir, output_lock
 
 log = logging.getLogger(__name__)
-
-FORMATS = ("native", "gptq", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ExportSpec:
     calib_dir: Path  # output of `quantpipe calibrate`
     out: Path  # QDIR
     bits: int = 4  # default precision of quantized linears: 4 or 8
-    fmt: str = "native"  # native | gptq | compressed-tensors
+    fmt: str = FORMAT_NAMES[0]  # a name of quantpipe.core.formats.registry.FORMATS
     budget_bits: float | None = None  # average bits per weight: automatic mixed precision
     overrides: tuple[str, ...] = field(default_factory=tuple)  # "NAME|re:REGEX=4|8|fp16"
     max_shard_size: str = "2GB"
@@ -34,8 +34,8 @@ class ExportSpec:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"--bits {self.bits} is not supported; use 4 or 8")
-        if self.fmt not in FORMATS:
-            raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMATS}")
+        if self.fmt not in FORMAT_NAMES:
+            raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
 
 
 def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: dict) -> None:
-    """Hand the plan's weights to the chosen format's writer."""
+    """Hand the plan's weights to the chosen format's writer (the registry's)."""
     manifest_fields = {
         "calibration": {
             "path": str(Path(spec.calib_dir).resolve()),
@@ -85,17 +85,4 @@ def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: dict) -> N
         fp16_shards=calib.manifest["fp16_shards"],
         recorded_by=f"the calibration {spec.calib_dir}",
     )
-    if spec.fmt == "native":
-        from quantpipe.core.native import write_native
-
-        write_native(spec.out, calib.fp16_dir, weights, **args)
-    elif spec.fmt == "gptq":
-        from quantpipe.core.formats.writers import write_gptq
-
-        write_gptq(spec.out, calib.fp16_dir, weights, **args)
-    elif spec.fmt == "compressed-tensors":
-        from quantpipe.core.formats.writers import write_compressed_tensors
-
-        write_compressed_tensors(spec.out, calib.fp16_dir, weights, **args)
-    else:
-        raise ValueError(f"unknown format {spec.fmt!r}")
+    write_checkpoint(spec.fmt, spec.out, calib.fp16_dir, weights, **args)

@@ -1,7 +1,9 @@
-"""Quantized matmul kernels: Triton (CUDA), our C++ int4 CPU kernel, torch's int4pack /
-int8pack, plus layouts.
+"""Quantized matmul kernels: Triton (CUDA), our C++ CPU kernels, torch's int4pack / int8pack,
+plus layouts.
 
-``layout`` (packed inputs and repacks, no GPU needed), ``cpu`` (CPU kernels and fallback),
-``cpu_ext`` (builds and loads ``csrc/cpu_ops.cpp``),
-``triton_kernels`` and ``autotune`` (import triton; used on CUDA and by interpreter tests).
+``backend`` (what a QuantLinear backend is: repack, matmul, usable checks), ``layout`` (packed
+inputs and repacks, no GPU needed), ``cpu`` (the CPU backends, their layouts and the choice
+between them), ``cpu_ext`` (builds and loads ``csrc/cpu_ops*.cpp``), ``triton_kernels`` and
+``autotune`` (import triton; used on CUDA and by interpreter tests). Every backend is
+registered by name in ``quantpipe.runtime.quant_linear.BACKENDS``.
 """

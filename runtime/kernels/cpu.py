@@ -1,7 +1,9 @@
 """CPU path: quantpipe's kernels (two ISA builds), torch's int4pack / int8pack, and the fallback.
 
-Every layout is repacked once at load time. Which backend a layer gets
-(:func:`cpu_backend_for`, visible dispatch; ``kernels/cpu_ext.py`` picks the ISA build):
+Every layout is repacked once at load time. The backends are :class:`~.backend.Backend`
+objects (:data:`CPU_BACKENDS`, registered in ``quant_linear.BACKENDS``); which one a layer gets
+(:func:`cpu_backend_for`, table lookups in :data:`OURS` and :data:`TORCH_PEER`;
+``kernels/cpu_ext.py`` picks the ISA build):
 
 | backend          | when                                                                   |
 |------------------|------------------------------------------------------------------------|
@@ -73,6 +75,7 @@ from typing import Any
 import torch
 
 from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.runtime.kernels.backend import Backend
 from quantpipe.runtime.kernels.layout import PackedLinear
 
 QP4_ROWS = 16  # int4avx512: output rows per block, and the group size's multiple
@@ -102,59 +105,6 @@ def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
     return perm
 
 
-def _int4_act() -> str:
-    """int8 (W4A8, the default) or bf16 (W4A16: AVX-512 only) activations for 4-bit layers."""
-    act = os.environ.get(INT4_ACT_ENV, "int8").strip().lower() or "int8"
-    if act not in ("int8", "bf16"):
-        raise ValueError(f"{INT4_ACT_ENV}={os.environ[INT4_ACT_ENV]!r}: use int8 (W4A8, "
-                         "default) or bf16 (W4A16, AVX-512 hosts)")
-    return act
-
-
-def _quantpipe_backend(p: PackedLinear) -> tuple[str | None, str]:
-    """(quantpipe kernel backend or None, reason) for a layer with sequential-able groups."""
-    bits, gs, out_f = p.spec.bits, p.group_size, p.out_features
-    if gs % QP4_ROWS or out_f % QP4_ROWS:
-        return None, f"quantpipe's kernels need out and group size % {QP4_ROWS} == 0"
-    usable, why = cpu_ext.kernel_status()
-    if not usable:
-        return None, why
-    isa = cpu_ext.active_isa()
-    if bits == 8:
-        return f"int8{isa}", why
-    a8_ok, act = gs % A8_BLOCK == 0, _int4_act()  # the setting is checked on every ISA
-    if isa == "avx512" and (act == "bf16" or not a8_ok):
-        return "int4avx512", why + ("" if a8_ok else f" (W4A16: group size {gs} % {A8_BLOCK})")
-    if a8_ok:
-        vnni = cpu_ext.a8_uses_vnni(isa)
-        return f"int4a8{isa}", f"{why}, W4A8{' VNNI' if vnni else ''}"
-    return None, f"{why}: W4A8 needs group size % {A8_BLOCK} == 0, not {gs}"
-
-
-def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
-    """(backend, reason) for one layer on CPU."""
-    bits, gs, in_f, out_f = p.spec.bits, p.group_size, p.in_features, p.out_features
-    if bits not in (4, 8):
-        raise ValueError(f"bits={bits} has no CPU kernel; use 4 or 8")
-    if p.g_idx is not None and act_order_permutation(p) is None:
-        return "dequant", "act-order g_idx with unequal groups cannot be made sequential"
-    # quantpipe's kernels first (same conditions for both widths), then torch's
-    backend, why = _quantpipe_backend(p)
-    if backend is not None:
-        return backend, why
-    if bits == 4:
-        if gs not in INT4PACK_GROUP_SIZES:
-            return "dequant", f"int4pack takes group sizes {INT4PACK_GROUP_SIZES}, not {gs}"
-        if out_f % 16 or in_f % (16 * INNER_K_TILES):
-            return "dequant", f"int4pack needs out % 16 == 0 and in % 32 == 0 ({out_f}x{in_f})"
-        return "int4pack", f"torch int4pack ({why})"
-    if p.qzeros is not None:
-        return "dequant", f"int8pack is symmetric only ({why})"
-    if gs != in_f:
-        return "dequant", f"int8pack is per-channel only ({why})"
-    return "int8pack", f"int8 per-channel sym ({why})"
-
-
 @dataclass(frozen=True)
 class CpuQP4:
     """The int4avx512 layout (module docstring); w = (q - 8) * scale + zf."""
@@ -166,24 +116,50 @@ class CpuQP4:
     group_size: int
 
 
-def pack_qp4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in] q in [0, 16) -> uint8 [out / 16, in / 4, 32] (csrc/cpu_ops.cpp layout).
+def pack_int4_blocks(q: torch.Tensor, half: int) -> torch.Tensor:
+    """uint8 [out, in] q in [0, 16) -> uint8 [out / 16, in / (2 half), 16 half]: the int4
+    layout of both our int4 kernels (``half`` 2: int4avx512, csrc/cpu_ops.cpp; 4: W4A8,
+    csrc/common.h).
 
-    Byte ``2 r + e`` of chunk (b, c) holds q[16 b + r, 4 c + e] (low nibble) and
-    q[16 b + r, 4 c + 2 + e] (high nibble).
+    Chunk (b, c) covers rows 16 b .. 16 b + 15 and columns 2 half c .. 2 half c + 2 half - 1;
+    its byte ``half r + e`` holds q[16 b + r, 2 half c + e] (low nibble) and
+    q[16 b + r, 2 half c + half + e] (high nibble).
     """
     out_f, in_f = q.shape
-    v = q.view(out_f // QP4_ROWS, QP4_ROWS, in_f // 4, 2, 2)  # [b, r, c, h, e]: k = 4c + 2h + e
+    chunks = in_f // (2 * half)
+    v = q.view(out_f // QP4_ROWS, QP4_ROWS, chunks, 2, half)  # [b, r, c, h, e]
     v = v.permute(0, 2, 1, 4, 3)  # [b, c, r, e, h]
-    return (v[..., 0] | (v[..., 1] << 4)).reshape(out_f // QP4_ROWS, in_f // 4, 32).contiguous()
+    packed = v[..., 0] | (v[..., 1] << 4)  # [b, c, r, e] uint8
+    return packed.reshape(out_f // QP4_ROWS, chunks, QP4_ROWS * half).contiguous()
+
+
+def unpack_int4_blocks(packed: torch.Tensor, half: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_blocks`: uint8 [out / 16, in / (2 half), 16 half] ->
+    uint8 [out, in]."""
+    nb, chunks, _ = packed.shape
+    v = packed.view(nb, chunks, QP4_ROWS, half)  # [b, c, r, e]
+    q = torch.stack([v & 15, v >> 4], dim=-1)  # [b, c, r, e, h]
+    return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 2 * half)  # [out, in]
+
+
+def pack_qp4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] -> uint8 [out / 16, in / 4, 32], the int4avx512 layout."""
+    return pack_int4_blocks(q, 2)
 
 
 def unpack_qp4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_qp4`: uint8 [out / 16, in / 4, 32] -> uint8 [out, in]."""
-    nb, chunks, _ = packed.shape
-    v = packed.view(nb, chunks, QP4_ROWS, 2)  # [b, c, r, e]
-    q = torch.stack([v & 15, v >> 4], dim=-1)  # [b, c, r, e, h]
-    return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 4)  # [out, in]
+    return unpack_int4_blocks(packed, 2)
+
+
+def _group_ordered_q(p: PackedLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(uint8 [out, in] q with the columns in sequential groups, int64 [in] column order or
+    None): act-order layers are permuted once here, and the kernels permute x the same way."""
+    q = p.unpacked_q()  # [out, in] uint8
+    if p.g_idx is None:
+        return q, None
+    perm = act_order_permutation(p)
+    assert perm is not None, "dispatch sends uneven act-order groups to dequant"
+    return q[:, perm].contiguous(), perm  # [out, in] columns now in sequential groups
 
 
 def block_rows(t: torch.Tensor) -> torch.Tensor:
@@ -197,11 +173,7 @@ def block_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def repack_qp4(p: PackedLinear) -> CpuQP4:
-    q = p.unpacked_q()  # uint8 [out, in] in [0, 16)
-    perm = None
-    if p.g_idx is not None:
-        perm = act_order_permutation(p)
-        q = q[:, perm]  # [out, in] columns now in sequential groups
+    q, perm = _group_ordered_q(p)  # uint8 [out, in] in [0, 16)
     zeros = p.zeros_u8()  # [out, G]
     zf = None
     if not bool((zeros == 8).all()):
@@ -237,33 +209,18 @@ class CpuA8W4:
 
 
 def pack_a8w4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in] q in [0, 16) -> uint8 [out / 16, in / 8, 64] (csrc/common.h layout).
-
-    Byte ``4 r + e`` of chunk (b, c) holds q[16 b + r, 8 c + e] (low nibble) and
-    q[16 b + r, 8 c + 4 + e] (high nibble).
-    """
-    out_f, in_f = q.shape
-    v = q.view(out_f // QP4_ROWS, QP4_ROWS, in_f // 8, 2, 4)  # [b, r, c, h, e]: k = 8c + 4h + e
-    v = v.permute(0, 2, 1, 4, 3)  # [b, c, r, e, h]
-    return (v[..., 0] | (v[..., 1] << 4)).reshape(out_f // QP4_ROWS, in_f // 8, 64).contiguous()
+    """uint8 [out, in] -> uint8 [out / 16, in / 8, 64], the W4A8 layout."""
+    return pack_int4_blocks(q, 4)
 
 
 def unpack_a8w4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_a8w4`: uint8 [out / 16, in / 8, 64] -> uint8 [out, in]."""
-    nb, chunks, _ = packed.shape
-    v = packed.view(nb, chunks, QP4_ROWS, 4)  # [b, c, r, e]
-    q = torch.stack([v & 15, v >> 4], dim=-1)  # [b, c, r, e, h]
-    return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 8)  # [out, in]
+    return unpack_int4_blocks(packed, 4)
 
 
 def repack_a8w4(p: PackedLinear, isa: str | None = None) -> CpuA8W4:
     """``isa``: the build whose ``int4_a8_mm`` runs it (default: the active one)."""
     isa = isa or cpu_ext.active_isa()
-    q = p.unpacked_q()  # uint8 [out, in] in [0, 16)
-    perm = None
-    if p.g_idx is not None:
-        perm = act_order_permutation(p)
-        q = q[:, perm]  # [out, in] columns now in sequential groups
+    q, perm = _group_ordered_q(p)  # uint8 [out, in] in [0, 16)
     scales = p.scales.float()  # [out, G], exact
     # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16)
     mz = -p.zeros_u8().float() * scales  # [out, G]
@@ -327,13 +284,10 @@ def dequantize_int4pack(w: CpuInt4) -> torch.Tensor:
 
 def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> CpuInt4:
     """``act_dtype`` (bf16 fast; fp32 exact but slow, used by tests to check the packing)."""
-    q = p.unpacked_q().to(torch.int32)  # [out, in] int32 in [0, 16)
+    q, perm = _group_ordered_q(p)
+    q = q.to(torch.int32)  # [out, in] int32 in [0, 16), groups sequential
     scales = p.scales.float()  # [out, G]
     zeros = p.zeros_u8().float()  # [out, G]
-    perm = None
-    if p.g_idx is not None:
-        perm = act_order_permutation(p)
-        q = q[:, perm].contiguous()  # [out, in] columns now in sequential groups
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
     # integer zero z -> float zero point (8 - z) * s: exact in fp32 (fp16 s times an int < 16)
     zero_fp = (8.0 - zeros) * scales  # [out, G]
@@ -373,11 +327,7 @@ class CpuQ8:
 
 def repack_q8(p: PackedLinear, isa: str | None = None) -> CpuQ8:
     """``isa``: the build whose ``int8_mm`` runs it (default: the active one)."""
-    q = p.unpacked_q()  # uint8 [out, in]
-    perm = None
-    if p.g_idx is not None:
-        perm = act_order_permutation(p)
-        q = q[:, perm]  # [out, in] columns now in sequential groups
+    q, perm = _group_ordered_q(p)  # uint8 [out, in]
     q8 = (q.to(torch.int16) - 128).to(torch.int8)  # [out, in], exact
     q8 = block_rows(q8)  # [out / 16, in, 16]
     zeros = p.zeros_u8()  # [out, G]
@@ -440,3 +390,128 @@ def dequant_matmul(x2d: torch.Tensor, w: Unpacked) -> torch.Tensor:
     z = w.zeros.float()[:, w.g_idx]  # [out, in]
     weight = ((w.q.float() - z) * s).to(x2d.dtype)  # [out, in]
     return x2d @ weight.T  # [M, in] @ [in, out] -> [M, out]
+
+
+# ---- the CPU backends and the choice between them -------------------------------------------
+
+
+def _unfit(p: PackedLinear, bits: int, gs_multiple: int, out_multiple: int = QP4_ROWS,
+           group_sizes: tuple[int, ...] | None = None) -> str | None:
+    """Why a kernel for ``bits``-bit layers with the group size a multiple of ``gs_multiple``
+    (or one of ``group_sizes``) and ``out % out_multiple == 0`` cannot take ``p``, or None."""
+    gs, out_f = p.group_size, p.out_features
+    if p.spec.bits != bits:
+        return f"{bits}-bit layers only, not {p.spec.bits}-bit"
+    if group_sizes is not None and gs not in group_sizes:
+        return f"group sizes {group_sizes} only, not {gs}"
+    if gs % gs_multiple or out_f % out_multiple:
+        return (f"needs out % {out_multiple} == 0 and group size % {gs_multiple} == 0 "
+                f"(out {out_f}, group size {gs})")
+    if p.g_idx is not None and act_order_permutation(p) is None:
+        return "act-order g_idx with unequal groups cannot be made sequential"
+    return None
+
+
+def _build_available(isa: str):
+    """Our ``isa`` build: kernels not turned off, the CPU runs it, and it compiles."""
+    def available() -> tuple[bool, str]:
+        usable, why = cpu_ext.kernel_status()
+        if not usable:
+            return False, why
+        if not cpu_ext.cpu_can_run(isa):
+            return False, f"the CPU cannot run the {isa} build"
+        return cpu_ext.build_status(isa)
+    return available
+
+
+def _int4pack_unfit(p: PackedLinear) -> str | None:
+    unfit = _unfit(p, 4, 1, group_sizes=INT4PACK_GROUP_SIZES)
+    if unfit is None and p.in_features % (16 * INNER_K_TILES):
+        return f"int4pack needs in % {16 * INNER_K_TILES} == 0, not {p.in_features}"
+    return f"int4pack: {unfit}" if unfit else None
+
+
+def _int8pack_unfit(p: PackedLinear) -> str | None:
+    if p.spec.bits != 8:
+        return f"int8pack: 8-bit layers only, not {p.spec.bits}-bit"
+    if p.qzeros is not None:
+        return "int8pack is symmetric only"
+    if p.group_size != p.in_features:
+        return "int8pack is per-channel only"
+    return None
+
+
+def _ours(kind: str, isa: str, repack, matmul, bits: int, gs_multiple: int) -> Backend:
+    return Backend(f"{kind}{isa}", "cpu", repack, matmul,
+                   lambda p: _unfit(p, bits, gs_multiple), _build_available(isa))
+
+
+# quantpipe's C++ kernels, per (kind, ISA build): the module docstring's table
+OURS: dict[tuple[str, str], Backend] = {
+    ("int4a8", isa): _ours("int4a8", isa, lambda p, device, isa=isa: repack_a8w4(p, isa),
+                           a8w4_matmul, 4, A8_BLOCK)
+    for isa in ("avx512", "avx2")
+} | {
+    ("int4", "avx512"): _ours("int4", "avx512", lambda p, device: repack_qp4(p), qp4_matmul,
+                              4, QP4_ROWS),
+} | {
+    ("int8", isa): _ours("int8", isa, lambda p, device, isa=isa: repack_q8(p, isa), q8_matmul,
+                         8, QP4_ROWS)
+    for isa in ("avx512", "avx2")
+}
+# torch's kernels, the peers of ours when ours cannot run
+INT4PACK = Backend("int4pack", "cpu", lambda p, device: repack_int4(p), int4_matmul,
+                   _int4pack_unfit)
+INT8PACK = Backend("int8pack", "cpu", lambda p, device: repack_int8(p), int8_matmul,
+                   _int8pack_unfit)
+TORCH_PEER = {4: INT4PACK, 8: INT8PACK}
+# any layout on any device: dequantize per call
+DEQUANT = Backend("dequant", None, repack_unpacked, dequant_matmul, lambda p: None)
+CPU_BACKENDS: tuple[Backend, ...] = (*OURS.values(), INT4PACK, INT8PACK, DEQUANT)
+
+
+def _int4_act() -> str:
+    """int8 (W4A8, the default) or bf16 (W4A16: AVX-512 only) activations for 4-bit layers."""
+    act = os.environ.get(INT4_ACT_ENV, "int8").strip().lower() or "int8"
+    if act not in ("int8", "bf16"):
+        raise ValueError(f"{INT4_ACT_ENV}={os.environ[INT4_ACT_ENV]!r}: use int8 (W4A8, "
+                         "default) or bf16 (W4A16, AVX-512 hosts)")
+    return act
+
+
+def _quantpipe_backend(p: PackedLinear) -> tuple[Backend | None, str]:
+    """(the kernel of ours for this layer or None, reason); groups can be made sequential."""
+    bits, gs, out_f = p.spec.bits, p.group_size, p.out_features
+    if gs % QP4_ROWS or out_f % QP4_ROWS:
+        return None, f"quantpipe's kernels need out and group size % {QP4_ROWS} == 0"
+    usable, why = cpu_ext.kernel_status()
+    if not usable:
+        return None, why
+    isa = cpu_ext.active_isa()
+    if bits == 8:
+        return OURS[("int8", isa)], why
+    a8_ok, act = gs % A8_BLOCK == 0, _int4_act()  # the setting is checked on every ISA
+    if isa == "avx512" and (act == "bf16" or not a8_ok):
+        return OURS[("int4", isa)], why + ("" if a8_ok else
+                                           f" (W4A16: group size {gs} % {A8_BLOCK})")
+    if a8_ok:
+        vnni = cpu_ext.a8_uses_vnni(isa)
+        return OURS[("int4a8", isa)], f"{why}, W4A8{' VNNI' if vnni else ''}"
+    return None, f"{why}: W4A8 needs group size % {A8_BLOCK} == 0, not {gs}"
+
+
+def cpu_backend_for(p: PackedLinear) -> tuple[str, str]:
+    """(backend name, reason) for one layer on CPU: ours (by ISA build and activation
+    setting), else torch's peer for the width, else dequant with the peer's reason."""
+    if p.spec.bits not in TORCH_PEER:
+        raise ValueError(f"bits={p.spec.bits} has no CPU kernel; use 4 or 8")
+    if p.g_idx is not None and act_order_permutation(p) is None:
+        return DEQUANT.name, "act-order g_idx with unequal groups cannot be made sequential"
+    ours, why = _quantpipe_backend(p)
+    if ours is not None:
+        return ours.name, why
+    peer = TORCH_PEER[p.spec.bits]
+    unfit = peer.unfit(p)
+    if unfit is not None:
+        return DEQUANT.name, f"{unfit} ({why})"
+    return peer.name, f"torch {peer.name} ({why})"

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from quantpipe.calibration.grid import quantize_to_grid, scale_zero_from_range
-from quantpipe.core.native import read_fp_state
+from quantpipe.core.formats.common import read_fp_state
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec, resolve_group_size
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
@@ -151,7 +151,7 @@ def track_unpacked(monkeypatch):
 
     alive: list[weakref.ref] = []
     peak = [0]
-    real = ver._unpack
+    real = ver.unpack_layer
 
     def unpack(*args, **kwargs):
         gc.collect()  # only references that really remain count
@@ -160,7 +160,7 @@ def track_unpacked(monkeypatch):
         alive.append(weakref.ref(u.q))  # u.q: [out, in] uint8, the unpacked weight
         return u
 
-    monkeypatch.setattr(ver, "_unpack", unpack)
+    monkeypatch.setattr(ver, "unpack_layer", unpack)
     return peak
 
 

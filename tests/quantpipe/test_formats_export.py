@@ -7,13 +7,8 @@ import json
 import pytest
 import torch
 
-from quantpipe.core.formats import (
-    convert_native,
-    load_quantized,
-    write_compressed_tensors,
-    write_gptq,
-)
-from quantpipe.core.native import read_fp_state, write_native
+from quantpipe.core.formats import convert_checkpoint, load_quantized, write_checkpoint
+from quantpipe.core.formats.common import read_fp_state
 from quantpipe.core.qformat import QuantSpec
 from tests.quantpipe.test_formats_common import export_tiny, quantize_plan, ref_decode_gptq
 
@@ -40,8 +35,8 @@ def _same_layers(got, weights):
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_mixed_plan_round_trip(fp16, tmp_path, fmt):
     weights = quantize_plan(fp16, MIXED, skip=KEEP)
-    writer = write_gptq if fmt == "gptq" else write_compressed_tensors
-    manifest = writer(tmp_path / "q", fp16, weights, manifest_fields={"algorithm": "rtn"})
+    manifest = write_checkpoint(fmt, tmp_path / "q", fp16, weights,
+                                manifest_fields={"algorithm": "rtn"})
     assert manifest["checkpoint_format"] == fmt and manifest["algorithm"] == "rtn"
     ckpt = load_quantized(tmp_path / "q")
     assert ckpt.checkpoint_format == fmt and ckpt.report.hashes_checked
@@ -66,7 +61,7 @@ def test_mixed_plan_round_trip(fp16, tmp_path, fmt):
 @pytest.mark.parametrize("sym", [True, False])
 def test_gptq_bits_exact_against_reference_decoder(fp16, tmp_path, bits, group_size, sym):
     weights = quantize_plan(fp16, [QuantSpec(bits, group_size, sym)])
-    write_gptq(tmp_path / "q", fp16, weights)
+    write_checkpoint("gptq", tmp_path / "q", fp16, weights)
     qcfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     state = read_fp_state(tmp_path / "q")
     for name, qw in weights.items():
@@ -82,7 +77,7 @@ def test_gptq_act_order_and_v2(fp16, tmp_path):
     name = next(iter(weights))
     weights[name].zeros[0, 0] = 0  # v1 cannot store zero 0 -> "auto" writes gptq_v2
     weights[name].q[0] = torch.where(weights[name].group_index() == 0, 0, weights[name].q[0])
-    write_gptq(tmp_path / "q", fp16, weights)
+    write_checkpoint("gptq", tmp_path / "q", fp16, weights)
     qcfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qcfg["checkpoint_format"] == "gptq_v2" and qcfg["desc_act"] is True
     state = read_fp_state(tmp_path / "q")
@@ -93,28 +88,33 @@ def test_gptq_act_order_and_v2(fp16, tmp_path):
         assert torch.equal(w.float(), qw.dequantize(torch.float32))
     _same_layers(load_quantized(tmp_path / "q"), weights)
     with pytest.raises(ValueError, match="gptq_v2"):
-        write_gptq(tmp_path / "q1", fp16, weights, checkpoint_format="gptq")
+        write_checkpoint("gptq", tmp_path / "q1", fp16, weights, checkpoint_format="gptq")
 
 
 def test_ct_refuses_act_order_permutation(fp16, tmp_path):
     weights = quantize_plan(fp16, [QuantSpec(4, 32, True, act_order=True)], act_order_seed=3)
     with pytest.raises(ValueError, match="--format gptq"):
-        write_compressed_tensors(tmp_path / "q", fp16, weights)
+        write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights)
     assert not (tmp_path / "q").exists()
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
-def test_convert_native(fp16, tmp_path, fmt):
+@pytest.mark.parametrize("src,dst", [("native", "gptq"), ("native", "compressed-tensors"),
+                                     ("gptq", "native")])
+def test_convert_checkpoint(fp16, tmp_path, src, dst):
     weights = quantize_plan(fp16, MIXED, skip=KEEP)
-    write_native(tmp_path / "native", fp16, weights, manifest_fields={"algorithm": "rtn"})
-    manifest = convert_native(tmp_path / "native", tmp_path / "out", fmt)
-    assert manifest["converted_from"]["checkpoint_format"] == "native"
+    write_checkpoint(src, tmp_path / "src", fp16, weights, manifest_fields={"algorithm": "rtn"})
+    manifest = convert_checkpoint(tmp_path / "src", tmp_path / "out", dst)
+    assert manifest["checkpoint_format"] == dst
+    assert manifest["converted_from"]["checkpoint_format"] == src
     assert manifest["algorithm"] == "rtn" and "source_fp16" in manifest
-    native = load_quantized(tmp_path / "native")
+    original = load_quantized(tmp_path / "src")
     conv = load_quantized(tmp_path / "out")
+    assert conv.checkpoint_format == dst
     _same_layers(conv, weights)
-    a, b = native.dequantized_state_dict(), conv.dequantized_state_dict()
+    a, b = original.dequantized_state_dict(), conv.dequantized_state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="use one of"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "bad", "marlin")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -128,7 +128,7 @@ def test_compressed_tensors_library_decompresses_export(fp16, tmp_path, bits, gr
 
     spec = QuantSpec(bits, group_size, sym, act_order=group_size == 64)  # actorder "weight"
     weights = quantize_plan(fp16, [spec], skip=KEEP)
-    write_compressed_tensors(tmp_path / "q", fp16, weights)
+    write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights)
     deq = CompressedTensorsDequantizer(tmp_path / "q", dtype=torch.float16)
     # validate(): decompress + fail on any quantization param left behind (untargeted layer)
     out = deq.validate(dict(read_fp_state(tmp_path / "q")))  # the library wants a dict
@@ -153,7 +153,7 @@ def test_transformers_loads_compressed_tensors_export(fp16, tmp_path, spec):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     weights = quantize_plan(fp16, [spec], skip=KEEP)
-    write_compressed_tensors(tmp_path / "q", fp16, weights)
+    write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights)
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path / "q", dtype=torch.float16,
         quantization_config=CompressedTensorsConfig(run_compressed=False),

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from quantpipe.core.formats import load_quantized, verify_checkpoint, write_gptq
-from quantpipe.core.native import read_fp_state, write_native
+from quantpipe.core.formats import load_quantized, verify_checkpoint, write_checkpoint
+from quantpipe.core.formats.common import read_fp_state
 from quantpipe.core.qformat import QuantSpec
 from tests.quantpipe.test_formats_common import export_tiny, quantize_plan, track_unpacked
 
@@ -32,7 +32,7 @@ def weights(fp16):
 @pytest.fixture(scope="module")
 def gptq_dir(fp16, weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("ver") / "gptq"
-    write_gptq(out, fp16, weights)
+    write_checkpoint("gptq", out, fp16, weights)
     return out
 
 
@@ -122,7 +122,7 @@ def test_nan_scale_is_caught(gptq_dir, tmp_path):
 
 
 def test_manifest_plan_must_match_config(fp16, weights, tmp_path):
-    write_native(tmp_path / "n", fp16, weights)
+    write_checkpoint("native", tmp_path / "n", fp16, weights)
     cfg_path = tmp_path / "n" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"]["layers"][LAYER]["group_size"] = 32

@@ -177,12 +177,12 @@ def test_greedy_decode_matches_hf_generate(qdirs):
 
 def test_runtime_loads_gptq_and_compressed_tensors(qdirs, tmp_path):
     """One runtime loader for the three formats: the same logits as the native folder."""
-    from quantpipe.core.formats.writers import convert_native
+    from quantpipe.core.formats import convert_checkpoint
 
     ids = torch.arange(3, 20)[None]
     with torch.no_grad():
         ref = load_quantized_model(qdirs, backend="dequant")(ids).logits
         for fmt in ("gptq", "compressed-tensors"):
-            convert_native(qdirs, tmp_path / fmt, fmt)
+            convert_checkpoint(qdirs, tmp_path / fmt, fmt)
             got = load_quantized_model(tmp_path / fmt, backend="dequant")(ids).logits
             torch.testing.assert_close(got, ref, rtol=0, atol=0)

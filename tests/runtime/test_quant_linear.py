@@ -9,7 +9,7 @@ from quantpipe.core.qformat import QuantSpec
 from quantpipe.runtime.kernels import cpu as cpu_kernels
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.layout import dequantize_reference, repack_for_triton
-from quantpipe.runtime.quant_linear import QuantLinear
+from quantpipe.runtime.quant_linear import BACKENDS, QuantLinear
 from tests.runtime._quant_helpers import random_packed
 
 OUT, IN = 96, 256
@@ -46,9 +46,45 @@ def test_quant_linear_cpu_all_layouts(spec, m):
     # bf16 activations in int4pack / int4avx512 and int8pack: relative error ~2**-8; int8
     # activations per 32 columns (W4A8): ~2**-7; int8avx512 / int8avx2 (exact int8, fp32
     # activations) and the fallback: fp32 sums only
-    tol = {"int8avx512": 1e-5, "int8avx2": 1e-5, "dequant": 1e-6, "int4a8avx512": 2e-2,
-           "int4a8avx2": 2e-2}.get(ql.backend, 1e-2)
-    assert _rel(got, want) < tol
+    assert _rel(got, want) < TOLERANCE.get(ql.backend, 1e-2)
+
+
+# relative error vs float64 (see above); others (bf16 activations): 1e-2
+TOLERANCE = {"int8avx512": 1e-5, "int8avx2": 1e-5, "dequant": 1e-6, "int4a8avx512": 2e-2,
+             "int4a8avx2": 2e-2}
+REQUESTED = [QuantSpec(4, 64, True), QuantSpec(4, 32, False, True), QuantSpec(4, 16, True),
+             QuantSpec(8, -1, True), QuantSpec(8, 32, False, True)]
+
+
+def test_backend_registry_names():
+    assert all(b.name == name for name, b in BACKENDS.items())
+    assert set(BACKENDS) >= {"triton", "int4pack", "int8pack", "dequant"}
+    import quantpipe.runtime.quant_linear as ql_module
+
+    # the module docstring's table lists every backend
+    assert all(f"``{name}``" in ql_module.__doc__ for name in BACKENDS)
+
+
+@pytest.mark.parametrize("name", [n for n, b in BACKENDS.items() if b.device_type != "cuda"])
+def test_every_cpu_backend_is_the_reference_where_usable_and_refused_elsewhere(name):
+    """A requested backend runs only layers it computes (its reason otherwise), and then
+    matches the float64 reference like the chosen one does."""
+    for i, spec in enumerate(REQUESTED):
+        p = random_packed(OUT, IN, spec, seed=40 + i, bias=True)
+        usable, why = BACKENDS[name].usable(p, torch.device("cpu"))
+        if not usable:
+            with pytest.raises(ValueError, match=f"backend {name} is not usable here: "):
+                QuantLinear(p, "cpu", backend=name)
+            continue
+        ql = QuantLinear(p, "cpu", backend=name)
+        assert ql.backend == name and why in ql.reason
+        x = torch.randn(5, IN)
+        want = x.double() @ dequantize_reference(p).T + p.bias.double()
+        assert _rel(ql(x), want) < TOLERANCE.get(name, 1e-2), spec.label()
+    # the fallback takes everything; torch's int8 kernel no asymmetric or group-wise layer
+    assert BACKENDS["dequant"].usable(p, torch.device("cpu"))[0]
+    assert BACKENDS["int8pack"].usable(p, torch.device("cpu")) == (
+        False, "int8pack is symmetric only")
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(4, 32, False), QuantSpec(4, 64, True),

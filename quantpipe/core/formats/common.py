@@ -1,4 +1,5 @@
-"""Pieces shared by the GPTQ and compressed-tensors writers and the validating loader.
+"""Pieces every format's writer shares: the FP16 source (checked, read tensor by tensor), the
+side files, the FP16-kept linears, and the one place a quantized folder is written.
 
 A quantized folder is written in one place (:func:`write_quantized_folder`): config.json with
 the format's ``quantization_config``, the side files (tokenizer, generation config), sharded
@@ -9,27 +10,115 @@ safetensors and, last, the ``quantpipe.json`` manifest, all inside
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from quantpipe.core.formats.base import FolderToWrite
 from quantpipe.core.io import (
+    LazyTensors,
+    Overlay,
     atomic_output_dir,
+    read_manifest,
     tensor_shape,
+    verify_shard_hashes,
     write_json_atomic,
     write_manifest,
     write_shards,
 )
-from quantpipe.core.native import copy_side_files, replace_quantized  # noqa: F401  (re-exported)
-from quantpipe.core.qformat import QuantizedWeight
+from quantpipe.core.qformat import QuantizedWeight, weight_shape, weight_spec
+from quantpipe.core.sources import DTYPES
 
-# The three on-disk layouts quantpipe writes and reads.
-FORMATS = ("native", "gptq", "compressed-tensors")
+# Files copied from the FP16 folder into every quantized folder.
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)
 
 # 2-D ``.weight`` tensors that are not linears of a decoder block: never quantized, never
 # listed as "kept in FP16" (names of the Llama/Qwen/Mistral/Gemma families).
 NON_LINEAR_2D = ("embed_tokens", "lm_head", "wte", "wpe", "embed_positions")
+
+
+# ---- the FP16 source ----------------------------------------------------------------------
+
+
+def read_fp_state(folder: str | Path) -> LazyTensors:
+    """All tensors of a safetensors folder (index-aware), each read from disk on access."""
+    return LazyTensors.of_folder(folder)
+
+
+def check_fp16_shards(fp16_dir: str | Path, fp16_manifest: dict,
+                      recorded: list[dict] | None = None, recorded_by: str = "") -> None:
+    """Hash the FP16 shards: against the hashes another stage ``recorded`` (the calibration's
+    ``fp16_shards``: the folder must be the one it was made from), else the folder's manifest.
+
+    A mismatch is a ValueError naming the file.
+    """
+    fp16_dir = Path(fp16_dir)
+    if recorded is None:
+        verify_shard_hashes(fp16_dir, fp16_manifest["shards"])
+        return
+    now = sorted(s["file"] for s in fp16_manifest["shards"])
+    then = sorted(s["file"] for s in recorded)
+    if now != then:
+        raise ValueError(
+            f"{fp16_dir} holds shards {now}, but {recorded_by} was made from {then}: the FP16 "
+            "folder was re-exported since; calibrate again from this folder"
+        )
+    verify_shard_hashes(fp16_dir, recorded, recorded_by=recorded_by)
+
+
+def load_fp16_source(
+    fp16_dir: str | Path,
+    weights: Mapping[str, QuantizedWeight],
+    fp_overrides: Mapping[str, torch.Tensor] | None = None,
+    fp16_shards: list[dict] | None = None,
+    recorded_by: str = "",
+) -> tuple[dict, Mapping[str, torch.Tensor], dict]:
+    """The FP16 folder's ``(config, state, manifest)`` with ``fp_overrides`` applied.
+
+    First checks the shards' sha256 (:func:`check_fp16_shards`; ``fp16_shards``: the hashes
+    the calibration recorded, named by ``recorded_by``), then that every quantized layer has a
+    ``.weight`` of the same shape in the folder (from the shard headers). ``state`` reads each
+    tensor from disk when it is written, so an export holds one shard, not the model. Shared by
+    every export format.
+    """
+    fp16_dir = Path(fp16_dir)
+    fp16_manifest = read_manifest(fp16_dir, "fp16")
+    check_fp16_shards(fp16_dir, fp16_manifest, fp16_shards, recorded_by)
+    config = json.loads((fp16_dir / "config.json").read_text())
+    state = Overlay(read_fp_state(fp16_dir), fp_overrides or {},
+                    DTYPES[fp16_manifest.get("dtype", "fp16")])
+    missing = [n for n in weights if f"{n}.weight" not in state]
+    if missing:
+        raise ValueError(f"quantized layers not found in {fp16_dir}: {sorted(missing)[:5]}")
+    for name in weights:
+        shape, want = tensor_shape(state, f"{name}.weight"), weight_shape(weights, name)
+        assert shape == tuple(want), (name, shape, want)
+    return config, state, fp16_manifest
+
+
+def source_fp16_entry(fp16_dir: str | Path, fp16_manifest: dict) -> dict:
+    """The ``source_fp16`` manifest field: where the FP16 weights came from, with hashes."""
+    return {
+        "path": str(Path(fp16_dir).resolve()),
+        "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in fp16_manifest["shards"]],
+        "source": fp16_manifest.get("source"),
+    }
+
+
+def copy_side_files(src: str | Path, dst: str | Path) -> None:
+    """Copy the tokenizer and generation files (:data:`SIDE_FILES`) that exist in ``src``."""
+    src, dst = Path(src), Path(dst)
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+# ---- what the writers share ---------------------------------------------------------------
 
 
 def kept_fp16_linears(state: Mapping[str, torch.Tensor], quantized: set[str]) -> list[str]:
@@ -54,35 +143,60 @@ def is_sequential_g_idx(qw: QuantizedWeight) -> bool:
     return torch.equal(qw.g_idx.long(), seq)
 
 
+def check_act_order(weights: Mapping[str, QuantizedWeight]) -> None:
+    """A permuted ``g_idx`` needs ``act_order`` in its spec (the configs say so per layer)."""
+    for name in weights:
+        if weight_spec(weights, name).act_order:
+            continue  # a permutation is allowed: no need to read the layer
+        qw = weights[name]
+        if not is_sequential_g_idx(qw):
+            raise ValueError(f"{name}: g_idx is a permutation but its spec has act_order=False; "
+                             "set act_order=True in the plan for this layer")
+
+
+def replace_quantized(
+    state: Mapping[str, torch.Tensor],
+    weights: Mapping[str, QuantizedWeight],
+    layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors to save, in ``state``'s order, each quantized ``P.weight`` replaced by the
+    format's tensors; produced one at a time (one layer unpacked and packed at a time)."""
+    for k in state:
+        lin = k[: -len(".weight")] if k.endswith(".weight") else None
+        if lin is not None and lin in weights:
+            yield from layer_tensors(lin, weights[lin]).items()
+        else:
+            yield k, state[k]
+
+
 def write_quantized_folder(
-    out: str | Path,
+    job: FolderToWrite,
     *,
-    config: dict,
-    quantization_config: dict,
-    tensors: Iterable[tuple[str, torch.Tensor]],
     checkpoint_format: str,
-    side_dir: Path,
+    quantization_config: dict,
+    layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
     manifest_fields: dict,
     extra_json: dict[str, dict] | None = None,
-    max_shard_size: str = "2GB",
-    force: bool = False,
 ) -> dict:
-    """Write config.json, side files, shards and the manifest (last) atomically; ``tensors``
-    are ``(name, tensor)`` pairs made on demand (one shard in memory at a time)."""
-    assert checkpoint_format in FORMATS, checkpoint_format
-    config = dict(config)
+    """Write config.json, side files, shards and the manifest (last) atomically; each quantized
+    layer's tensors are made by ``layer_tensors`` when its shard is written (one layer in
+    memory at a time). ``manifest_fields``: the format's own, before ``job.manifest_fields``."""
+    config = dict(job.config)
     config["quantization_config"] = quantization_config
-    with atomic_output_dir(out, force) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_output_dir(job.out, job.force) as tmp:
+        write_json_atomic(tmp / "config.json", config)  # OSErrors name the file
         for fname, obj in (extra_json or {}).items():
             write_json_atomic(tmp / fname, obj)
-        copy_side_files(side_dir, tmp)
-        shards = write_shards(tensors, tmp, max_shard_size)
+        copy_side_files(job.side_dir, tmp)
+        tensors: Iterable[tuple[str, torch.Tensor]] = replace_quantized(
+            job.state, job.weights, layer_tensors)
+        shards = write_shards(tensors, tmp, job.max_shard_size)
         manifest = write_manifest(
             tmp,
             stage="quantized",
             checkpoint_format=checkpoint_format,
             shards=shards,
             **manifest_fields,
+            **job.manifest_fields,
         )
     return manifest

@@ -32,15 +32,28 @@ Facts checked against the installed library (compressed-tensors 0.20.1) and vLLM
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
-from quantpipe.core.formats.common import is_sequential_g_idx
-from quantpipe.core.formats.layer import Expected, UnpackedLayer
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.core.formats.base import (
+    CheckpointFormat,
+    Expected,
+    FolderToWrite,
+    StoredLayer,
+    UnpackedLayer,
+)
+from quantpipe.core.formats.common import (
+    check_act_order,
+    is_sequential_g_idx,
+    kept_fp16_linears,
+    write_quantized_folder,
+)
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
 
+NAME = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
-FORMAT = "pack-quantized"
+PACK_FORMAT = "pack-quantized"
 # The compressed-tensors release this layout was checked against (config "version" field).
 CT_FORMAT_VERSION = "0.20.1"
 
@@ -128,7 +141,7 @@ def _scheme(spec: QuantSpec, targets: list[str]) -> dict:
         },
         "input_activations": None,
         "output_activations": None,
-        "format": FORMAT,
+        "format": PACK_FORMAT,
     }
 
 
@@ -139,7 +152,7 @@ def ct_quantization_config(plan: dict[str, QuantSpec], kept_fp16: list[str]) -> 
         groups.setdefault(spec, []).append(name)
     return {
         "quant_method": QUANT_METHOD,
-        "format": FORMAT,
+        "format": PACK_FORMAT,
         "quantization_status": "compressed",
         "config_groups": {
             f"group_{i}": _scheme(spec, names) for i, (spec, names) in enumerate(groups.items())
@@ -187,9 +200,9 @@ def ct_plan(
         gname, scheme = best
         w = scheme.get("weights") or {}
         fmt = scheme.get("format") or qcfg.get("format")
-        if fmt != FORMAT or w.get("type", "int") != "int":
+        if fmt != PACK_FORMAT or w.get("type", "int") != "int":
             problems.append(f"{name}: config group {gname} has format={fmt!r}, "
-                            f"type={w.get('type')!r}; quantpipe reads int {FORMAT!r}")
+                            f"type={w.get('type')!r}; quantpipe reads int {PACK_FORMAT!r}")
             continue
         strategy = w.get("strategy") or ("channel" if w.get("group_size") in (None, -1)
                                          else "group")
@@ -210,3 +223,64 @@ def ct_plan(
             continue
         g_idx_layers[name] = actorder in ("group", "dynamic", True)
     return plan, g_idx_layers, problems
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def write(job: FolderToWrite) -> dict:
+    """Write a compressed-tensors pack-quantized folder; returns the manifest."""
+    check_act_order(job.weights)
+    plan = {n: weight_spec(job.weights, n) for n in job.weights}
+    qcfg = ct_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)))
+
+    def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        try:
+            packed = pack_ct(qw)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return {f"{name}.{k}": v for k, v in packed.items()}
+
+    return write_quantized_folder(
+        job, checkpoint_format=NAME, quantization_config=qcfg, layer_tensors=layer_tensors,
+        manifest_fields={"layers": {n: s.to_dict() for n, s in plan.items()}},
+    )
+
+
+# ---- reading (verify) ----------------------------------------------------------------------
+
+
+def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
+                problems: list[str]) -> tuple[dict[str, QuantSpec], list[StoredLayer]]:
+    """The plan (config groups, ignore list) of every layer with a ``weight_packed``."""
+    names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]
+    plan, g_idx_layers, found = ct_plan(qcfg, names)
+    problems.extend(found)
+    layers = []
+    for name in list(plan):
+        spec = plan[name]
+        shape_t = tensors.get(f"{name}.weight_shape")
+        if shape_t is None or shape_t.numel() != 2:
+            problems.append(f"{name}.weight_shape: missing or not 2 values (expected int64 [2] "
+                            "= [out_features, in_features])")
+            del plan[name]
+            continue
+        shape = (int(shape_t[0]), int(shape_t[1]))
+        exp = expected_ct(name, spec, shape, g_idx_layers[name])
+        layers.append(StoredLayer(name, spec, exp, {
+            "scales": f"{name}.weight_scale",
+            "zeros": f"{name}.weight_zero_point" if not spec.sym else None,
+            "g_idx": f"{name}.weight_g_idx" if g_idx_layers[name] else None}))
+    return plan, layers
+
+
+def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) -> UnpackedLayer:
+    name = lay.name
+    g_idx = tensors[lay.roles["g_idx"]] if lay.roles["g_idx"] else None
+    shape = tuple(int(v) for v in tensors[f"{name}.weight_shape"])
+    return unpack_ct(tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"], shape,
+                     tensors.get(f"{name}.weight_zero_point"), g_idx, lay.spec)
+
+
+FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
+                          read_layers=read_layers, unpack=unpack)

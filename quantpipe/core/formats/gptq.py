@@ -29,15 +29,24 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
 from quantpipe import __version__
-from quantpipe.core.formats.layer import Expected, UnpackedLayer
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32
+from quantpipe.core.formats.base import (
+    CheckpointFormat,
+    Expected,
+    FolderToWrite,
+    StoredLayer,
+    UnpackedLayer,
+)
+from quantpipe.core.formats.common import check_act_order, kept_fp16_linears, write_quantized_folder
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
 
 log = logging.getLogger(__name__)
 
+NAME = "gptq"
 QUANT_METHOD = "gptq"
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 # vLLM fuses these projections into one module; a dynamic rule must match the fused name too
@@ -205,3 +214,73 @@ def choose_checkpoint_format(weights: dict[str, QuantizedWeight], requested: str
                     "checkpoint_format gptq_v2", len(zero0), zero0[0])
         return "gptq_v2"
     return "gptq"
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def write(job: FolderToWrite, checkpoint_format: str = "auto") -> dict:
+    """Write a GPTQ folder; returns the manifest. ``checkpoint_format``: "auto" (v1 "gptq"
+    unless an asymmetric zero point is 0, then "gptq_v2"), "gptq" or "gptq_v2"."""
+    check_act_order(job.weights)
+    fmt = choose_checkpoint_format(job.weights, checkpoint_format)
+    v1 = fmt == "gptq"
+    plan = {n: weight_spec(job.weights, n) for n in job.weights}
+    qcfg = gptq_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)), fmt)
+
+    def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v for k, v in pack_gptq(qw, v1).items()}
+
+    return write_quantized_folder(
+        job, checkpoint_format=NAME, quantization_config=qcfg, layer_tensors=layer_tensors,
+        extra_json={"quantize_config.json": qcfg},
+        manifest_fields={"gptq_checkpoint_format": fmt,
+                         "layers": {n: s.to_dict() for n, s in plan.items()}},
+    )
+
+
+# ---- reading (verify) ----------------------------------------------------------------------
+
+
+def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
+                problems: list[str]) -> tuple[dict[str, QuantSpec], list[StoredLayer]]:
+    """The plan (default spec + ``dynamic`` rules) of every layer with a ``qweight``."""
+    names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
+    plan, found = gptq_plan(qcfg, names)
+    problems.extend(found)
+    layers = []
+    for name, spec in list(plan.items()):
+        if tensors[f"{name}.qweight"].dim() != 2:
+            problems.append(f"{name}.qweight: {tensors[f'{name}.qweight'].dim()}-D, expected "
+                            f"int32 [in*{spec.bits}/32, out]")
+            del plan[name]
+            continue
+        exp = expected_gptq(name, spec, tuple(tensors[f"{name}.qweight"].shape))
+        if not spec.act_order and f"{name}.g_idx" not in tensors:
+            del exp[f"{name}.g_idx"]  # optional without desc_act (groups are i // group_size)
+        layers.append(StoredLayer(name, spec, exp, {
+            "scales": f"{name}.scales", "zeros": f"{name}.qzeros",
+            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in exp else None}))
+    return plan, layers
+
+
+def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) -> UnpackedLayer:
+    name = lay.name
+    g_idx = tensors[lay.roles["g_idx"]] if lay.roles["g_idx"] else None
+    return unpack_gptq(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"],
+                       tensors[f"{name}.scales"], g_idx, lay.spec.bits, is_v1(qcfg))
+
+
+def manifest_problems(manifest: dict, qcfg: dict) -> list[str]:
+    """quantpipe.json's ``gptq_checkpoint_format`` must be config.json's ``checkpoint_format``."""
+    if "gptq_checkpoint_format" not in manifest:
+        return []
+    if manifest["gptq_checkpoint_format"] == qcfg.get("checkpoint_format", "gptq"):
+        return []
+    return [f"gptq_checkpoint_format {manifest['gptq_checkpoint_format']!r} but config.json "
+            f"says {qcfg.get('checkpoint_format')!r}"]
+
+
+FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
+                          read_layers=read_layers, unpack=unpack,
+                          manifest_problems=manifest_problems)

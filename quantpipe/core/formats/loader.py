@@ -1,15 +1,16 @@
-"""Load any quantized folder quantpipe reads (native, GPTQ, compressed-tensors) into one
+"""Load any quantized folder quantpipe reads (any registered format) into one
 format-neutral structure, after :mod:`quantpipe.core.formats.verify` has passed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from quantpipe.core.formats.verify import VerifyReport, inspect_checkpoint
+from quantpipe.core.hf_model import build_causal_lm
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 
@@ -26,7 +27,7 @@ class QuantizedCheckpoint:
     """
 
     folder: Path
-    checkpoint_format: str  # "native" | "gptq" | "compressed-tensors"
+    checkpoint_format: str  # a name of quantpipe.core.formats.registry.FORMATS
     config: dict  # config.json, quantization_config included
     plan: dict[str, QuantSpec]  # quantized linear name -> spec (group size actually used)
     layers: Mapping[str, QuantizedWeight]  # same keys as plan
@@ -38,12 +39,18 @@ class QuantizedCheckpoint:
         """config.json without its quantization_config (to build the FP model skeleton)."""
         return {k: v for k, v in self.config.items() if k != "quantization_config"}
 
+    def dequantized_tensors(self, dtype: torch.dtype = torch.float16
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, tensor)`` of every FP tensor, then of every quantized linear's weight
+        dequantized to ``dtype`` (the reference weights), each read when it is asked for."""
+        for k in self.fp_tensors:
+            yield k, self.fp_tensors[k]
+        for name in self.layers:
+            yield f"{name}.weight", self.layers[name].dequantize(dtype)  # [out, in]
+
     def dequantized_state_dict(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
         """HF state dict with every quantized linear dequantized (the reference weights)."""
-        out = dict(self.fp_tensors)
-        for name, qw in self.layers.items():
-            out[f"{name}.weight"] = qw.dequantize(dtype)  # [out, in]
-        return out
+        return dict(self.dequantized_tensors(dtype))
 
 
 def load_quantized(folder: str | Path) -> QuantizedCheckpoint:
@@ -63,8 +70,7 @@ def load_quantized(folder: str | Path) -> QuantizedCheckpoint:
 
 def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Verify any quantized folder, then build a transformers model with dequantized weights
-    (the reference model of `eval` and `report`)."""
-    from quantpipe.core.native import model_from_state_dict
-
+    (the reference model of `eval` and `report`); one layer is dequantized at a time and
+    becomes the model's parameter (no second copy)."""
     ckpt = load_quantized(folder)
-    return model_from_state_dict(ckpt.config, ckpt.dequantized_state_dict(dtype), dtype, folder)
+    return build_causal_lm(ckpt.config, ckpt.dequantized_tensors(dtype), dtype, where=folder)

@@ -1,7 +1,9 @@
-"""Validate a quantized folder (native, GPTQ or compressed-tensors) before anything is loaded.
+"""Validate a quantized folder of any registered format before anything is loaded.
 
-Checks, all collected before one ``ValueError`` lists them (each names the file, the tensor and
-what was expected):
+The format is the one whose ``quant_method`` config.json names
+(:data:`quantpipe.core.formats.registry.FORMAT_OF_METHOD`); its module reads the plan and the
+stored layers, the checks are the same for every format. All are collected before one
+``ValueError`` lists them (each names the file, the tensor and what was expected):
 
 1. quantpipe folders (``quantpipe.json`` present): manifest readable, stage ``quantized``, every
    shard's size and sha256 (:func:`quantpipe.core.io.verify_shard_hashes`), no unlisted shards,
@@ -24,16 +26,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantpipe.core.formats import compressed_tensors as ct
-from quantpipe.core.formats import gptq
-from quantpipe.core.formats.layer import Expected, UnpackedLayer
+from quantpipe.core.formats.base import CheckpointFormat, StoredLayer, UnpackedLayer
+from quantpipe.core.formats.registry import FORMAT_OF_METHOD
 from quantpipe.core.io import MANIFEST_NAME, LazyTensors, read_manifest, verify_shard_hashes
-from quantpipe.core.native import QUANT_METHOD as NATIVE_METHOD
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec, unpack_int32
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
-# quant_method in config.json -> quantpipe format name
-FORMAT_OF_METHOD = {NATIVE_METHOD: "native", gptq.QUANT_METHOD: "gptq",
-                    ct.QUANT_METHOD: "compressed-tensors"}
 MAX_LISTED = 40  # problems listed in the error message (the count is always exact)
 
 
@@ -42,7 +39,7 @@ class VerifyReport:
     """What ``verify_checkpoint`` checked (only returned when everything passed)."""
 
     folder: str
-    checkpoint_format: str  # "native" | "gptq" | "compressed-tensors"
+    checkpoint_format: str  # a name of quantpipe.core.formats.registry.FORMATS
     hashes_checked: bool  # quantpipe.json present: shard sizes + sha256 verified
     files: int  # safetensors files read
     quantized_layers: int
@@ -126,13 +123,14 @@ def _read_tensors(
 class LazyLayers(Mapping):
     """Verified quantized layers, unpacked one at a time on access (never all at once)."""
 
-    def __init__(self, fmt: str, layers: list[_Layer], tensors: LazyTensors, qcfg: dict):
+    def __init__(self, fmt: CheckpointFormat, layers: list[StoredLayer], tensors: LazyTensors,
+                 qcfg: dict):
         self._fmt, self._qcfg, self._tensors = fmt, qcfg, tensors
         self._layers = {lay.name: lay for lay in layers}
 
     def __getitem__(self, name: str) -> QuantizedWeight:
         lay = self._layers[name]
-        return _quantized_weight(lay.spec, _unpack(self._fmt, lay, self._tensors, self._qcfg))
+        return _quantized_weight(lay.spec, unpack_layer(self._fmt, lay, self._tensors, self._qcfg))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._layers)
@@ -141,7 +139,8 @@ class LazyLayers(Mapping):
         return len(self._layers)
 
 
-def _check_manifest(folder: Path, fmt: str | None, problems: list[str]) -> dict | None:
+def _check_manifest(folder: Path, fmt: CheckpointFormat | None,
+                    problems: list[str]) -> dict | None:
     if not (folder / MANIFEST_NAME).is_file():
         return None
     try:
@@ -149,9 +148,10 @@ def _check_manifest(folder: Path, fmt: str | None, problems: list[str]) -> dict 
     except ValueError as exc:
         problems.append(str(exc))
         return None
-    if fmt is not None and manifest.get("checkpoint_format") != fmt:
+    if fmt is not None and manifest.get("checkpoint_format") != fmt.name:
         problems.append(f"{folder / MANIFEST_NAME}: checkpoint_format "
-                        f"{manifest.get('checkpoint_format')!r} but config.json describes {fmt!r}")
+                        f"{manifest.get('checkpoint_format')!r} but config.json describes "
+                        f"{fmt.name!r}")
     shards = manifest.get("shards") or []
     for entry in shards:
         try:
@@ -165,113 +165,15 @@ def _check_manifest(folder: Path, fmt: str | None, problems: list[str]) -> dict 
     return manifest
 
 
-# ---- per-format layouts -----------------------------------------------------------------
+# ---- per-layer checks ----------------------------------------------------------------------
 
 
-@dataclass
-class _Layer:
-    name: str
-    spec: QuantSpec
-    expected: Expected  # tensor -> (shape, dtypes)
-    roles: dict[str, str | None]  # "scales"/"zeros"/"g_idx" -> stored tensor name
+def unpack_layer(fmt: CheckpointFormat, lay: StoredLayer, tensors, qcfg: dict) -> UnpackedLayer:
+    """Every unpack of a stored layer goes through here (checks and lazy loading alike)."""
+    return fmt.unpack(lay, tensors, qcfg)
 
 
-def _native_layers(qcfg: dict, tensors, problems) -> tuple[dict[str, QuantSpec], list[_Layer]]:
-    plan: dict[str, QuantSpec] = {}
-    for name, d in (qcfg.get("layers") or {}).items():
-        try:
-            plan[name] = QuantSpec.from_dict(d)
-        except (KeyError, TypeError, ValueError) as exc:
-            problems.append(f"config.json quantization_config.layers[{name!r}] = {d}: {exc}")
-    layers = []
-    for name, spec in plan.items():
-        qweight = tensors.get(f"{name}.qweight")
-        if qweight is None or qweight.dim() != 2:
-            problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
-                            f"[out, in*{spec.bits}/32])")
-            continue
-        per_word = 32 // spec.bits
-        out_f, in_f = qweight.shape[0], qweight.shape[-1] * per_word
-        n_groups = 1 if spec.group_size == -1 else max(in_f // spec.group_size, 1)
-        exp: Expected = {
-            f"{name}.qweight": ((out_f, in_f // per_word), (torch.int32,)),
-            f"{name}.scales": ((out_f, n_groups), (torch.float16,)),
-        }
-        if not spec.sym:
-            exp[f"{name}.qzeros"] = ((out_f, n_groups), (torch.uint8,))
-        if f"{name}.g_idx" in tensors:
-            exp[f"{name}.g_idx"] = ((in_f,), (torch.int32,))
-        layers.append(_Layer(name, spec, exp, {
-            "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
-            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in tensors else None}))
-    for k in tensors:
-        if k.endswith(".qweight") and k[: -len(".qweight")] not in plan:
-            problems.append(f"{k}: packed weight of a layer that config.json's plan does not list")
-    return plan, layers
-
-
-def _gptq_layers(qcfg: dict, tensors, problems) -> tuple[dict[str, QuantSpec], list[_Layer]]:
-    names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
-    plan, found = gptq.gptq_plan(qcfg, names)
-    problems.extend(found)
-    layers = []
-    for name, spec in list(plan.items()):
-        if tensors[f"{name}.qweight"].dim() != 2:
-            problems.append(f"{name}.qweight: {tensors[f'{name}.qweight'].dim()}-D, expected "
-                            f"int32 [in*{spec.bits}/32, out]")
-            del plan[name]
-            continue
-        exp = gptq.expected_gptq(name, spec, tuple(tensors[f"{name}.qweight"].shape))
-        if not spec.act_order and f"{name}.g_idx" not in tensors:
-            del exp[f"{name}.g_idx"]  # optional without desc_act (groups are i // group_size)
-        layers.append(_Layer(name, spec, exp, {
-            "scales": f"{name}.scales", "zeros": f"{name}.qzeros",
-            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in exp else None}))
-    return plan, layers
-
-
-def _ct_layers(qcfg: dict, tensors, problems) -> tuple[dict[str, QuantSpec], list[_Layer]]:
-    names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]
-    plan, g_idx_layers, found = ct.ct_plan(qcfg, names)
-    problems.extend(found)
-    layers = []
-    for name in list(plan):
-        spec = plan[name]
-        shape_t = tensors.get(f"{name}.weight_shape")
-        if shape_t is None or shape_t.numel() != 2:
-            problems.append(f"{name}.weight_shape: missing or not 2 values (expected int64 [2] "
-                            "= [out_features, in_features])")
-            del plan[name]
-            continue
-        shape = (int(shape_t[0]), int(shape_t[1]))
-        exp = ct.expected_ct(name, spec, shape, g_idx_layers[name])
-        layers.append(_Layer(name, spec, exp, {
-            "scales": f"{name}.weight_scale",
-            "zeros": f"{name}.weight_zero_point" if not spec.sym else None,
-            "g_idx": f"{name}.weight_g_idx" if g_idx_layers[name] else None}))
-    return plan, layers
-
-
-def _unpack(fmt: str, lay: _Layer, tensors, qcfg: dict) -> UnpackedLayer:
-    name, spec = lay.name, lay.spec
-    g_idx = tensors[lay.roles["g_idx"]] if lay.roles["g_idx"] else None
-    if fmt == "native":
-        q = unpack_int32(tensors[f"{name}.qweight"], spec.bits)  # [out, in] uint8
-        scales = tensors[f"{name}.scales"]
-        zeros = (tensors[f"{name}.qzeros"].to(torch.int32) if not spec.sym
-                 else torch.full(scales.shape, spec.sym_zero, dtype=torch.int32))
-        return UnpackedLayer(q, scales, zeros, g_idx)
-    if fmt == "gptq":
-        return gptq.unpack_gptq(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"],
-                                tensors[f"{name}.scales"], g_idx, spec.bits, gptq.is_v1(qcfg))
-    if fmt == "compressed-tensors":
-        shape = tuple(int(v) for v in tensors[f"{name}.weight_shape"])
-        return ct.unpack_ct(tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"],
-                            shape, tensors.get(f"{name}.weight_zero_point"), g_idx, spec)
-    raise AssertionError(fmt)
-
-
-def _check_values(lay: _Layer, u: UnpackedLayer, where: dict[str, str]) -> list[str]:
+def _check_values(lay: StoredLayer, u: UnpackedLayer, where: dict[str, str]) -> list[str]:
     """Value checks on one unpacked layer; each message names file and tensor."""
     spec, out = lay.spec, []
     in_f = u.q.shape[1]
@@ -325,7 +227,7 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
     config = json.loads((folder / "config.json").read_text())
     qcfg = config.get("quantization_config") or {}
     method = qcfg.get("quant_method")
-    fmt = FORMAT_OF_METHOD.get(method)
+    fmt = FORMAT_OF_METHOD.get(method)  # None: not a format quantpipe reads
     if fmt is None:
         problems.append(f"{folder / 'config.json'}: quantization_config.quant_method={method!r}; "
                         f"quantpipe reads {sorted(FORMAT_OF_METHOD)}")
@@ -339,8 +241,8 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
                         "replaced (re-export or re-download them)")
         fmt = None
 
-    plan, lays = _LAYERS_OF_FORMAT[fmt](qcfg, tensors, problems) if fmt else ({}, [])
-    good: list[_Layer] = []
+    plan, lays = fmt.read_layers(qcfg, tensors, problems) if fmt else ({}, [])
+    good: list[StoredLayer] = []
     used: set[str] = set()
     q_bytes = q_weights = 0
     for lay in lays:  # one layer's tensors in memory at a time
@@ -361,25 +263,22 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
         raise ValueError(f"{folder}: {len(problems)} problem(s); nothing was loaded:\n  - "
                          f"{listed}{more}")
 
+    assert fmt is not None  # an unknown format or an unreadable shard is a problem above
     fp_tensors = tensors.without(used)
     specs: dict[str, int] = {}
     for s in plan.values():
         specs[s.label()] = specs.get(s.label(), 0) + 1
     report = VerifyReport(
-        folder=str(folder), checkpoint_format=fmt or "?", hashes_checked=manifest is not None,
+        folder=str(folder), checkpoint_format=fmt.name, hashes_checked=manifest is not None,
         files=len(files), quantized_layers=len(good), fp_tensors=len(fp_tensors),
         specs=specs, quantized_weights=q_weights, quantized_bytes=q_bytes,
         total_bytes=sum((folder / f).stat().st_size for f in files),
     )
-    layers = LazyLayers(fmt, good, tensors, qcfg) if fmt else {}
-    return Inspection(report, config, manifest, plan, layers, fp_tensors)
+    return Inspection(report, config, manifest, plan, LazyLayers(fmt, good, tensors, qcfg),
+                      fp_tensors)
 
 
-_LAYERS_OF_FORMAT = {"native": _native_layers, "gptq": _gptq_layers,
-                     "compressed-tensors": _ct_layers}
-
-
-def _checked_layer(fmt: str, lay: _Layer, tensors: dict, where: dict, qcfg: dict,
+def _checked_layer(fmt: CheckpointFormat, lay: StoredLayer, tensors, where: dict, qcfg: dict,
                    problems: list[str]):
     """The layer's unpacked tensors, or None after appending what is wrong with it."""
     ok = True
@@ -399,7 +298,7 @@ def _checked_layer(fmt: str, lay: _Layer, tensors: dict, where: dict, qcfg: dict
                         "its quantized tensors (a layer is either quantized or FP)")
     if not ok:
         return None
-    u = _unpack(fmt, lay, tensors, qcfg)
+    u = unpack_layer(fmt, lay, tensors, qcfg)
     in_f = u.q.shape[1]
     gs = lay.spec.group_size
     if gs != -1 and in_f % gs:
@@ -411,9 +310,9 @@ def _checked_layer(fmt: str, lay: _Layer, tensors: dict, where: dict, qcfg: dict
     return None if found else u
 
 
-def _check_manifest_agrees(folder: Path, fmt: str | None, manifest: dict,
+def _check_manifest_agrees(folder: Path, fmt: CheckpointFormat, manifest: dict,
                            plan: dict[str, QuantSpec], qcfg: dict, problems: list[str]) -> None:
-    """The manifest's plan and GPTQ layout must say what config.json says."""
+    """The manifest's plan (and the format's own fields) must say what config.json says."""
     if "layers" in manifest:
         want = {n: s.to_dict() for n, s in plan.items()}
         if manifest["layers"] != want:
@@ -421,11 +320,7 @@ def _check_manifest_agrees(folder: Path, fmt: str | None, manifest: dict,
                           if want.get(n) != manifest["layers"].get(n))
             problems.append(f"{folder / MANIFEST_NAME}: plan differs from config.json for "
                             f"{len(diff)} layer(s), e.g. {diff[:3]}")
-    if fmt == "gptq" and "gptq_checkpoint_format" in manifest:
-        if manifest["gptq_checkpoint_format"] != qcfg.get("checkpoint_format", "gptq"):
-            problems.append(f"{folder / MANIFEST_NAME}: gptq_checkpoint_format "
-                            f"{manifest['gptq_checkpoint_format']!r} but config.json says "
-                            f"{qcfg.get('checkpoint_format')!r}")
+    problems.extend(f"{folder / MANIFEST_NAME}: {p}" for p in fmt.manifest_problems(manifest, qcfg))
 
 
 def _dt(dtypes: tuple[torch.dtype, ...]) -> str:

@@ -1,0 +1,163 @@
+"""quantpipe's native quantized checkpoint.
+
+Layout of a quantized folder (QDIR), one entry per quantized linear ``P`` (e.g.
+``model.layers.0.self_attn.q_proj``), every other tensor under its Hugging Face name and dtype:
+
+| tensor          | dtype | shape                    | meaning                                     |
+|-----------------|-------|--------------------------|---------------------------------------------|
+| ``P.qweight``   | int32 | [out, in * bits / 32]    | unsigned q, packed along ``in``, LSB first  |
+| ``P.scales``    | fp16  | [out, in / group_size]   | one scale per (row, group)                  |
+| ``P.qzeros``    | uint8 | [out, in / group_size]   | asymmetric specs only (sym: 2**(bits-1))    |
+| ``P.g_idx``     | int32 | [in]                     | act-order specs only: group of each column  |
+| ``P.bias``      | any   | [out]                    | when the linear has a bias                  |
+
+``w[o, i] = (q[o, i] - zero[o, g_idx[i]]) * scale[o, g_idx[i]]`` (see ``quantpipe.core.qformat``).
+``config.json["quantization_config"]`` = ``{"quant_method": "quantpipe", "format_version": 1,
+"layers": {P: spec dict}}`` and ``quantpipe.json`` (stage ``quantized``) holds the whole plan,
+shard hashes and the source hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantpipe.core.formats.base import (
+    CheckpointFormat,
+    Expected,
+    FolderToWrite,
+    StoredLayer,
+    UnpackedLayer,
+)
+from quantpipe.core.formats.common import read_fp_state, write_quantized_folder
+from quantpipe.core.io import MANIFEST_NAME, read_manifest
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
+
+NAME = "native"
+QUANT_METHOD = "quantpipe"
+NATIVE_FORMAT_VERSION = 1
+
+
+# ---- packing (pure) ------------------------------------------------------------------------
+
+
+def quantized_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The native tensors for one quantized linear."""
+    out = {
+        f"{name}.qweight": pack_int32(qw.q, qw.spec.bits),  # [out, in*bits/32] int32
+        f"{name}.scales": qw.scales.contiguous(),  # [out, G] fp16
+    }
+    if not qw.spec.sym:
+        out[f"{name}.qzeros"] = qw.zeros.contiguous()  # [out, G] uint8
+    if qw.g_idx is not None:
+        out[f"{name}.g_idx"] = qw.g_idx.contiguous()  # [in] int32
+    return out
+
+
+def unpack_native(name: str, spec: QuantSpec, tensors: Mapping[str, torch.Tensor]) -> UnpackedLayer:
+    """Inverse of :func:`quantized_tensors` (zeros as int32, the verifier's convention)."""
+    q = unpack_int32(tensors[f"{name}.qweight"], spec.bits)  # [out, in*bits/32] -> [out, in] uint8
+    scales = tensors[f"{name}.scales"]  # [out, G] fp16
+    zeros = (tensors[f"{name}.qzeros"].to(torch.int32) if not spec.sym  # [out, G]
+             else torch.full(scales.shape, spec.sym_zero, dtype=torch.int32))
+    g_idx = tensors[f"{name}.g_idx"] if f"{name}.g_idx" in tensors else None  # [in] int32
+    return UnpackedLayer(q, scales, zeros, g_idx)
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def write(job: FolderToWrite) -> dict:
+    """Write a native folder (see the module docstring); returns the manifest."""
+    layers = {name: weight_spec(job.weights, name).to_dict() for name in job.weights}
+    qcfg = {"quant_method": QUANT_METHOD, "format_version": NATIVE_FORMAT_VERSION,
+            "layers": layers}
+    return write_quantized_folder(
+        job, checkpoint_format=NAME, quantization_config=qcfg, layer_tensors=quantized_tensors,
+        manifest_fields={"native_format_version": NATIVE_FORMAT_VERSION, "layers": layers},
+    )
+
+
+# ---- reading (verify) ----------------------------------------------------------------------
+
+
+def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
+                problems: list[str]) -> tuple[dict[str, QuantSpec], list[StoredLayer]]:
+    """The plan of ``quantization_config.layers`` and each layer's expected tensors."""
+    plan: dict[str, QuantSpec] = {}
+    for name, d in (qcfg.get("layers") or {}).items():
+        try:
+            plan[name] = QuantSpec.from_dict(d)
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"config.json quantization_config.layers[{name!r}] = {d}: {exc}")
+    layers = []
+    for name, spec in plan.items():
+        qweight = tensors.get(f"{name}.qweight")
+        if qweight is None or qweight.dim() != 2:
+            problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
+                            f"[out, in*{spec.bits}/32])")
+            continue
+        per_word = 32 // spec.bits
+        out_f, in_f = qweight.shape[0], qweight.shape[-1] * per_word
+        n_groups = 1 if spec.group_size == -1 else max(in_f // spec.group_size, 1)
+        exp: Expected = {
+            f"{name}.qweight": ((out_f, in_f // per_word), (torch.int32,)),
+            f"{name}.scales": ((out_f, n_groups), (torch.float16,)),
+        }
+        if not spec.sym:
+            exp[f"{name}.qzeros"] = ((out_f, n_groups), (torch.uint8,))
+        if f"{name}.g_idx" in tensors:
+            exp[f"{name}.g_idx"] = ((in_f,), (torch.int32,))
+        layers.append(StoredLayer(name, spec, exp, {
+            "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
+            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in tensors else None}))
+    for k in tensors:
+        if k.endswith(".qweight") and k[: -len(".qweight")] not in plan:
+            problems.append(f"{k}: packed weight of a layer that config.json's plan does not list")
+    return plan, layers
+
+
+def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) -> UnpackedLayer:
+    return unpack_native(lay.name, lay.spec, tensors)
+
+
+FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
+                          read_layers=read_layers, unpack=unpack)
+
+
+# ---- the packed view, without the verifier ---------------------------------------------------
+
+
+@dataclass
+class NativeCheckpoint:
+    """A native checkpoint's tensors as stored (packed), plus its plan."""
+
+    folder: Path
+    config: dict
+    manifest: dict
+    layers: dict[str, QuantSpec]  # quantized linear name -> spec
+    tensors: Mapping[str, torch.Tensor]  # every stored tensor, packed as on disk, read on access
+
+    def quantized_weight(self, name: str) -> QuantizedWeight:
+        """Unpack one linear into a :class:`QuantizedWeight`."""
+        u = unpack_native(name, self.layers[name], self.tensors)
+        return QuantizedWeight(self.layers[name], u.q, u.scales, u.zeros.to(torch.uint8), u.g_idx)
+
+
+def read_native(folder: str | Path) -> NativeCheckpoint:
+    """A native folder's manifest, plan and packed tensors, without the verifier's checks
+    (:func:`quantpipe.core.formats.load_quantized` runs them and reads every format)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, "quantized")
+    if manifest.get("checkpoint_format") != NAME:
+        raise ValueError(
+            f"{folder} is a {manifest.get('checkpoint_format')!r} checkpoint, not native; "
+            f"see {MANIFEST_NAME}"
+        )
+    config = json.loads((folder / "config.json").read_text())
+    layers = {k: QuantSpec.from_dict(v) for k, v in manifest["layers"].items()}
+    return NativeCheckpoint(folder, config, manifest, layers, read_fp_state(folder))

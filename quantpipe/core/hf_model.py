@@ -1,0 +1,63 @@
+"""Build a transformers causal LM from a config.json and tensors: the one place quantpipe turns
+a state dict into a model (the dequantized reference of ``eval``/``report`` and the runtime's
+QuantLinear model alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+
+def build_causal_lm(
+    config: dict,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    *,
+    device: str | torch.device = "cpu",
+    modules: Iterable[tuple[str, torch.nn.Module]] = (),
+    where: str | Path = "checkpoint",
+):
+    """A transformers causal LM (eval mode) on ``device`` holding ``tensors`` and ``modules``.
+
+    The model is built with its parameters on the meta device (buffers such as rotary
+    ``inv_freq`` stay real), so no weight is allocated before its tensor arrives:
+    ``modules`` (``(name, module)`` pairs, e.g. QuantLinear layers made one at a time) replace
+    ``nn.Linear`` layers as they are produced; ``tensors`` (``(name, tensor)`` pairs under HF
+    names; floating ones are cast to ``dtype``) become the parameters themselves
+    (``assign=True``: the model never holds a weight twice). ``config``'s
+    ``quantization_config`` is dropped. Tied embeddings are tied again; a missing, unexpected
+    or never-loaded tensor is a ValueError naming ``where``.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(device)
+    hf_config = AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "quantization_config"})
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    for name, module in modules:  # consumed one at a time: the caller may build them lazily
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if not isinstance(getattr(parent, child, None), torch.nn.Linear):
+            raise ValueError(f"{where}: quantized layer {name} is not an nn.Linear of "
+                             f"{type(model).__name__}")
+        setattr(parent, child, module)
+    state = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
+             for k, v in tensors}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
+    if missing or unexpected:
+        raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    if tied:
+        model.tie_weights()  # the meta skeleton's head is not tied to the loaded embeddings
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.to(device)  # non-persistent buffers (rotary inv_freq) were built on the CPU
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{where}: tensors never loaded: {left[:5]}")
+    return model.eval()
