@@ -45,7 +45,7 @@ def _param(family: str, algo: str, table: dict):
     return pytest.param(family, algo, marks=_xfail((family, algo), table), id=f"{family}-{algo}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"{p} Request {i}."})
@@ -69,13 +69,26 @@ def _fp16_dir(family: str, tmp_path_factory):
     return _FP16[family]
 
 
-def _calibrate(fp16_dir, prompt_file, out, algo: str):
+_CALIB: dict = {}
+
+
+def _calibrated(family: str, algo: str, prompt_file, tmp_path_factory):
+    """The family's calibration with ``algo``, run once per session (later stages reuse it)."""
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 
-    # group size 32: the tiny layers are 64 and 128 wide
-    return calibrate(CalibrateSpec(fp16_dir, out, str(prompt_file), algo=algo, samples=4,
-                                   seq_len=24, min_tokens=4, batch_size=4, awq_samples=2,
-                                   group_size=32))
+    if (family, algo) not in _CALIB:
+        out = tmp_path_factory.mktemp(f"calib-{family}-{algo}") / "calib"
+        # group size 32: the tiny layers are 64 and 128 wide
+        spec = CalibrateSpec(_fp16_dir(family, tmp_path_factory), out, str(prompt_file),
+                             algo=algo, samples=4, seq_len=24, min_tokens=4, batch_size=4,
+                             awq_samples=2, group_size=32)
+        _CALIB[family, algo] = calibrate(spec).out
+    return _CALIB[family, algo]
+
+
+def _names(family: str) -> set[str]:
+    return {f"model.layers.{i}.{n}" for i in range(2)
+            for n in block_linear_names(family_for(family))}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=_xfail(f, BLOCK_INPUT_XFAIL), id=f)
@@ -94,49 +107,91 @@ def test_calibration_block_inputs_equal_hf(family):
 
 @pytest.mark.parametrize("family,algo", [_param(f, a, CALIBRATE_XFAIL) for f in FAMS
                                          for a in ("rtn", "gptq", "awq")])
-def test_calibrate(family, algo, prompt_file, tmp_path, tmp_path_factory):
+def test_calibrate(family, algo, prompt_file, tmp_path_factory):
     from quantpipe.calibration.artifact import read_calibration
 
-    res = _calibrate(_fp16_dir(family, tmp_path_factory), prompt_file, tmp_path / algo, algo)
-    infos = read_calibration(res.out).layer_infos()
-    assert len(infos) == 2 * len(block_linear_names(family_for(family)))  # 2 blocks
+    calib = read_calibration(_calibrated(family, algo, prompt_file, tmp_path_factory))
+    assert set(calib.layer_infos()) == _names(family)
 
 
 @pytest.mark.parametrize("family,algo", [_param(f, "gptq", CALIBRATE_XFAIL) for f in FAMS])
-def test_export_verify_and_serve(family, algo, prompt_file, tmp_path, tmp_path_factory):
-    """GPTQ calibration -> native / gptq / compressed-tensors (the same weights) -> verify ->
-    the runtime: the loaded model's logits near the dequantized reference, and the engine's
-    greedy tokens equal to HF greedy on that loaded model."""
+def test_sensitivity_and_plan(family, algo, prompt_file, tmp_path_factory):
+    """Measured KL sensitivity of every linear, then a 6-bit budget plan over all of them."""
+    from quantpipe.calibration.artifact import read_calibration
+    from quantpipe.calibration.plan import PlanSpec, make_plan
+    from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+
+    out = _calibrated(family, algo, prompt_file, tmp_path_factory)
+    sens = measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, batch_size=4))
+    assert set(sens.data["layers"]) == _names(family)
+    plan = make_plan(read_calibration(out), PlanSpec(budget_bits=6.0))
+    assert set(plan.bits) == _names(family) and "measured KL" in plan.damage_source
+    assert plan.effective_bits() <= 6.0 and set(plan.bits.values()) <= {4, 8, None}
+
+
+_NATIVE: dict = {}
+
+
+def _native_dir(family: str, prompt_file, tmp_path_factory):
+    """An INT4 native folder of the family: exported from its GPTQ calibration, or, where
+    calibration cannot run yet, written by the tests' RTN stand-in (runtime stages still run)."""
+    from quantpipe.core.qformat import QuantSpec
+    from quantpipe.stages.export import ExportSpec, export_quantized
+    from tests.runtime._quant_helpers import quantize_folder
+
+    if family not in _NATIVE:
+        out = tmp_path_factory.mktemp(f"native-{family}") / "q"
+        if (family, "gptq") in CALIBRATE_XFAIL:
+            quantize_folder(_fp16_dir(family, tmp_path_factory), out, [QuantSpec(4, 32, True)])
+        else:
+            calib = _calibrated(family, "gptq", prompt_file, tmp_path_factory)
+            export_quantized(ExportSpec(calib, out, bits=4))
+        _NATIVE[family] = out
+    return _NATIVE[family]
+
+
+@pytest.mark.parametrize("family,algo", [_param(f, "gptq", CALIBRATE_XFAIL) for f in FAMS])
+def test_export_and_verify(family, algo, prompt_file, tmp_path, tmp_path_factory):
+    """GPTQ calibration -> native, gptq and compressed-tensors folders: each verifies, all hold
+    every block linear under its HF name, with the same weights."""
     from quantpipe.core.formats.loader import load_quantized
     from quantpipe.core.formats.verify import verify_checkpoint
-    from quantpipe.core.native import load_dequantized_model
-    from quantpipe.runtime.engine import (
-        EngineConfig,
-        LLMEngine,
-        SamplingParams,
-        load_model_for_serving,
-    )
-    from quantpipe.runtime.quant_linear import QuantLinear
     from quantpipe.stages.export import ExportSpec, export_quantized
 
-    res = _calibrate(_fp16_dir(family, tmp_path_factory), prompt_file, tmp_path / "c", algo)
-    native = tmp_path / "native"
-    export_quantized(ExportSpec(res.out, native, bits=4))
-    names = {f"model.layers.{i}.{n}" for i in range(2)
-             for n in block_linear_names(family_for(family))}
-    assert set(verify_checkpoint(native).specs.values()) and set(
-        load_quantized(native).layers) == names
+    calib = _calibrated(family, algo, prompt_file, tmp_path_factory)
+    native = _native_dir(family, prompt_file, tmp_path_factory)
+    assert verify_checkpoint(native).quantized_layers == len(_names(family))
     ref_layers = load_quantized(native).layers
+    assert set(ref_layers) == _names(family)
     for fmt in ("gptq", "compressed-tensors"):
-        export_quantized(ExportSpec(res.out, tmp_path / fmt, bits=4, fmt=fmt))
-        verify_checkpoint(tmp_path / fmt)
+        export_quantized(ExportSpec(calib, tmp_path / fmt, bits=4, fmt=fmt))
+        assert verify_checkpoint(tmp_path / fmt).checkpoint_format == fmt
         other = load_quantized(tmp_path / fmt).layers
-        assert set(other) == names
+        assert set(other) == _names(family)
         for name, qw in ref_layers.items():
             assert torch.equal(other[name].dequantize(), qw.dequantize()), (fmt, name)
 
+
+def _serving(family: str, prompt_file, tmp_path_factory):
+    from quantpipe.runtime.engine import EngineConfig, LLMEngine, load_model_for_serving
+    from quantpipe.runtime.quant_linear import QuantLinear
+
+    native = _native_dir(family, prompt_file, tmp_path_factory)
     model, tok = load_model_for_serving(native, "cpu", torch.float32)
-    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(names)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(_names(family))
+    eng = LLMEngine(model, tok, EngineConfig(block_size=4, max_num_seqs=2,
+                                             max_num_batched_tokens=16, kv_cache_memory=2**20))
+    return native, model, tok, eng
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_runtime_generate(family, prompt_file, tmp_path_factory):
+    """The loaded QuantLinear model's logits near the dequantized reference; the engine's greedy
+    tokens equal HF greedy on that model (the second prompt runs past the sliding windows)."""
+    from quantpipe.core.native import load_dequantized_model
+    from quantpipe.runtime.engine import SamplingParams
+
+    native, model, tok, eng = _serving(family, prompt_file, tmp_path_factory)
     ids = torch.arange(3, 30)[None]
     with torch.no_grad():
         got = model(ids).logits.double()
@@ -145,35 +200,26 @@ def test_export_verify_and_serve(family, algo, prompt_file, tmp_path, tmp_path_f
     assert (got - want).norm() / want.norm() < 2e-2
     prompts = [[5, 9, 23], list(range(40, 50))]
     ref = [hf_greedy(model, p, 5) for p in prompts]
-    eng = LLMEngine(model, tok, EngineConfig(block_size=4, max_num_seqs=2,
-                                             max_num_batched_tokens=16, kv_cache_memory=2**20))
     assert eng.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True)) == ref
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_runtime_on_a_quantized_folder_without_calibration(family, tmp_path, tmp_path_factory):
-    """The families calibration cannot run yet: an RTN native folder written directly (the
-    tests' stand-in quantizer) -> verify -> the engine equals HF greedy on the loaded model."""
-    from quantpipe.core.formats.verify import verify_checkpoint
-    from quantpipe.core.qformat import QuantSpec
-    from quantpipe.runtime.engine import (
-        EngineConfig,
-        LLMEngine,
-        SamplingParams,
-        load_model_for_serving,
-    )
-    from quantpipe.runtime.quant_linear import QuantLinear
-    from tests.runtime._quant_helpers import quantize_folder
+@pytest.mark.parametrize("family", FAMS)
+def test_serve_one_request(family, prompt_file, tmp_path_factory):
+    """The OpenAI-compatible server over the quantized folder: one greedy completion."""
+    import httpx
 
-    quantize_folder(_fp16_dir(family, tmp_path_factory), tmp_path / "q", [QuantSpec(4, 32, True)])
-    verify_checkpoint(tmp_path / "q")
-    model, tok = load_model_for_serving(tmp_path / "q", "cpu", torch.float32)
-    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
-    prompts = [[5, 9, 23], list(range(40, 52))]  # the second is past the sliding window (8)
-    ref = [hf_greedy(model, p, 5) for p in prompts]
-    eng = LLMEngine(model, tok, EngineConfig(block_size=4, max_num_seqs=2,
-                                             max_num_batched_tokens=16, kv_cache_memory=2**20))
-    assert eng.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True)) == ref
+    from quantpipe.runtime.server import build_app
+    from tests.runtime.test_server_failures import serve_app
+
+    _, model, tok, eng = _serving(family, prompt_file, tmp_path_factory)
+    prompt = "The customer reports"
+    ref = tok.decode(hf_greedy(model, tok.encode(prompt), 4), skip_special_tokens=True)
+    with serve_app(build_app(eng, "tiny")) as url:
+        r = httpx.post(f"{url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref
 
 
 def test_stage_tables_name_registry_families():
