@@ -40,6 +40,19 @@ def test_accumulator_matches_float64_reference():
     assert math.isclose(s["top_prob_delta"]["rms"], rms, rel_tol=1e-5)
 
 
+def test_accumulator_kld_resolves_tiny_differences():
+    """INT8-size logit changes: the KLD follows quantpipe.core.metrics (1e-3 relative to a
+    float64 reference); the former float32 log-softmax difference was 14% off here."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(6, 4000, generator=g) * 4 + 10  # [T, V]
+    b = a + 1e-3 * torch.randn(6, 4000, generator=g)
+    acc = _Accumulator()
+    acc.add(a, b, torch.zeros(6, dtype=torch.int64))
+    lp, lq = a.double().log_softmax(-1), b.double().log_softmax(-1)
+    want = (lp.exp() * (lp - lq)).sum(-1)  # [T] fp64, ~4e-7 nats
+    assert math.isclose(summarize(acc)["kld"]["mean"], float(want.mean()), rel_tol=1e-3)
+
+
 def test_windows_cover_documents():
     w = windows([list(range(10)), [1], list(range(5))], ctx=4)
     assert w == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
