@@ -446,18 +446,23 @@ def _ours(kind: str, isa: str, repack, matmul, bits: int, gs_multiple: int) -> B
                    lambda p: _unfit(p, bits, gs_multiple), _build_available(isa))
 
 
+def _a8w4_repack(isa: str):
+    return lambda p, device: repack_a8w4(p, isa)
+
+
+def _q8_repack(isa: str):
+    return lambda p, device: repack_q8(p, isa)
+
+
 # quantpipe's C++ kernels, per (kind, ISA build): the module docstring's table
 OURS: dict[tuple[str, str], Backend] = {
-    ("int4a8", isa): _ours("int4a8", isa, lambda p, device, isa=isa: repack_a8w4(p, isa),
-                           a8w4_matmul, 4, A8_BLOCK)
-    for isa in ("avx512", "avx2")
-} | {
-    ("int4", "avx512"): _ours("int4", "avx512", lambda p, device: repack_qp4(p), qp4_matmul,
-                              4, QP4_ROWS),
-} | {
-    ("int8", isa): _ours("int8", isa, lambda p, device, isa=isa: repack_q8(p, isa), q8_matmul,
-                         8, QP4_ROWS)
-    for isa in ("avx512", "avx2")
+    ("int4a8", "avx512"): _ours("int4a8", "avx512", _a8w4_repack("avx512"), a8w4_matmul, 4,
+                                A8_BLOCK),
+    ("int4a8", "avx2"): _ours("int4a8", "avx2", _a8w4_repack("avx2"), a8w4_matmul, 4, A8_BLOCK),
+    ("int4", "avx512"): _ours("int4", "avx512", lambda p, device: repack_qp4(p), qp4_matmul, 4,
+                              QP4_ROWS),
+    ("int8", "avx512"): _ours("int8", "avx512", _q8_repack("avx512"), q8_matmul, 8, QP4_ROWS),
+    ("int8", "avx2"): _ours("int8", "avx2", _q8_repack("avx2"), q8_matmul, 8, QP4_ROWS),
 }
 # torch's kernels, the peers of ours when ours cannot run
 INT4PACK = Backend("int4pack", "cpu", lambda p, device: repack_int4(p), int4_matmul,
