@@ -17,13 +17,15 @@ from quantpipe.core.families import FAMILIES, block_linear_names, family_for
 from tests.tiny_models import CORPUS, FAMILY_CONFIGS, hf_greedy, make_family_model, save_model
 
 # calibration loads the model with SDPA attention, which Gemma 2 does not implement
-_GEMMA2_SDPA = "calibration loads Gemma 2 with SDPA attention (transformers requires eager)"
+_GEMMA2_SDPA = ("calibration loads Gemma 2 with SDPA attention (transformers requires eager)",
+                ValueError)
 # capture.embed_inputs calls rotary_emb(x, pos) without Gemma 3's layer_type
-_GEMMA3_ROPE = "capture.embed_inputs: Gemma 3's rotary_emb needs a layer_type"
+_GEMMA3_ROPE = ("capture.embed_inputs: Gemma 3's rotary_emb needs a layer_type", TypeError)
 # pipeline._run_inspect recognises attention by a q_proj attribute; Phi-3 has qkv_proj
-_PHI3_INSPECT = "pipeline._run_inspect calls Phi-3 attention without positions (no q_proj)"
+_PHI3_INSPECT = ("pipeline._run_inspect calls Phi-3 attention without positions (no q_proj)",
+                 TypeError)
 # capture.embed_inputs multiplies by sqrt(hidden) again; HF's embedding already did
-_GEMMA_EMBED = "capture.embed_inputs scales Gemma embeddings a second time"
+_GEMMA_EMBED = ("capture.embed_inputs scales Gemma embeddings a second time", AssertionError)
 
 CALIBRATE_XFAIL = {
     ("gemma2", "rtn"): _GEMMA2_SDPA, ("gemma2", "gptq"): _GEMMA2_SDPA,
@@ -38,7 +40,10 @@ FAMS = sorted(FAMILY_CONFIGS)
 
 
 def _xfail(key, table: dict) -> list:
-    return [pytest.mark.xfail(reason=table[key], strict=True)] if key in table else []
+    if key not in table:
+        return []
+    reason, error = table[key]
+    return [pytest.mark.xfail(reason=reason, raises=error, strict=True)]
 
 
 def _param(family: str, algo: str, table: dict):
