@@ -65,7 +65,9 @@ class GroupStats:
     """Statistics of one shared linear input, accumulated over all calibration tokens."""
 
     in_features: int
-    xtx: torch.Tensor  # [in, in] fp64 sum of x x^T
+    # [in, in] fp32 sum of x x^T, accumulated in place (a 7B MLP's down_proj: 11008^2 floats;
+    # fp64 plus the per-batch product and its cast held three such matrices at once)
+    xtx: torch.Tensor
     abs_sum: torch.Tensor  # [in] fp64 sum of |x|
     tokens: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)  # rows kept for clip search
@@ -74,7 +76,7 @@ class GroupStats:
     @property
     def H(self) -> torch.Tensor:
         """GPTQ Hessian of the layer-wise loss: 2 X^T X / tokens  -> [in, in] fp32."""
-        return (2.0 * self.xtx / max(self.tokens, 1)).float()
+        return self.xtx * (2.0 / max(self.tokens, 1))
 
     @property
     def x_absmean(self) -> torch.Tensor:
@@ -97,7 +99,7 @@ class StatsCollector:
             lin = block.get_submodule(group.linears[0])
             in_f = lin.in_features
             self.stats[group] = GroupStats(
-                in_f, torch.zeros(in_f, in_f, dtype=torch.float64),
+                in_f, torch.zeros(in_f, in_f, dtype=torch.float32),
                 torch.zeros(in_f, dtype=torch.float64),
             )
             self._handles.append(lin.register_forward_pre_hook(self._hook(group)))
@@ -106,7 +108,7 @@ class StatsCollector:
         def hook(_module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
             st = self.stats[group]
-            st.xtx += (x.T @ x).double()  # [in, in]
+            st.xtx.addmm_(x.T, x)  # [in, in] += [in, tokens] @ [tokens, in]
             st.abs_sum += x.abs().sum(0).double()
             st.tokens += x.shape[0]
             want = self._sample_rows - st.sample_rows
