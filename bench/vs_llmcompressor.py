@@ -196,26 +196,9 @@ def load_llmc_model(folder: Path, loader: str):
         ).eval()
     if loader != "quantpipe":
         raise ValueError(f"--llmc-loader {loader!r}: use quantpipe or transformers")
-    # reports.eval.load_eval_model sends compressed-tensors folders to
-    # quantpipe.core.formats.loader.load_dequantized_model, which does not exist (yet): build the
-    # model here from load_quantized(), as quantpipe.core.native.load_dequantized_model does
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from quantpipe.core.formats import load_dequantized_model
 
-    from quantpipe.core.formats.loader import load_quantized
-
-    ckpt = load_quantized(folder)
-    config = AutoConfig.for_model(**ckpt.model_config())
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(ckpt.dequantized_state_dict(torch.float32),
-                                                strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"{folder}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    return load_dequantized_model(folder, torch.float32).eval()
 
 
 def loader_agreement(model, folder: Path) -> dict:

@@ -272,6 +272,8 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
 @click.argument("calib_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="QDIR.")
+# the names of quantpipe.core.formats.registry, written here so --help does not import torch
+# (tests/quantpipe/test_formats_registry.py checks they are equal)
 @click.option("--format", "fmt", type=click.Choice(["native", "gptq", "compressed-tensors"]),
               default="native", show_default=True)
 @click.option("--budget-bits", type=float, default=None,

@@ -63,3 +63,12 @@ def test_a_new_format_is_one_registry_entry(tiny_llama_dir, tmp_path, monkeypatc
         assert got.spec == qw.spec
         assert torch.equal(got.q, qw.q) and torch.equal(got.zeros, qw.zeros)
         assert torch.equal(got.dequantize(), qw.dequantize())
+
+
+def test_cli_format_choices_are_the_registry():
+    # cli.py writes the names literally so that `quantpipe --help` does not import torch
+    from quantpipe.cli import main
+
+    option = next(p for p in main.commands["export"].params if p.name == "fmt")
+    assert tuple(option.type.choices) == registry.FORMAT_NAMES
+    assert option.default == registry.FORMAT_NAMES[0]
