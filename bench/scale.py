@@ -180,19 +180,31 @@ def block_seconds(calib_dir: Path) -> list[float]:
     return out
 
 
-def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: int,
-              keep: bool) -> dict:
-    base = work / shape
-    base.mkdir(parents=True, exist_ok=True)
+def _fp16_folder(shape: str, base: Path, reuse: bool) -> tuple[dict, Path]:
+    """(result record, FP16 folder): the random source exported, or a finished one reused."""
+    fp16 = base / "fp16"
+    if reuse and (fp16 / "quantpipe.json").is_file():
+        # a previous run's export (its numbers are in that run's JSON)
+        weight_bytes = sum(p.stat().st_size for p in fp16.glob("*.safetensors"))
+        return {"shape": SHAPES[shape], "weight_bytes_fp16": weight_bytes,
+                "stages": {"export-fp16": {"rc": 0, "reused": str(fp16)}}}, fp16
     print(f"{shape}: writing the random source", flush=True)
     t0 = time.perf_counter()
     weight_bytes = make_source(shape, base / "source")
-    res: dict = {"shape": SHAPES[shape], "weight_bytes_fp16": weight_bytes,
-                 "source_seconds": round(time.perf_counter() - t0, 1), "stages": {}}
-    fp16 = base / "fp16"
+    res = {"shape": SHAPES[shape], "weight_bytes_fp16": weight_bytes,
+           "source_seconds": round(time.perf_counter() - t0, 1), "stages": {}}
+    res["stages"]["export-fp16"] = run_stage(
+        ["export-fp16", str(base / "source"), "--out", str(fp16), "--force"],
+        base / "export-fp16.log")
+    return res, fp16
+
+
+def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: int,
+              keep: bool, reuse: bool = False) -> dict:
+    base = work / shape
+    base.mkdir(parents=True, exist_ok=True)
+    res, fp16 = _fp16_folder(shape, base, reuse)
     st = res["stages"]
-    st["export-fp16"] = run_stage(["export-fp16", str(base / "source"), "--out", str(fp16),
-                                   "--force"], base / "export-fp16.log")
     if st["export-fp16"]["rc"] != 0:
         return res
     for algo in algos:
@@ -240,6 +252,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--work", type=Path, default=Path("/tmp/qp-scale"))
     ap.add_argument("--keep", action="store_true", help="keep the model folders")
+    ap.add_argument("--reuse-fp16", action="store_true",
+                    help="start from a finished FP16 folder of a --keep run under --work")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
@@ -251,7 +265,7 @@ def main() -> None:
            "seq_len": args.seq_len, "results": {}}
     for shape in shapes:
         out["results"][shape] = run_shape(shape, algos, args.work, args.samples, args.seq_len,
-                                          args.keep)
+                                          args.keep, args.reuse_fp16)
         write_json_atomic(args.json, out)  # after every shape: a long run keeps what it has
     print(f"wrote {args.json}")
 
