@@ -12,6 +12,7 @@ arXiv 2306.00978; follows llm-awq ``auto_scale`` / ``auto_clip`` and AutoAWQ.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -237,9 +238,10 @@ def awq_quantize(name: str, W: torch.Tensor, spec: QuantSpec, x: torch.Tensor,
 
 
 def inspect_output(module: torch.nn.Module, x: torch.Tensor, block_kwargs: dict) -> torch.Tensor:
-    """The inspected module's output on x [n, L, d]: attention needs the block's positions and
-    mask (``block_kwargs``), a linear or an MLP only x."""
-    if isinstance(module, torch.nn.Linear) or not hasattr(module, "q_proj"):
+    """The inspected module's output on x [n, L, d]: attention (whose forward takes the
+    positions) needs the block's positions and mask (``block_kwargs``), a linear or an MLP
+    only x."""
+    if "position_embeddings" not in inspect.signature(module.forward).parameters:
         out = module(x)
     else:
         out = module(hidden_states=x, **block_kwargs)

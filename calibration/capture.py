@@ -7,20 +7,26 @@ calibration set, never the whole model twice.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
 from quantpipe.calibration.families import Family, InputGroup
+from quantpipe.core.families import layer_types
 
 
 @dataclass
 class BlockContext:
-    """What every decoder block needs besides its hidden states (shared by all samples)."""
+    """What a decoder block needs besides its hidden states (shared by all samples)."""
 
     position_ids: torch.Tensor  # [1, L] int64
     position_embeddings: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [1, L, head_dim]
     attention_mask: torch.Tensor | None  # None: SDPA's causal path
+    # per attention type (full / sliding window): (cos, sin) and mask, and each layer's type
+    # (Gemma 2/3, Mistral, Qwen2 with sliding layers); empty: every layer uses the fields above
+    by_type: dict = field(default_factory=dict)
+    layer_types: tuple[str, ...] = ()
 
     def kwargs(self) -> dict:
         return {
@@ -29,25 +35,37 @@ class BlockContext:
             "position_embeddings": self.position_embeddings,
         }
 
+    def for_layer(self, i: int) -> BlockContext:
+        """The context of decoder block i (its attention type's positions and mask)."""
+        if not self.layer_types:
+            return self
+        pos_emb, mask = self.by_type[self.layer_types[i]]
+        return BlockContext(self.position_ids, pos_emb, mask)
+
 
 @torch.no_grad()
 def embed_inputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockContext]:
-    """input_ids [n, L] int64 -> block-0 hidden states [n, L, d] fp32 and the shared context."""
-    from transformers.masking_utils import create_causal_mask
+    """input_ids [n, L] int64 -> block-0 hidden states [n, L, d] fp32 and the shared context
+    (``ctx.for_layer(i)`` is block i's). The embedding module applies the family's own scale
+    (Gemma's sqrt(hidden) is inside transformers' scaled embedding)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     inner = model.model
     hidden = inner.embed_tokens(input_ids).float()  # [n, L, d]
-    if getattr(inner.config, "model_type", "") in ("gemma", "gemma2"):
-        # Gemma scales embeddings by sqrt(hidden_size) inside its model forward
-        hidden = hidden * torch.tensor(inner.config.hidden_size**0.5, dtype=hidden.dtype)
-    length = input_ids.shape[1]
-    position_ids = torch.arange(length)[None]  # [1, L]
-    cos, sin = inner.rotary_emb(hidden[:1], position_ids=position_ids)
-    mask = create_causal_mask(
-        config=inner.config, inputs_embeds=hidden[:1], attention_mask=None, cache=None,
-        position_ids=position_ids,
-    )
-    return hidden, BlockContext(position_ids, (cos.float(), sin.float()), mask)
+    position_ids = torch.arange(input_ids.shape[1])[None]  # [1, L]
+    masks = {"full_attention": create_causal_mask, "sliding_attention":
+             create_sliding_window_causal_mask}
+    per_layer_rope = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
+    types = layer_types(inner.config)  # one per decoder layer
+    by_type = {}
+    for kind in sorted(set(types)):
+        extra = {"layer_type": kind} if per_layer_rope else {}
+        cos, sin = inner.rotary_emb(hidden[:1], position_ids=position_ids, **extra)
+        mask = masks[kind](config=inner.config, inputs_embeds=hidden[:1], attention_mask=None,
+                           cache=None, position_ids=position_ids)
+        by_type[kind] = ((cos.float(), sin.float()), mask)
+    pos_emb, mask = by_type[types[0]]
+    return hidden, BlockContext(position_ids, pos_emb, mask, by_type, types)
 
 
 @torch.no_grad()

@@ -395,6 +395,9 @@ class Algorithm:
 
     # 4a: also record the inputs of the family's inspected modules (AWQ's block-output loss)
     records_inputs: bool
+    # 4a: keep a sample of each input group's rows (AWQ's clip search); the others need only
+    # X^T X, and a 7B block's samples are hundreds of MB
+    samples_rows: bool
     # 4b: changes the FP block before it is quantized (AWQ's scales); None: no step
     block_step: Callable[[CalibrateSpec, _BlockWork], _StepResult] | None
     # 4c: one linear -> its result: (spec, model name, W [out, in] fp32, H [in, in] fp32,
@@ -451,15 +454,18 @@ def _awq_step(spec: CalibrateSpec, work: _BlockWork) -> _StepResult:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "gptq": Algorithm(records_inputs=False, block_step=None, quantize=_quantize_gptq,
+    "gptq": Algorithm(records_inputs=False, samples_rows=False,
+                      block_step=None, quantize=_quantize_gptq,
                       one_thread=True, quantized_forward=True,
                       act_order_default=GPTQ_ACT_ORDER_DEFAULT,
                       mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True),
-    "awq": Algorithm(records_inputs=True, block_step=_awq_step, quantize=_quantize_awq,
+    "awq": Algorithm(records_inputs=True, samples_rows=True,
+                     block_step=_awq_step, quantize=_quantize_awq,
                      one_thread=False, quantized_forward=False,
                      act_order_default=None, mse_clip_default=None, takes_static_groups=False),
     # mse_clip off by default: RTN is the plain min-max baseline
-    "rtn": Algorithm(records_inputs=False, block_step=None, quantize=_quantize_rtn,
+    "rtn": Algorithm(records_inputs=False, samples_rows=False,
+                     block_step=None, quantize=_quantize_rtn,
                      one_thread=False, quantized_forward=False,
                      act_order_default=None, mse_clip_default=False, takes_static_groups=False),
 }
@@ -534,7 +540,7 @@ def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_secon
                   initial=start, total=len(blocks)):
         with stream.load(f"{family.blocks}.{i}") as block:
             hidden = _calibrate_block(run, block, i, family, model.config.model_type, hidden,
-                                      ctx)
+                                      ctx.for_layer(i))
         save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
         _save_progress(run, i + 1, {"data": data_summary,
                                     "seconds": earlier_seconds + time.perf_counter() - t0})
@@ -565,7 +571,8 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
 def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
              family: Family, hidden: torch.Tensor, ctx: BlockContext, seed: int) -> _BlockWork:
     """Run the FP block over its inputs hidden [n, L, d] with the capture hooks."""
-    collector = StatsCollector(block, family.groups, seed=seed)
+    collector = StatsCollector(block, family.groups, seed=seed,
+                               **({} if algo.samples_rows else {"sample_rows": 0}))
     recorder = None
     if algo.records_inputs:
         inspect_names = [g.inspect for g in family.groups if g.inspect]
@@ -589,8 +596,9 @@ def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
     raises = 0
     try:
         for group in work.groups:
-            H = work.stats[group].H  # [in, in] fp32
-            x = work.stats[group].x_sample()  # [rows, in] fp32
+            stats = work.stats.pop(group)  # freed with H once the group is quantized
+            H = stats.H  # [in, in] fp32
+            x = stats.x_sample()  # [rows, in] fp32 ([0, in] unless algo.samples_rows)
             for lin_name in group.linears:
                 full = f"{work.name}.{lin_name}"
                 lin = work.block.get_submodule(lin_name)

@@ -41,6 +41,7 @@ import torch
 from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
 from quantpipe.calibration.families import family_for, get_blocks
+from quantpipe.core.families import attn_implementation
 from quantpipe.core.io import output_lock, write_json_atomic
 from quantpipe.core.metrics import mean_kld, token_kld
 
@@ -203,10 +204,11 @@ def _check_fp16_source(calib: Calibration, spec: SensitivitySpec) -> None:
 
 
 def _load_model(calib: Calibration):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    attn = attn_implementation(AutoConfig.from_pretrained(calib.fp16_dir).model_type)
     model = AutoModelForCausalLM.from_pretrained(
-        calib.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation="sdpa"
+        calib.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation=attn
     ).eval()
     # AWQ folds scales into norms and linears: the stored weights quantize the *scaled*
     # linears, so the reference is the folded FP model (the same function up to fp16 rounding).
@@ -312,7 +314,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None) -> Se
         handles = _output_energy_hooks(
             block, {n[len(f"{prefix}.{i}.") :]: n for n in names}, energy)
         block_in.append(hidden)
-        hidden = run_block(block, hidden, ctx, spec.batch_size)
+        hidden = run_block(block, hidden, ctx.for_layer(i), spec.batch_size)
         for h in handles:
             h.remove()
     scorer = _Scorer(model, hidden, spec.chunk_rows)
@@ -356,8 +358,8 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None) -> Se
 def _run_from(blocks, i: int, hidden: torch.Tensor, ctx: BlockContext,
               batch_size: int) -> torch.Tensor:
     """Blocks i..end on the cached FP input of block i -> final hidden [n, L, d]."""
-    for block in blocks[i:]:
-        hidden = run_block(block, hidden, ctx, batch_size)
+    for j in range(i, len(blocks)):
+        hidden = run_block(blocks[j], hidden, ctx.for_layer(j), batch_size)
     return hidden
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quantpipe.core.families import attn_implementation
 from quantpipe.core.heap import release_freed_memory
 
 
@@ -34,7 +35,7 @@ class ModelStream:
         config = AutoConfig.from_pretrained(self.folder)
         with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                          attn_implementation="sdpa")
+                                                          attn_implementation=attn_implementation(config.model_type))
         self.model.eval()
         self._where = self._weight_map()  # tensor name -> shard file
 

@@ -75,22 +75,29 @@ class CastEmbedding(nn.Module):
 
     ``weight`` is [vocab, hidden], or the fp16 head kernel's blocked [vocab / 16, hidden, 16]
     (a tied head's tensor, shared): row n is then ``weight[n // 16, :, n % 16]``.
+    ``embed_scale``: the scale of the embedding it replaces (Gemma's sqrt(hidden), a buffer of
+    transformers' scaled embeddings), applied to the rows in ``out_dtype``.
     """
 
     def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype,
-                 num_embeddings: int | None = None) -> None:
+                 num_embeddings: int | None = None,
+                 embed_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.out_dtype = out_dtype
         self.embedding_dim = weight.shape[1]
         self.num_embeddings = num_embeddings or weight.shape[0]
+        if embed_scale is not None:  # only then: code tells a scaled embedding by this buffer
+            self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() == 3:  # blocked: gather [..., hidden] rows across the 16 lanes
             rows = self.weight[ids // BLOCK, :, ids % BLOCK]
         else:
             rows = nn.functional.embedding(ids, self.weight)
-        return rows.to(self.out_dtype)  # [..., hidden]
+        rows = rows.to(self.out_dtype)  # [..., hidden]
+        scale = getattr(self, "embed_scale", None)
+        return rows if scale is None else rows * scale.to(self.out_dtype)
 
 
 class HalfHead(nn.Module):
@@ -261,5 +268,6 @@ def set_half_head(model: nn.Module, mode: str) -> None:
     new_head = _new_head(head_w, head.bias, mode, act_dtype)
     if tied and getattr(new_head, "w16", None) is not None:
         table = new_head.w16  # one fp16 tensor, as [vocab, hidden] or blocked
-    model.set_input_embeddings(CastEmbedding(table, act_dtype, emb.num_embeddings))
+    model.set_input_embeddings(CastEmbedding(table, act_dtype, emb.num_embeddings,
+                                             getattr(emb, "embed_scale", None)))
     model.set_output_embeddings(new_head)

@@ -95,7 +95,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
                                        low_freq_factor=1.0, high_freq_factor=4.0,
                                        original_max_position_embeddings=16)),
-    "mistral": dict(sliding_window=16),  # every layer sliding; the engine caps context at it
+    "mistral": dict(sliding_window=16),  # every layer sliding
     "qwen2": {},  # q/k/v biases
     "qwen3": {},  # q_norm / k_norm per head
     "gemma": {},  # (1 + w) norms, scaled embeddings

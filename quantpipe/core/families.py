@@ -42,7 +42,6 @@ class Family:
     qk_norm: bool = False  # self_attn.q_norm / k_norm: RMSNorm per head before RoPE (Qwen3)
     qkv_proj: str | None = None  # one fused q/k/v linear (rows q, k, v), relative to the block
     gate_up_proj: str | None = None  # one fused gate/up linear (rows gate, up)
-    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
     query_scale: str | None = None  # config field s: attention scale s**-0.5, not head_dim**-0.5
     attn_softcap: str | None = None  # config field c: scores -> c * tanh(scores / c)
     final_softcap: str | None = None  # config field c: logits -> c * tanh(logits / c)
@@ -82,7 +81,7 @@ _PHI3_GROUPS = (
     InputGroup(("mlp.down_proj",), "mlp.gate_up_proj", ""),
 )
 
-_GEMMA_COMMON = dict(one_plus_norm=True, norm_eps="eps", embed_scale=True,
+_GEMMA_COMMON = dict(one_plus_norm=True, norm_eps="eps",
                      query_scale="query_pre_attn_scalar")
 _GEMMA2_COMMON = dict(_GEMMA_COMMON, attn_out_norm="post_attention_layernorm",
                       mlp_in_norm="pre_feedforward_layernorm",
@@ -115,6 +114,13 @@ def family_for(model_type: str | None) -> Family:
         ) from None
 
 
+def attn_implementation(model_type: str | None) -> str:
+    """The transformers attention to run a family's FP model with: SDPA, or eager where
+    attention scores are soft-capped (Gemma 2; transformers refuses SDPA there)."""
+    family = FAMILIES.get(model_type)
+    return "eager" if family is not None and family.attn_softcap else "sdpa"
+
+
 def get_path(model: torch.nn.Module, path: str) -> torch.nn.Module:
     obj = model
     for part in path.split("."):
@@ -135,15 +141,20 @@ def config_value(cfg, field: str | None) -> float | None:
     return None if field is None else getattr(cfg, field, None)
 
 
-def layer_windows(cfg) -> list[int | None]:
-    """The sliding window of each decoder layer (None: full attention).
+def layer_types(cfg) -> tuple[str, ...]:
+    """Each decoder layer's attention type, as the HF model's forward picks its mask: the
+    config's ``layer_types`` (Gemma 2/3, Qwen2/3), else every layer ``sliding_attention`` when
+    the config sets ``sliding_window`` (Mistral, Phi-3), else every layer ``full_attention``."""
+    n = cfg.num_hidden_layers
+    if getattr(cfg, "layer_types", None):
+        return tuple(cfg.layer_types[:n])
+    if getattr(cfg, "sliding_window", None) is not None:
+        return ("sliding_attention",) * n
+    return ("full_attention",) * n
 
-    With ``layer_types`` (Gemma 2/3, Qwen2/3) the ``sliding_attention`` layers use
-    ``sliding_window``; without them (Mistral, Phi-3) a set ``sliding_window`` applies to every
-    layer. A query at position p sees keys at positions > p - window (transformers' rule).
-    """
+
+def layer_windows(cfg) -> list[int | None]:
+    """The sliding window of each decoder layer (None: full attention); a query at position p
+    sees keys at positions > p - window (transformers' rule)."""
     window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        return [window] * cfg.num_hidden_layers
-    return [window if t == "sliding_attention" else None for t in types]
+    return [window if t == "sliding_attention" else None for t in layer_types(cfg)]

@@ -100,9 +100,6 @@ class LLMEngine:
         self.config = config
         mcfg = model.config
         limit = getattr(mcfg, "max_position_embeddings", None) or 2048
-        window = getattr(mcfg, "sliding_window", None)
-        if window and getattr(mcfg, "use_sliding_window", mcfg.model_type == "mistral"):
-            limit = min(limit, window)  # no sliding-window attention here: stay inside one window
         self.max_model_len = min(config.max_model_len or limit, limit)
         kv_dtype = KV_DTYPES[config.kv_dtype]
         num_blocks = config.num_kv_blocks

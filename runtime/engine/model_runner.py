@@ -310,16 +310,12 @@ class ModelRunner:
         self.scale = query_scalar**-0.5
         self.attn_softcap = config_value(cfg, family.attn_softcap)
         self.final_softcap = config_value(cfg, family.final_softcap)
-        # HF's Gemma embedding multiplies by sqrt(hidden) itself (its embed_scale buffer); a
-        # runtime replacement table (fp_head.CastEmbedding) returns the rows unscaled
-        embed = self.decoder.embed_tokens
-        self.embed_scale = (cfg.hidden_size**0.5 if family.embed_scale
-                            and not hasattr(embed, "embed_scale") else None)
         types = getattr(cfg, "layer_types", None) if family.rope_per_layer_type else None
         self.plans = [self._plan(layer, w, types[i] if types else None, family)
                       for i, (layer, w) in enumerate(zip(self.layers, layer_windows(cfg)))]
         self.device = next(model.parameters()).device
         # activation (and KV) dtype; runtime.fp_head's CastEmbedding stores fp16, returns this
+        embed = self.decoder.embed_tokens
         self.dtype = getattr(embed, "out_dtype", embed.weight.dtype)
         # KV cache element type: the activation dtype, or bf16 (half the bytes of fp32; keys and
         # values rounded once when written)
@@ -373,9 +369,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         meta = prepare_batch(chunks, self.kv_spec.block_size, self.device)
-        h = self.decoder.embed_tokens(meta.input_ids)  # [T, hidden]
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
+        # [T, hidden]; Gemma's sqrt(hidden) scale is the embedding module's own (HF's scaled
+        # embedding, or fp_head.CastEmbedding carrying its embed_scale)
+        h = self.decoder.embed_tokens(meta.input_ids)
         rope = self._rope_tables(h, meta.positions)
         # short chunks only (decode, small prefills): the kernel's work is O(q_len * ctx)
         attn_kernel = self.fused and meta.q_max <= KERNEL_ATTENTION_MAX_Q
