@@ -85,7 +85,7 @@ class GroupStats:
     in_features: int
     # [in, in] fp32 sum of x x^T, accumulated in place (a 7B MLP's down_proj: 11008^2 floats;
     # fp64 plus the per-batch product and its cast held three such matrices at once)
-    xtx: torch.Tensor
+    xtx: torch.Tensor | None  # None once take_hessian() consumed it
     abs_sum: torch.Tensor  # [in] fp64 sum of |x|
     tokens: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)  # rows kept for clip search
@@ -93,8 +93,14 @@ class GroupStats:
 
     @property
     def H(self) -> torch.Tensor:
-        """GPTQ Hessian of the layer-wise loss: 2 X^T X / tokens  -> [in, in] fp32."""
+        """GPTQ Hessian of the layer-wise loss: 2 X^T X / tokens  -> [in, in] fp32 (a copy)."""
         return self.xtx * (2.0 / max(self.tokens, 1))
+
+    def take_hessian(self) -> torch.Tensor:
+        """:attr:`H` made from ``xtx`` in place (no second [in, in] matrix); the statistics
+        keep no X^T X afterwards."""
+        H, self.xtx = self.xtx.mul_(2.0 / max(self.tokens, 1)), None
+        return H
 
     @property
     def x_absmean(self) -> torch.Tensor:

@@ -597,7 +597,7 @@ def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
     try:
         for group in work.groups:
             stats = work.stats.pop(group)  # freed with H once the group is quantized
-            H = stats.H  # [in, in] fp32
+            H = stats.take_hessian()  # [in, in] fp32
             x = stats.x_sample()  # [rows, in] fp32 ([0, in] unless algo.samples_rows)
             for lin_name in group.linears:
                 full = f"{work.name}.{lin_name}"
