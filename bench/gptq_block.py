@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.calibration.families import family_for, get_blocks
+from quantpipe.core.families import family_for, get_blocks
 from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
 
 ROOT = Path(__file__).resolve().parents[1]

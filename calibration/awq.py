@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from quantpipe.calibration.capture import GroupStats
-from quantpipe.calibration.families import InputGroup
 from quantpipe.calibration.grid import (
     group_size_checked,
     params_for_groups,
@@ -29,6 +28,7 @@ from quantpipe.calibration.grid import (
 )
 from quantpipe.calibration.result import QuantResult
 from quantpipe.calibration.rtn import check_weight, rtn
+from quantpipe.core.families import InputGroup
 from quantpipe.core.qformat import QuantSpec
 
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantpipe.calibration.families import Family, InputGroup
-from quantpipe.core.families import layer_types
+from quantpipe.core.families import Family, InputGroup, layer_types
 
 
 @dataclass

@@ -54,7 +54,12 @@ from quantpipe.calibration.capture import (
     embed_inputs,
     run_block,
 )
-from quantpipe.calibration.families import (
+from quantpipe.calibration.gptq import gptq
+from quantpipe.calibration.prompts import SHIPPED_SETS
+from quantpipe.calibration.result import QuantResult
+from quantpipe.calibration.rtn import rtn
+from quantpipe.calibration.stream import ModelStream
+from quantpipe.core.families import (
     ONE_PLUS_NORM_FAMILIES,
     Family,
     InputGroup,
@@ -62,11 +67,6 @@ from quantpipe.calibration.families import (
     family_for,
     get_blocks,
 )
-from quantpipe.calibration.gptq import gptq
-from quantpipe.calibration.prompts import SHIPPED_SETS
-from quantpipe.calibration.result import QuantResult
-from quantpipe.calibration.rtn import rtn
-from quantpipe.calibration.stream import ModelStream
 from quantpipe.core.io import (
     check_not_overlapping,
     check_output_dir,

@@ -40,8 +40,7 @@ import torch
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
-from quantpipe.calibration.families import family_for, get_blocks
-from quantpipe.core.families import attn_implementation
+from quantpipe.core.families import attn_implementation, family_for, get_blocks
 from quantpipe.core.io import output_lock, write_json_atomic
 from quantpipe.core.metrics import mean_kld, token_kld
 

@@ -54,7 +54,7 @@ def test_fold_leaves_llama_block_output_unchanged():
     x = torch.randn(2, 9, 64, dtype=torch.float64)
     before = run_layer(layer, rope, x)
     attn, mlp = layer.self_attn, layer.mlp
-    folds = [  # (previous op, kind, linears reading its output), as calibration/families.py
+    folds = [  # (previous op, kind, linears reading its output), as quantpipe/core/families.py
         (layer.input_layernorm, "norm", [attn.q_proj, attn.k_proj, attn.v_proj]),
         (attn.v_proj, "linear", [attn.o_proj]),
         (layer.post_attention_layernorm, "norm", [mlp.gate_proj, mlp.up_proj]),
@@ -187,7 +187,7 @@ def test_clip_search_lowers_output_error():
 def _captured_layer(n_kv_heads: int):
     """A tiny float64 Llama layer run once with the pipeline's capture hooks."""
     from quantpipe.calibration.capture import InputRecorder, StatsCollector
-    from quantpipe.calibration.families import family_for
+    from quantpipe.core.families import family_for
 
     layer, rope = tiny_llama_layer(n_kv_heads)
     groups = family_for("llama").groups

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantpipe.calibration.awq import fold_scales
-from quantpipe.calibration.families import FAMILIES, ONE_PLUS_NORM_FAMILIES, family_for, get_blocks
+from quantpipe.core.families import FAMILIES, ONE_PLUS_NORM_FAMILIES, family_for, get_blocks
 
 # float64 end to end: any change well above rounding is a wrong fold, not noise
 MAX_REL_ERR = 1e-5
