@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantpipe.core.families import Family, InputGroup, layer_types
+from quantpipe.core.families import InputGroup, layer_types
 
 
 @dataclass
@@ -177,7 +177,3 @@ class InputRecorder:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def group_by_first_linear(family: Family) -> dict[str, InputGroup]:
-    return {g.linears[0]: g for g in family.groups}

@@ -197,12 +197,6 @@ class CalibrationFacts:
             fallbacks=tuple(fallbacks),
         )
 
-    @classmethod
-    def from_folder(cls, folder: str | os.PathLike) -> CalibrationFacts:
-        from quantpipe.core.io import read_manifest
-
-        return cls.from_manifest(read_manifest(folder, "quantized"))
-
 
 @dataclass(frozen=True)
 class SpeedRecord:
