@@ -7,8 +7,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -87,6 +89,169 @@ inline void check_a8w4(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(x.size(1) == K, "packed holds K = ", K, ", x has ", x.size(1));
 }
 
+// --- int4_a8_mm / quantize_a8: activation quantization (W4A8) ------------------------------
+// Per row and block of 32 columns: d = amax / 127, xq = round_half_even(x * (127 / amax)) in
+// [-127, 127] (0 where amax == 0), and per group qsum = sum over its blocks of d * sum(xq): the
+// zero-point term uses the same quantized activations as the dot products, so its rounding
+// error is the dot products' (the term cancels most of their error). fp32 arithmetic; each ISA
+// gives its quantize_row(x, K, group_size, xq, dx, qsum) for one row, and both builds give
+// identical xq, dx and qsum.
+struct A8Acts {
+  std::vector<int8_t> xq;  // [M, K]
+  std::vector<float> dx;  // [M, K / 32]
+  std::vector<float> qsum;  // [M, G]
+};
+
+template <typename QuantizeRow>
+A8Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group_size,
+                     const QuantizeRow& quantize_row) {
+  A8Acts a;
+  const int64_t nb = K / kA8Block, G = K / group_size;
+  a.xq.resize(M * K);
+  a.dx.resize(M * nb);
+  a.qsum.resize(M * G);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, group_size, a.xq.data() + m * K, a.dx.data() + m * nb,
+                   a.qsum.data() + m * G);
+  });
+  return a;
+}
+
+// quantize_a8: (xq int8 [M, K], dx fp32 [M, K / 32], qsum fp32 [M, K / group_size]) as
+// int4_a8_mm computes them
+template <typename QuantizeRow>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_quantize_a8(const at::Tensor& x,
+                                                               int64_t group_size,
+                                                               const QuantizeRow& quantize_row) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(group_size > 0 && group_size % kA8Block == 0 && K % group_size == 0,
+              "group_size must be a positive multiple of 32 dividing K = ", K);
+  A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size, quantize_row);
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, K / kA8Block}, x.options());
+  at::Tensor qsum = at::empty({M, K / group_size}, x.options());
+  std::memcpy(xq.data_ptr<int8_t>(), a.xq.data(), a.xq.size());
+  std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * sizeof(float));
+  std::memcpy(qsum.data_ptr<float>(), a.qsum.data(), a.qsum.size() * sizeof(float));
+  return {xq, dx, qsum};
+}
+
+// int4_a8_mm: y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations,
+//   y[m, n] = sum_g scale[n, g] * sum_{blocks b of g} dx[m, b] * (sum_k q[n, k] * xq[m, k])
+//             + mz[n, g] * qsum[m, g]
+// (integer dots exact, scaling and sums fp32). tile(mt, a, m0, K, G, group_size, w, sc, mz,
+// out, ldo) computes one block of 16 output rows for mt activation rows from m0: w the block's
+// chunks [K/8, 64], sc / mz its [G, 16], out row m at out + m * ldo.
+template <int MaxTile, typename QuantizeRow, typename Tile>
+at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& mz, int64_t group_size,
+                          const QuantizeRow& quantize_row, const Tile& tile) {
+  check_a8w4(x, packed, scales, mz, group_size);
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
+  const int64_t G = K / group_size;
+  const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size, quantize_row);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* scp = scales.data_ptr<float>();
+  const float* mzp = mz.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t wblock = K / 8 * 64, sblock = G * kRows;
+  for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    tile(mt, a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock, mzp + b * sblock,
+         yp + m0 * N + b * kRows, N);
+  }, kMinA8MacsPerThread);
+  return y;
+}
+
+// --- int8_mm: W8A16 ---------------------------------------------------------------------------
+// Weights q8 int8 [N/16, K, 16] = q - 128 (16 output rows side by side per k), scales fp16 and
+// zf fp32 [N/16, G, 16]: w = (q - 128) * scale + zf, zf = (128 - z) * scale. int8 -> fp32 is
+// exact and the activations stay fp32 (fp32 FMAs): exact products, fp32 sums.
+// group_sums(x, n_groups, group_size, sumx): sumx[i] = the fp32 sum of group i of x (for zf);
+// tile(mt, x, K, sumx, G, w, sc, zf, group_size, out, ldo): one block of 16 output rows.
+template <int MaxTile, typename GroupSums, typename Tile>
+at::Tensor run_int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& zf, int64_t group_size,
+                       const GroupSums& group_sums, const Tile& tile) {
+  TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
+                  q8.size(2) == kRows,
+              "q8 must be contiguous int8 [N/16, K, 16]");
+  check_group_tensors(scales, zf, q8.size(0), q8.size(1), group_size, at::kHalf, 16);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) == q8.size(1),
+              "x must be contiguous fp32 [M, K] with K = ", q8.size(1));
+  const int64_t M = x.size(0), K = x.size(1), NB = q8.size(0), N = NB * kRows;
+  const int64_t G = K / group_size;
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> sumx;  // fp32 [M, G], for zero points
+  const float* zfp = nullptr;
+  if (zf.has_value()) {
+    zfp = zf->data_ptr<float>();
+    sumx.resize(M * G);
+    group_sums(xp, M * G, group_size, sumx.data());
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* wp = q8.data_ptr<int8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t sblock = G * kRows;
+  for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    tile(mt, xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G, wp + b * K * kRows,
+         scp + b * sblock, zfp ? zfp + b * sblock : nullptr, group_size,
+         yp + m0 * N + b * kRows, N);
+  });
+  return y;
+}
+
+// --- fp16_mm / bf16_mm: the output head ---------------------------------------------------
+// fp16_mm: weights wb fp16 [N/16, K, 16] (16 output rows side by side per k); x fp32 [M, K].
+// y[m, 16b + r] = sum_k x[m, k] * float(wb[b, k, r]): fp16 -> fp32 is exact, products and sums
+// are fp32 FMAs. tile(mt, x, K, w, out, ldo): one block of 16 output rows for mt rows.
+template <int MaxTile, typename Tile>
+at::Tensor run_fp16_mm(const at::Tensor& x, const at::Tensor& wb, const Tile& tile) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(wb.dim() == 3 && wb.is_contiguous() && wb.scalar_type() == at::kHalf &&
+                  wb.size(2) == kRows && wb.size(1) == x.size(1),
+              "wb must be contiguous fp16 [N/16, K, 16] with K = x.size(1) = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    tile(mt, xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
+  });
+  return y;
+}
+
+// bf16_mm: weights wb bf16 [N/16, K/2, 16, 2] (for each k pair, the 16 rows' (w[k], w[k+1])
+// side by side); x rounded to bf16 once (RNE), by round_x(x, xb, n) into XT (bf16 bits, or
+// bf16 values held as fp32); fp32 sums. tile(mt, xb, K, w, out, ldo) as for fp16_mm.
+template <int MaxTile, typename XT, typename RoundX, typename Tile>
+at::Tensor run_bf16_mm(const at::Tensor& x, const at::Tensor& wb, const RoundX& round_x,
+                       const Tile& tile) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) % 2 == 0,
+              "x must be contiguous fp32 [M, K] with K even");
+  TORCH_CHECK(wb.dim() == 4 && wb.is_contiguous() && wb.scalar_type() == at::kBFloat16 &&
+                  wb.size(2) == kRows && wb.size(3) == 2 && wb.size(1) * 2 == x.size(1),
+              "wb must be contiguous bf16 [N/16, K/2, 16, 2] with K = x.size(1) = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
+  std::vector<XT> xb(M * K);
+  round_x(x.data_ptr<float>(), xb.data(), M * K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    tile(mt, xb.data() + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows, N);
+  });
+  return y;
+}
+
 // Validates paged_attention's arguments; returns the first query row of each sequence [B + 1].
 inline std::vector<int64_t> check_paged(const at::Tensor& q, const at::Tensor& k_pool,
                                         const at::Tensor& v_pool, const at::Tensor& block_tables,
@@ -141,12 +306,13 @@ struct PagedRows {
   }
 };
 
-// Runs attend(q_row, keys, values, n, p, out_row) for every (sequence, KV head, query) of a
-// paged_attention call, over torch's threads; fp32 or bf16 pools.
+// Runs attend(q_rows, G, keys, values, n, scale, p, out_rows) for every (sequence, KV head,
+// query) of a paged_attention call, over torch's threads; fp32 or bf16 pools.
 template <typename Attend>
 at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& ctx_lens,
-                     const at::Tensor& q_lens, const Attend& attend) {
+                     const at::Tensor& q_lens, double scale, const Attend& attend) {
+  const float sc = static_cast<float>(scale);
   const std::vector<int64_t> q_off = check_paged(q, k_pool, v_pool, block_tables, ctx_lens,
                                                  q_lens);
   const int64_t H = q.size(1), D = q.size(2);
@@ -175,7 +341,7 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
           const int64_t row = q_off[b] + t;
           p.resize(G * n);
           // the G query heads of this KV head, in and out
-          attend(qp + (row * H + kvh * G) * D, G, keys, values, n, p.data(),
+          attend(qp + (row * H + kvh * G) * D, G, keys, values, n, sc, p.data(),
                  op + (row * H + kvh * G) * D);
         }
       }
@@ -188,6 +354,36 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
         reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()));
   }
   return out;
+}
+
+// out_g = softmax(scale * q_g . k_j over j < n) . v_j for the G query heads of one KV head
+// (out zeroed by the caller); p: [G, n] scratch. The ISA's kernels: scores(q, G, keys, n, scale,
+// p) for D a multiple of Lanes, else dot(q_g, k_j, D) per key; softmax_numerators(p_g, n)
+// (p_g <- exp(p_g - max), returns the sum); axpy(alpha, v_j, out_g, D). Called from a
+// target-specific function of the ISA file, so that the kernels inline into its loops.
+template <int64_t Lanes, typename T, typename Scores, typename Dot, typename Softmax,
+          typename Axpy>
+inline void attend_heads(const float* q, int64_t G, const PagedRows<T>& keys,
+                         const PagedRows<T>& values, int64_t n, float scale, float* p, float* out,
+                         const Scores& scores, const Dot& dot,
+                         const Softmax& softmax_numerators, const Axpy& axpy) {
+  const int64_t D = keys.D, BS = keys.BS;
+  if (D % Lanes == 0) {
+    scores(q, G, keys, n, scale, p);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
+      const T* kr = keys.row(j / BS, j % BS);
+      for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(q + g * D, kr, D) * scale;
+    }
+  }
+  float inv[64];
+  for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * n, n);
+  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += BS, ++blk) {  // block by block
+    for (int64_t j = j0; j < std::min(n, j0 + BS); ++j) {
+      const T* vr = values.row(blk, j - j0);
+      for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, out + g * D, D);
+    }
+  }
 }
 
 // add_rms_norm_'s checks; returns out (empty like h)
@@ -204,6 +400,29 @@ inline at::Tensor check_add_rms_norm(const at::Tensor& h, const c10::optional<at
                 "delta must be contiguous fp32 like h");
   }
   return at::empty_like(h);
+}
+
+// add_rms_norm_: if delta is given, h += delta (in place, the residual stream); then
+// out = weight * h / sqrt(mean(h^2) + eps), as LlamaRMSNorm computes it in fp32.
+// sum_squares(row, D) is the ISA's fp32 sum of row[i]^2.
+template <typename SumSquares>
+at::Tensor run_add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                            const at::Tensor& weight, double eps, const SumSquares& sum_squares) {
+  at::Tensor out = check_add_rms_norm(h, delta, weight);
+  const int64_t T = h.size(0), D = h.size(1);
+  float* hp = h.data_ptr<float>();
+  const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = hp + t * D;
+    if (dp != nullptr)
+      for (int64_t i = 0; i < D; ++i) row[i] += dp[t * D + i];
+    const float inv = 1.0f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) +
+                                       static_cast<float>(eps));
+    for (int64_t i = 0; i < D; ++i) op[t * D + i] = wp[i] * (row[i] * inv);
+  }
+  return out;
 }
 
 // --- rope_ ---------------------------------------------------------------------------------

@@ -41,6 +41,7 @@
 
 namespace {
 
+using qp::A8Acts;
 using qp::kA8Block;
 using qp::kRows;
 constexpr int kMaxTile = 8;  // activation rows that share one expanded weight chunk
@@ -164,9 +165,13 @@ bool cpu_supported() {
   return supported;
 }
 
+void check_cpu() {
+  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+}
+
 void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& zf, int64_t NB,
                   int64_t K, int64_t group_size) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+  check_cpu();
   qp::check_group_tensors(scales, zf, NB, K, group_size, at::kHalf, 16);
 }
 
@@ -226,10 +231,7 @@ QP_TARGET void store_row_sums(const __m512 (&acc)[MT][P], float* out, int64_t ld
   }
 }
 
-// --- int8_mm: W8A16 ----------------------------------------------------------------------------
-// Weights q8 int8 [N/16, K, 16] = q - 128 (16 output rows side by side per k), scales fp16 and
-// zf fp32 [N/16, G, 16] as for int4_mm: w = (q - 128) * scale + zf, zf = (128 - z) * scale.
-// int8 -> fp32 is exact and the activations stay fp32 (fp32 FMAs): exact products, fp32 sums.
+// --- int8_mm: W8A16 (common.h gives the layout and numerics) ----------------------------------
 
 // sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
 QP_TARGET void group_sums_f32(const float* x, int64_t n_groups, int64_t group_size,
@@ -279,42 +281,18 @@ QP_TARGET void int8_tile(const float* x, int64_t K, const float* sumx, int64_t G
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& zf, int64_t group_size) {
-  TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
-                  q8.size(2) == kRows,
-              "q8 must be contiguous int8 [N/16, K, 16]");
-  check_scales(scales, zf, q8.size(0), q8.size(1), group_size);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  x.size(1) == q8.size(1),
-              "x must be contiguous fp32 [M, K] with K = ", q8.size(1));
-  const int64_t M = x.size(0), K = x.size(1), NB = q8.size(0), N = NB * kRows;
-  const int64_t G = K / group_size;
-  const float* xp = x.data_ptr<float>();
-  std::vector<float> sumx;  // fp32 [M, G], for zero points
-  const float* zfp = nullptr;
-  if (zf.has_value()) {
-    zfp = zf->data_ptr<float>();
-    sumx.resize(M * G);
-    group_sums_f32(xp, M * G, group_size, sumx.data());
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  const int8_t* wp = q8.data_ptr<int8_t>();
-  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t sblock = G * kRows;
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    int8_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G,
-                                   wp + b * K * kRows, scp + b * sblock,
-                                   zfp ? zfp + b * sblock : nullptr, group_size,
-                                   yp + m0 * N + b * kRows, N);
-  });
-  return y;
+  check_cpu();
+  return qp::run_int8_mm<kMaxTile>(x, q8, scales, zf, group_size, &group_sums_f32,
+                                   [](auto mt, const auto&... args) {
+                                     int8_tile<decltype(mt)::value>(args...);
+                                   });
 }
 
 // --- int4_a8_mm: W4A8 --------------------------------------------------------------------------
 // The activations quantized to int8 per row and block of 32 columns, the 4-bit weights
 // multiplied with them by vpdpbusd (unsigned q x signed xq, four products per 32-bit lane):
-// common.h describes the layout (16 rows x 4 columns per half chunk), cpu_ops_avx2.cpp the
-// quantizer and the formula; both builds give identical xq, dx and qsum.
+// common.h describes the layout (16 rows x 4 columns per half chunk), the quantizer and the
+// formula; both builds give identical xq, dx and qsum.
 
 // one row: x fp32 [K] -> xq int8 [K], dx fp32 [K / 32], qsum fp32 [K / group_size]
 QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* xq,
@@ -337,26 +315,6 @@ QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_
     if (blk % per_group == 0) qsum[blk / per_group] = part;
     else qsum[blk / per_group] += part;
   }
-}
-
-struct A8Acts {
-  std::vector<int8_t> xq;  // [M, K]
-  std::vector<float> dx;  // [M, K / 32]
-  std::vector<float> qsum;  // [M, G]
-};
-
-A8Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group_size) {
-  A8Acts a;
-  const int64_t nb = K / kA8Block, G = K / group_size;
-  a.xq.resize(M * K);
-  a.dx.resize(M * nb);
-  a.qsum.resize(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, group_size, a.xq.data() + m * K, a.dx.data() + m * nb,
-                   a.qsum.data() + m * G);
-  });
-  return a;
 }
 
 QP_TARGET inline __m512i bcast4(const int8_t* p) {
@@ -411,48 +369,22 @@ QP_TARGET void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G, int64_
 // choice of instruction; here it must be true (AVX-512 VNNI is part of this build's baseline).
 at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const at::Tensor& mz, int64_t group_size, bool vnni) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
+  check_cpu();
   TORCH_CHECK(vnni, "the AVX-512 build always uses VNNI; pass vnni=True");
-  qp::check_a8w4(x, packed, scales, mz, group_size);
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
-  const int64_t G = K / group_size;
-  const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* scp = scales.data_ptr<float>();
-  const float* mzp = mz.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t wblock = K / 8 * 64, sblock = G * kRows;
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    a8_tile<decltype(mt)::value>(a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock,
-                                 mzp + b * sblock, yp + m0 * N + b * kRows, N);
-  }, qp::kMinA8MacsPerThread);
-  return y;
+  return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size, &quantize_row,
+                                      [](auto mt, const auto&... args) {
+                                        a8_tile<decltype(mt)::value>(args...);
+                                      });
 }
 
-// (xq int8 [M, K], dx fp32 [M, K / 32], qsum fp32 [M, K / group_size]) as int4_a8_mm computes
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x,
                                                            int64_t group_size) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be contiguous fp32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % kA8Block == 0 && K % group_size == 0,
-              "group_size must be a positive multiple of 32 dividing K = ", K);
-  A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size);
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, K / kA8Block}, x.options());
-  at::Tensor qsum = at::empty({M, K / group_size}, x.options());
-  std::memcpy(xq.data_ptr<int8_t>(), a.xq.data(), a.xq.size());
-  std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * sizeof(float));
-  std::memcpy(qsum.data_ptr<float>(), a.qsum.data(), a.qsum.size() * sizeof(float));
-  return {xq, dx, qsum};
+  check_cpu();
+  return qp::run_quantize_a8(x, group_size, &quantize_row);
 }
 
-// --- fp16_mm: the output head ---------------------------------------------------------------
-// Weights wb fp16 [N/16, K, 16] (16 output rows side by side per k); x fp32 [M, K].
-// y[m, 16b + r] = sum_k x[m, k] * float(wb[b, k, r]): fp16 -> fp32 is exact, products and sums
-// are fp32 FMAs. torch's fp16 matmul on these CPUs costs M times its GEMV; this one converts
+// --- fp16_mm: the output head (common.h gives the layout and numerics) -----------------------
+// torch's fp16 matmul on these CPUs costs M times its GEMV; this one converts
 // each weight once per tile of 8 rows.
 
 template <int MT>
@@ -480,28 +412,15 @@ QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* ou
 }
 
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be contiguous fp32 [M, K]");
-  TORCH_CHECK(wb.dim() == 3 && wb.is_contiguous() && wb.scalar_type() == at::kHalf &&
-                  wb.size(2) == kRows && wb.size(1) == x.size(1),
-              "wb must be contiguous fp16 [N/16, K, 16] with K = x.size(1) = ", x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    fp16_tile<decltype(mt)::value>(xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows,
-                                   N);
+  check_cpu();
+  return qp::run_fp16_mm<kMaxTile>(x, wb, [](auto mt, const auto&... args) {
+    fp16_tile<decltype(mt)::value>(args...);
   });
-  return y;
 }
 
 // --- bf16_mm: the output head in bf16 -------------------------------------------------------
-// Weights wb bf16 [N/16, K/2, 16, 2] (for each k pair, the 16 rows' (w[k], w[k+1]) side by
-// side: one vdpbf16ps operand); x rounded to bf16 once; fp32 sums. Half the instructions of
-// fp16_mm per row, so it is the faster head from a few rows up.
+// common.h gives the layout: each k pair of the 16 rows is one vdpbf16ps operand. Half the
+// instructions of fp16_mm per row, so it is the faster head from a few rows up.
 
 template <int MT>
 QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float* out,
@@ -528,24 +447,10 @@ QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float*
 }
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  x.size(1) % 2 == 0,
-              "x must be contiguous fp32 [M, K] with K even");
-  TORCH_CHECK(wb.dim() == 4 && wb.is_contiguous() && wb.scalar_type() == at::kBFloat16 &&
-                  wb.size(2) == kRows && wb.size(3) == 2 && wb.size(1) * 2 == x.size(1),
-              "wb must be contiguous bf16 [N/16, K/2, 16, 2] with K = x.size(1) = ", x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
-  std::vector<uint16_t> xb(M * K);
-  to_bf16(x.data_ptr<float>(), xb.data(), M * K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    bf16_tile<decltype(mt)::value>(xb.data() + m0 * K, K, wp + b * K * kRows,
-                                   yp + m0 * N + b * kRows, N);
+  check_cpu();
+  return qp::run_bf16_mm<kMaxTile, uint16_t>(x, wb, &to_bf16, [](auto mt, const auto&... args) {
+    bf16_tile<decltype(mt)::value>(args...);
   });
-  return y;
 }
 
 // --- paged_attention -------------------------------------------------------------------------
@@ -565,12 +470,7 @@ QP_TARGET inline __m512 load16(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline float scalar(float v) { return v; }
-inline float scalar(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float scalar(uint16_t h) { return qp::bf16_to_float(h); }
 
 template <typename T>
 QP_TARGET float dot(const float* a, const T* b, int64_t D) {
@@ -681,41 +581,25 @@ QP_TARGET void scores16(const float* q, int64_t G, const qp::PagedRows<T>& keys,
   }
 }
 
-// out_g = softmax(scale * q_g . k_j over j < n) . v_j for the G query heads of one KV head
-// (out zeroed by the caller); p: [G, n] scratch. One target-specific function, so that the
-// vector helpers inline into its loops.
+// paged_attention's per-KV-head work (common.h's attend_heads), one target-specific function
+// with everything inlined, so that the vector helpers inline into its loops.
 template <typename T>
-QP_TARGET void attend(const float* q, int64_t G, const qp::PagedRows<T>& keys,
-                      const qp::PagedRows<T>& values, int64_t n, float scale, float* p, float* out) {
-  const int64_t D = keys.D, BS = keys.BS;
-  if (D % 16 == 0) {
-    scores16(q, G, keys, n, scale, p);
-  } else {
-    for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
-      const T* kr = keys.row(j / BS, j % BS);
-      for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(q + g * D, kr, D) * scale;
-    }
-  }
-  float inv[64];
-  for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * n, n);
-  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += BS, ++blk) {  // block by block
-    for (int64_t j = j0; j < std::min(n, j0 + BS); ++j) {
-      const T* vr = values.row(blk, j - j0);
-      for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, out + g * D, D);
-    }
-  }
+QP_TARGET __attribute__((flatten)) void attend(const float* q, int64_t G,
+                                               const qp::PagedRows<T>& keys,
+                                               const qp::PagedRows<T>& values, int64_t n,
+                                               float scale, float* p, float* out) {
+  qp::attend_heads<16>(q, G, keys, values, n, scale, p, out,
+                       [](const auto&... a) { scores16(a...); },
+                       [](const auto&... a) { return dot(a...); }, &softmax_numerators,
+                       [](const auto&... a) { axpy(a...); });
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& block_tables,
                            const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
-  const float sc = static_cast<float>(scale);
-  return qp::run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
-                       [&](const float* qr, int64_t G, const auto& keys, const auto& values,
-                           int64_t n, float* p, float* out) {
-                         attend(qr, G, keys, values, n, sc, p, out);
-                       });
+  check_cpu();
+  return qp::run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale,
+                       [](const auto&... a) { attend(a...); });
 }
 
 
@@ -735,13 +619,11 @@ QP_TARGET void silu_mul_row(const float* gu, int64_t I, float* out) {
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
-  return qp::run_silu_mul(gu, [](const float* g, int64_t I, float* o) { silu_mul_row(g, I, o); });
+  check_cpu();
+  return qp::run_silu_mul(gu, &silu_mul_row);
 }
 
-// --- add_rms_norm_ ---------------------------------------------------------------------------
-// If delta is given: h += delta (in place, the residual stream). Then
-// out = weight * h / sqrt(mean(h^2) + eps), as LlamaRMSNorm computes it in fp32.
+// --- add_rms_norm_ (common.h gives the formula) ---------------------------------------------
 
 QP_TARGET float sum_squares(const float* h, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
@@ -757,22 +639,8 @@ QP_TARGET float sum_squares(const float* h, int64_t D) {
 
 at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
                          const at::Tensor& weight, double eps) {
-  TORCH_CHECK(cpu_supported(), "quantpipe AVX-512 kernels need AVX-512 BF16 and VNNI");
-  at::Tensor out = qp::check_add_rms_norm(h, delta, weight);
-  const int64_t T = h.size(0), D = h.size(1);
-  float* hp = h.data_ptr<float>();
-  const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = hp + t * D;
-    if (dp != nullptr)
-      for (int64_t i = 0; i < D; ++i) row[i] += dp[t * D + i];
-    const float inv = 1.0f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) +
-                                       static_cast<float>(eps));
-    for (int64_t i = 0; i < D; ++i) op[t * D + i] = wp[i] * (row[i] * inv);
-  }
-  return out;
+  check_cpu();
+  return qp::run_add_rms_norm(h, delta, weight, eps, &sum_squares);
 }
 
 bool int4_supported() { return cpu_supported(); }

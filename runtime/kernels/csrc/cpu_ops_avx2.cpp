@@ -24,16 +24,13 @@
 
 namespace {
 
+using qp::A8Acts;
 using qp::kA8Block;
 using qp::kRows;
 constexpr int64_t kHalf = 8;  // output rows per AVX2 register
 constexpr int kMaxTile = 4;  // activation rows per tile: 16 ymm registers hold 4 rows' state
 
-// --- activation quantization (W4A8) ---------------------------------------------------------
-// Per row and block of 32 columns: d = amax / 127, xq = round_half_even(x * (127 / amax)) in
-// [-127, 127] (0 where amax == 0), and per group qsum = sum over its blocks of d * sum(xq): the
-// zero-point term uses the same quantized activations as the dot products, so its rounding
-// error is the dot products' (the term cancels most of their error). fp32 arithmetic.
+// --- activation quantization (W4A8; common.h gives the formula) -----------------------------
 
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,29 +87,7 @@ void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* xq, flo
   }
 }
 
-struct A8Acts {
-  std::vector<int8_t> xq;  // [M, K]
-  std::vector<float> dx;  // [M, K / 32]
-  std::vector<float> qsum;  // [M, G]
-};
-
-A8Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group_size) {
-  A8Acts a;
-  const int64_t nb = K / kA8Block, G = K / group_size;
-  a.xq.resize(M * K);
-  a.dx.resize(M * nb);
-  a.qsum.resize(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, group_size, a.xq.data() + m * K, a.dx.data() + m * nb,
-                   a.qsum.data() + m * G);
-  });
-  return a;
-}
-
-// --- int4_a8_mm -------------------------------------------------------------------------------
-// y[m, n] = sum_g scale[n, g] * sum_{blocks b of g} dx[m, b] * (sum_k q[n, k] * xq[m, k])
-//           + mz[n, g] * qsum[m, g]
+// --- int4_a8_mm (common.h gives the formula) ----------------------------------------------------
 // The integer dot of one block is exact (|q * xq| <= 15 * 127; pmaddubsw's int16 pair sums
 // stay below 2^15 even summed over the block's four chunks); scaling and sums are fp32.
 
@@ -222,48 +197,30 @@ bool has_avxvnni() {
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations; vnni: use AVX-VNNI (checked)
 at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const at::Tensor& mz, int64_t group_size, bool vnni) {
-  qp::check_a8w4(x, packed, scales, mz, group_size);
   TORCH_CHECK(!vnni || has_avxvnni(), "vnni=True but the CPU lacks AVX-VNNI (avx_vnni)");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
-  const int64_t G = K / group_size;
-  const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* scp = scales.data_ptr<float>();
-  const float* mzp = mz.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t wblock = K / 8 * 64, sblock = G * kRows;
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    constexpr int MT = decltype(mt)::value;
-    if (vnni)
-      a8_tile_vnni<MT>(a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock,
-                       mzp + b * sblock, yp + m0 * N + b * kRows, N);
-    else
-      a8_tile<MT>(a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock, mzp + b * sblock,
-                  yp + m0 * N + b * kRows, N);
-  }, qp::kMinA8MacsPerThread);
-  return y;
+  return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size, &quantize_row,
+                                      [vnni](auto mt, const auto&... args) {
+                                        if (vnni) a8_tile_vnni<decltype(mt)::value>(args...);
+                                        else a8_tile<decltype(mt)::value>(args...);
+                                      });
 }
 
-// (xq int8 [M, K], dx fp32 [M, K / 32], qsum fp32 [M, K / group_size]) as int4_a8_mm computes
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x,
                                                            int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be contiguous fp32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % kA8Block == 0 && K % group_size == 0,
-              "group_size must be a positive multiple of 32 dividing K = ", K);
-  A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size);
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, K / kA8Block}, x.options());
-  at::Tensor qsum = at::empty({M, K / group_size}, x.options());
-  std::memcpy(xq.data_ptr<int8_t>(), a.xq.data(), a.xq.size());
-  std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * sizeof(float));
-  std::memcpy(qsum.data_ptr<float>(), a.qsum.data(), a.qsum.size() * sizeof(float));
-  return {xq, dx, qsum};
+  return qp::run_quantize_a8(x, group_size, &quantize_row);
 }
 
-// --- int8_mm: W8A16 (the AVX-512 build's layout and numerics) --------------------------------
+// --- int8_mm: W8A16 (common.h gives the layout and numerics) ---------------------------------
+
+// sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
+void group_sums_f32(const float* x, int64_t n_groups, int64_t group_size, float* sumx) {
+  for (int64_t i = 0; i < n_groups; ++i) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < group_size; k += 8)
+      acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i * group_size + k));
+    sumx[i] = hsum8(acc);
+  }
+}
 
 template <int MT>
 void int8_tile(const float* x, int64_t K, const float* sumx, int64_t G, const int8_t* w,
@@ -304,40 +261,10 @@ void int8_tile(const float* x, int64_t K, const float* sumx, int64_t G, const in
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& zf, int64_t group_size) {
-  TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
-                  q8.size(2) == kRows,
-              "q8 must be contiguous int8 [N/16, K, 16]");
-  qp::check_group_tensors(scales, zf, q8.size(0), q8.size(1), group_size, at::kHalf, 16);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  x.size(1) == q8.size(1),
-              "x must be contiguous fp32 [M, K] with K = ", q8.size(1));
-  const int64_t M = x.size(0), K = x.size(1), NB = q8.size(0), N = NB * kRows;
-  const int64_t G = K / group_size;
-  const float* xp = x.data_ptr<float>();
-  std::vector<float> sumx;  // fp32 [M, G], for zero points
-  const float* zfp = nullptr;
-  if (zf.has_value()) {
-    zfp = zf->data_ptr<float>();
-    sumx.resize(M * G);
-    for (int64_t i = 0; i < M * G; ++i) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t k = 0; k < group_size; k += 8)
-        acc = _mm256_add_ps(acc, _mm256_loadu_ps(xp + i * group_size + k));
-      sumx[i] = hsum8(acc);
-    }
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  const int8_t* wp = q8.data_ptr<int8_t>();
-  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t sblock = G * kRows;
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    int8_tile<decltype(mt)::value>(xp + m0 * K, K, zfp ? sumx.data() + m0 * G : nullptr, G,
-                                   wp + b * K * kRows, scp + b * sblock,
-                                   zfp ? zfp + b * sblock : nullptr, group_size,
-                                   yp + m0 * N + b * kRows, N);
-  });
-  return y;
+  return qp::run_int8_mm<kMaxTile>(x, q8, scales, zf, group_size, &group_sums_f32,
+                                   [](auto mt, const auto&... args) {
+                                     int8_tile<decltype(mt)::value>(args...);
+                                   });
 }
 
 // --- fp16_mm / bf16_mm: the output head (the AVX-512 build's layouts) ------------------------
@@ -392,42 +319,20 @@ void bf16_tile(const float* x, int64_t K, const uint16_t* w, float* out, int64_t
 }
 
 at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be contiguous fp32 [M, K]");
-  TORCH_CHECK(wb.dim() == 3 && wb.is_contiguous() && wb.scalar_type() == at::kHalf &&
-                  wb.size(2) == kRows && wb.size(1) == x.size(1),
-              "wb must be contiguous fp16 [N/16, K, 16] with K = x.size(1) = ", x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    fp16_tile<decltype(mt)::value>(xp + m0 * K, K, wp + b * K * kRows, yp + m0 * N + b * kRows,
-                                   N);
+  return qp::run_fp16_mm<kMaxTile>(x, wb, [](auto mt, const auto&... args) {
+    fp16_tile<decltype(mt)::value>(args...);
   });
-  return y;
+}
+
+// x rounded to bf16, held as fp32
+void round_bf16(const float* x, float* xb, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) xb[i] = qp::bf16_to_float(qp::float_to_bf16(x[i]));
 }
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  x.size(1) % 2 == 0,
-              "x must be contiguous fp32 [M, K] with K even");
-  TORCH_CHECK(wb.dim() == 4 && wb.is_contiguous() && wb.scalar_type() == at::kBFloat16 &&
-                  wb.size(2) == kRows && wb.size(3) == 2 && wb.size(1) * 2 == x.size(1),
-              "wb must be contiguous bf16 [N/16, K/2, 16, 2] with K = x.size(1) = ", x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), NB = wb.size(0), N = NB * kRows;
-  std::vector<float> xb(M * K);  // x rounded to bf16, held as fp32
-  const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; ++i) xb[i] = qp::bf16_to_float(qp::float_to_bf16(xp[i]));
-  at::Tensor y = at::empty({M, N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  qp::for_each_tile<kMaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    bf16_tile<decltype(mt)::value>(xb.data() + m0 * K, K, wp + b * K * kRows,
-                                   yp + m0 * N + b * kRows, N);
+  return qp::run_bf16_mm<kMaxTile, float>(x, wb, &round_bf16, [](auto mt, const auto&... args) {
+    bf16_tile<decltype(mt)::value>(args...);
   });
-  return y;
 }
 
 // --- paged_attention (cpu_ops.cpp describes the arguments) -----------------------------------
@@ -541,36 +446,18 @@ void scores8(const float* q, int64_t G, const qp::PagedRows<T>& keys, int64_t n,
 template <typename T>
 void attend(const float* q, int64_t G, const qp::PagedRows<T>& keys,
             const qp::PagedRows<T>& values, int64_t n, float scale, float* p, float* out) {
-  const int64_t D = keys.D, BS = keys.BS;
-  if (D % 8 == 0) {
-    scores8(q, G, keys, n, scale, p);
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const T* kr = keys.row(j / BS, j % BS);
-      for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(q + g * D, kr, D) * scale;
-    }
-  }
-  float inv[64];
-  for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * n, n);
-  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += BS, ++blk) {
-    for (int64_t j = j0; j < std::min(n, j0 + BS); ++j) {
-      const T* vr = values.row(blk, j - j0);
-      for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, out + g * D, D);
-    }
-  }
+  qp::attend_heads<8>(
+      q, G, keys, values, n, scale, p, out, [](const auto&... a) { scores8(a...); },
+      [](const auto&... a) { return dot(a...); }, &softmax_numerators,
+      [](const auto&... a) { axpy(a...); });
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& block_tables,
                            const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
-  const float sc = static_cast<float>(scale);
-  return qp::run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
-                       [&](const float* qr, int64_t G, const auto& keys, const auto& values,
-                           int64_t n, float* p, float* out) {
-                         attend(qr, G, keys, values, n, sc, p, out);
-                       });
+  return qp::run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale,
+                       [](const auto&... a) { attend(a...); });
 }
-
 
 // --- silu_mul: silu(gate) * up from the fused [T, 2I] projection (cpu_ops.cpp) --------------
 
@@ -587,36 +474,25 @@ void silu_mul_row(const float* gu, int64_t I, float* out) {
   for (; i < I; ++i) out[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[I + i];
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
-  return qp::run_silu_mul(gu, [](const float* g, int64_t I, float* o) { silu_mul_row(g, I, o); });
-}
+at::Tensor silu_mul(const at::Tensor& gu) { return qp::run_silu_mul(gu, &silu_mul_row); }
 
 // --- add_rms_norm_: h += delta (optional), out = weight * h / sqrt(mean(h^2) + eps) -----------
 
+float sum_squares(const float* h, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    const __m256 v = _mm256_loadu_ps(h + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = hsum8(acc);
+  for (; i < D; ++i) s += h[i] * h[i];
+  return s;
+}
+
 at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
                          const at::Tensor& weight, double eps) {
-  at::Tensor out = qp::check_add_rms_norm(h, delta, weight);
-  const int64_t T = h.size(0), D = h.size(1);
-  float* hp = h.data_ptr<float>();
-  const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = hp + t * D;
-    if (dp != nullptr)
-      for (int64_t i = 0; i < D; ++i) row[i] += dp[t * D + i];
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) {
-      const __m256 v = _mm256_loadu_ps(row + i);
-      acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    float ss = hsum8(acc);
-    for (; i < D; ++i) ss += row[i] * row[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-    for (int64_t j = 0; j < D; ++j) op[t * D + j] = wp[j] * (row[j] * inv);
-  }
-  return out;
+  return qp::run_add_rms_norm(h, delta, weight, eps, &sum_squares);
 }
 
 bool supported() {
