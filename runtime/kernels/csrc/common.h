@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -489,6 +490,50 @@ inline uint16_t float_to_bf16(float f) {
   std::memcpy(&bits, &f, sizeof(bits));
   bits += 0x7FFF + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+// --- registration: the ops both builds define, one schema each (runtime/kernels/cpu.py calls
+// them by these names in either namespace) ---------------------------------------------------
+inline void def_ops(torch::Library& m) {
+  m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
+  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor mz, int group_size, "
+        "bool vnni) -> Tensor");
+  m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
+  m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+        "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+
+// the ISA's entry points of def_ops' ops (rope_ is common.h's own)
+struct OpImpls {
+  at::Tensor (*int8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const c10::optional<at::Tensor>&, int64_t);
+  at::Tensor (*int4_a8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t, bool);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*quantize_a8)(const at::Tensor&, int64_t);
+  at::Tensor (*fp16_mm)(const at::Tensor&, const at::Tensor&);
+  at::Tensor (*bf16_mm)(const at::Tensor&, const at::Tensor&);
+  at::Tensor (*paged_attention)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+  at::Tensor (*add_rms_norm_)(at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
+                              double);
+  at::Tensor (*silu_mul)(const at::Tensor&);
+};
+
+inline void impl_ops(torch::Library& m, const OpImpls& ops) {
+  m.impl("int8_mm", ops.int8_mm);
+  m.impl("int4_a8_mm", ops.int4_a8_mm);
+  m.impl("quantize_a8", ops.quantize_a8);
+  m.impl("fp16_mm", ops.fp16_mm);
+  m.impl("bf16_mm", ops.bf16_mm);
+  m.impl("paged_attention", ops.paged_attention);
+  m.impl("add_rms_norm_", ops.add_rms_norm_);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", ops.silu_mul);
 }
 
 }  // namespace qp

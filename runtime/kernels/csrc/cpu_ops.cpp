@@ -648,30 +648,13 @@ bool int4_supported() { return cpu_supported(); }
 }  // namespace
 
 TORCH_LIBRARY(quantpipe_cpu, m) {
+  qp::def_ops(m);
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
-  m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
-  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor mz, int group_size, "
-        "bool vnni) -> Tensor");
-  m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
-  m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("supported() -> bool", &int4_supported);
 }
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
-  m.impl("int8_mm", &int8_mm);
-  m.impl("int4_a8_mm", &int4_a8_mm);
-  m.impl("quantize_a8", &quantize_a8);
-  m.impl("fp16_mm", &fp16_mm);
-  m.impl("bf16_mm", &bf16_mm);
-  m.impl("paged_attention", &paged_attention);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_", &qp::rope_);
-  m.impl("silu_mul", &silu_mul);
+  qp::impl_ops(m, {&int8_mm, &int4_a8_mm, &quantize_a8, &fp16_mm, &bf16_mm,  // OpImpls' order
+                   &paged_attention, &add_rms_norm_, &silu_mul});
 }

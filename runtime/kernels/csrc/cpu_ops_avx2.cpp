@@ -123,8 +123,9 @@ struct BlockDot<MT, false> {
 
 template <int MT>
 struct BlockDot<MT, true> {
-  __attribute__((target("avxvnni"))) static inline void run(const uint8_t* wb, const int8_t* const* xb,
-                                                     __m256i (&iacc)[MT]) {
+  __attribute__((target("avxvnni"))) static inline void run(const uint8_t* wb,
+                                                            const int8_t* const* xb,
+                                                            __m256i (&iacc)[MT]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i acc[MT][2];
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
@@ -364,8 +365,9 @@ void axpy(float alpha, const T* x, float* y, int64_t D) {
   for (; i < D; ++i) y[i] += alpha * scalar(x[i]);
 }
 
-// exp(x) for 8 lanes, -87 <= x <= 88 (clamped below): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
-// polynomial (relative error < 2e-7), times 2^n built in the exponent bits (n >= -126)
+// exp(x) for 8 lanes, -87 <= x <= 88 (clamped below): x = n ln2 + r, |r| <= ln2 / 2, e^r by
+// its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n built in the exponent bits
+// (n >= -126)
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: still a normal fp32
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
@@ -509,29 +511,12 @@ bool avxvnni_supported() { return has_avxvnni(); }
 }  // namespace
 
 TORCH_LIBRARY(quantpipe_cpu_avx2, m) {
-  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor mz, int group_size, "
-        "bool vnni) -> Tensor");
-  m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
-  m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
-  m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_mul(Tensor gu) -> Tensor");
+  qp::def_ops(m);
   m.def("supported() -> bool", &supported);
   m.def("vnni_supported() -> bool", &avxvnni_supported);
 }
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu_avx2, CPU, m) {
-  m.impl("int4_a8_mm", &int4_a8_mm);
-  m.impl("quantize_a8", &quantize_a8);
-  m.impl("int8_mm", &int8_mm);
-  m.impl("fp16_mm", &fp16_mm);
-  m.impl("bf16_mm", &bf16_mm);
-  m.impl("paged_attention", &paged_attention);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_", &qp::rope_);
-  m.impl("silu_mul", &silu_mul);
+  qp::impl_ops(m, {&int8_mm, &int4_a8_mm, &quantize_a8, &fp16_mm, &bf16_mm,  // OpImpls' order
+                   &paged_attention, &add_rms_norm_, &silu_mul});
 }
