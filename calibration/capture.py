@@ -82,8 +82,10 @@ class GroupStats:
     """Statistics of one shared linear input, accumulated over all calibration tokens."""
 
     in_features: int
-    # [in, in] fp32 sum of x x^T, accumulated in place (a 7B MLP's down_proj: 11008^2 floats;
-    # fp64 plus the per-batch product and its cast held three such matrices at once)
+    # [in, in] fp64 sum of the batches' fp32 x^T x, added in place (no fp64 copy of each
+    # product). fp64 sums keep calibration's results those of the reference runs: summed in
+    # fp32 instead, GPTQ's rounding choices on SmolLM2 change enough to move the KLD 0.138 ->
+    # 0.147 (docs/scale.md); fp32 would halve this matrix (11008^2 for a 7B down_proj)
     xtx: torch.Tensor | None  # None once take_hessian() consumed it
     abs_sum: torch.Tensor  # [in] fp64 sum of |x|
     tokens: int = 0
@@ -93,12 +95,13 @@ class GroupStats:
     @property
     def H(self) -> torch.Tensor:
         """GPTQ Hessian of the layer-wise loss: 2 X^T X / tokens  -> [in, in] fp32 (a copy)."""
-        return self.xtx * (2.0 / max(self.tokens, 1))
+        return (2.0 * self.xtx / max(self.tokens, 1)).float()
 
     def take_hessian(self) -> torch.Tensor:
-        """:attr:`H` made from ``xtx`` in place (no second [in, in] matrix); the statistics
-        keep no X^T X afterwards."""
-        H, self.xtx = self.xtx.mul_(2.0 / max(self.tokens, 1)), None
+        """:attr:`H`, scaling the fp64 sum in place (no second fp64 [in, in] matrix) before
+        the fp32 copy; the statistics keep no X^T X afterwards."""
+        H = self.xtx.mul_(2.0).div_(max(self.tokens, 1)).float()  # the same roundings as H
+        self.xtx = None
         return H
 
     @property
@@ -122,7 +125,7 @@ class StatsCollector:
             lin = block.get_submodule(group.linears[0])
             in_f = lin.in_features
             self.stats[group] = GroupStats(
-                in_f, torch.zeros(in_f, in_f, dtype=torch.float32),
+                in_f, torch.zeros(in_f, in_f, dtype=torch.float64),
                 torch.zeros(in_f, dtype=torch.float64),
             )
             self._handles.append(lin.register_forward_pre_hook(self._hook(group)))
@@ -131,7 +134,7 @@ class StatsCollector:
         def hook(_module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
             st = self.stats[group]
-            st.xtx.addmm_(x.T, x)  # [in, in] += [in, tokens] @ [tokens, in]
+            st.xtx.add_(x.T @ x)  # [in, in] fp64 += [in, tokens] @ [tokens, in] fp32
             st.abs_sum += x.abs().sum(0).double()
             st.tokens += x.shape[0]
             want = self._sample_rows - st.sample_rows
