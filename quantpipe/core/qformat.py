@@ -27,6 +27,13 @@ VALID_BITS = (4, 8)
 VALID_GROUP_SIZES = (32, 64, 128, -1)
 
 
+def check_bits(bits: int, name: str = "bits=") -> None:
+    """Raise the one error every stage gives for an unsupported bit width (``name`` is how the
+    user wrote it: ``--bits `` on the command line, ``bits=`` in a spec)."""
+    if bits not in VALID_BITS:
+        raise ValueError(f"{name}{bits} is not supported; use one of {VALID_BITS}")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How one linear layer's weight is quantized."""
@@ -37,8 +44,7 @@ class QuantSpec:
     act_order: bool = False  # GPTQ columns processed by decreasing Hessian diagonal (uses g_idx)
 
     def __post_init__(self) -> None:
-        if self.bits not in VALID_BITS:
-            raise ValueError(f"bits={self.bits} is not supported; use one of {VALID_BITS}")
+        check_bits(self.bits)
         if self.group_size not in VALID_GROUP_SIZES and not (
             self.group_size > 0 and self.group_size % 8 == 0
         ):

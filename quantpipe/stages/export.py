@@ -16,6 +16,7 @@ from quantpipe.calibration.plan import Plan, PlanSpec, make_plan
 from quantpipe.core.formats.registry import FORMAT_NAMES
 from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.io import check_not_overlapping, check_output_dir, output_lock
+from quantpipe.core.qformat import check_bits
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,7 @@ class ExportSpec:
     force: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"--bits {self.bits} is not supported; use 4 or 8")
+        check_bits(self.bits, "--bits ")
         if self.fmt not in FORMAT_NAMES:
             raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
 

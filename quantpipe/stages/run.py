@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
+from quantpipe.core.qformat import check_bits
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ class RunSpec:
     speed: tuple[Path, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"--bits {self.bits} is not supported; use 4 or 8")
+        check_bits(self.bits, "--bits ")
 
 
 @dataclass(frozen=True)

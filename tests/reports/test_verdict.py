@@ -73,3 +73,13 @@ def test_threshold_validation():
         VerdictThresholds(rouge_l_warn=0.1, rouge_l_fail=0.2)
     with pytest.raises(ValueError, match="not finite"):
         VerdictThresholds(ppl_ratio_fail=float("nan"))
+
+
+def test_thresholds_round_trip_and_reject_unknown_names():
+    th = VerdictThresholds(kld_mean_warn=0.05, rouge_l_fail=None)
+    d = th.to_dict()
+    assert d["kld_mean_warn"] == 0.05 and d["kld_mean_fail"] == 0.50 and d["rouge_l_fail"] is None
+    assert VerdictThresholds(**d) == th
+    assert len(d) == 12  # six rules, a warn and a fail level each
+    with pytest.raises(TypeError, match="kld_warn"):
+        VerdictThresholds(kld_warn=0.1)
