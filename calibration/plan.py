@@ -23,6 +23,14 @@ Damage the budget planner minimises (``--damage``):
   different layers are not comparable in general (they are squared output errors in each
   layer's own units), so the budget planner does not silently fall back to them.
 
+Validation (``kld``/``auto`` with a sensitivity.json that has a ``validation`` section, no
+overrides): the per-layer KLDs were measured on one split of the prompts, and the whole
+mixed model was scored on the other split at checkpoints along the planner's upgrade path
+(:func:`upgrade_path`). The plan stops upgrading at the checkpoint within the budget whose
+validation KLD is lowest: where that is the last checkpoint within the budget (validation
+still improving), the full greedy plan is kept. The plan reports the summed per-layer
+prediction and the validated KLD of the whole model (see :func:`apply_validation`).
+
 Bits per weight are counted as stored in the native format: ``bits`` for the integer, plus
 16 / group_size for the fp16 scale, plus 8 / group_size for a uint8 zero (asymmetric only),
 plus 32 / out_features for an int32 g_idx (act-order only); FP16 layers count 16.
@@ -114,6 +122,9 @@ class Plan:
     budget_bits: float | None
     damage_source: str  # what the budget planner minimised
     predicted_damage: float
+    # whole-model KLD on the held-out prompt split at the chosen checkpoint (None: not validated)
+    validated_damage: float | None = None
+    validation: str = ""  # how the validation decided the plan (or why there was none)
 
     @property
     def params(self) -> int:
@@ -135,6 +146,8 @@ class Plan:
             "effective_bits_per_weight": self.effective_bits(),
             "damage_source": self.damage_source,
             "predicted_damage": self.predicted_damage,
+            "validated_damage": self.validated_damage,
+            "validation": self.validation,
             "counts": self.counts(),
             "layers": {
                 n: {"bits": self.bits[n], "spec": None if self.specs[n] is None
@@ -158,6 +171,11 @@ class Plan:
         if self.budget_bits is not None:
             rows.append(f"budget {self.budget_bits} bits per weight; minimised "
                         f"{self.damage_source}: predicted sum {self.predicted_damage:.4g}")
+            if self.validated_damage is not None:
+                rows.append(f"validated KLD (whole model, held-out prompt split) "
+                            f"{self.validated_damage:.4g}")
+            if self.validation:
+                rows.append(f"validation: {self.validation}")
         return "\n".join(rows)
 
 
@@ -225,16 +243,120 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
         for n in free:
             bits[n] = spec.bits
             reasons[n] = "default"
+    validated, note = None, ""
+    if spec.budget_bits is None:
+        for n in free:
+            bits[n] = spec.bits
+            reasons[n] = "default"
     else:
         damage, damage_source = _damage_table(calib, infos, spec.damage)
         chosen = greedy_budget_plan(free, shapes, specs_of, damage, bits, spec.budget_bits)
+        if damage_source.startswith("measured"):
+            chosen, validated, note = apply_validation(
+                _read_validation(calib), chosen, shapes, specs_of, damage, bits,
+                spec.budget_bits)
         for n in free:
             bits[n] = chosen[n]
             reasons[n] = "budget"
         predicted = sum(damage[n][bits[n]] for n in names if n in damage)
     ordered = {n: bits[n] for n in names}
     return Plan(ordered, {n: specs_of[n][bits[n]] for n in names}, shapes,
-                {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted)
+                {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted,
+                validated, note)
+
+
+def _read_validation(calib) -> dict | None:
+    path = Path(calib.folder) / SENSITIVITY_FILE
+    return json.loads(path.read_text()).get("validation") if path.is_file() else None
+
+
+def apply_validation(
+    validation: dict | None,
+    chosen: dict[str, int | None],
+    shapes: dict[str, tuple[int, int]],
+    specs_of: dict[str, dict[int | None, QuantSpec | None]],
+    damage: dict[str, dict[int | None, float]],
+    fixed: dict[str, int | None],
+    budget: float,
+) -> tuple[dict[str, int | None], float | None, str]:
+    """Stop the greedy plan where the held-out validation KLD stops improving.
+
+    ``validation`` is sensitivity.json's section: ``path`` (the upgrade moves it validated,
+    [layer, precision] in order) and ``checkpoints`` ({"moves": k, "bits": effective bits
+    after k moves, "validated": whole-model KLD on the validation split}). Among the
+    checkpoints within ``budget``, the one with the lowest validated KLD (the earliest on
+    ties) decides: if it is the last one within the budget, the greedy plan ``chosen`` is
+    kept (validation was still improving when the budget ran out); otherwise the plan is the
+    first k moves of the path. Returns (plan, validated KLD of the checkpoint, a note).
+    Without a usable validation the plan is returned unchanged with the reason in the note.
+    """
+    if not validation or not validation.get("checkpoints"):
+        return chosen, None, "not validated (sensitivity.json has no validation split)"
+    if fixed:
+        return chosen, None, "not validated (overrides change the upgrade path)"
+    stored = [(n, b) for n, b in validation["path"]]
+    now = [(n, b) for n, b, _ in upgrade_path(list(chosen), shapes, specs_of, damage)]
+    if now[: len(stored)] != stored:
+        return chosen, None, ("not validated (the measured damages give another upgrade path "
+                              "than the one validated; measure sensitivity again)")
+    within = [c for c in validation["checkpoints"] if c["bits"] <= budget * (1 + 1e-12)]
+    if not within:
+        return chosen, None, "not validated (no checkpoint within the budget)"
+    best = min(within, key=lambda c: c["validated"])  # min keeps the earliest on ties
+    at = f"{best['moves']} moves, {best['bits']:.4f} bits per weight"
+    if best is within[-1]:
+        beyond = " (the last checkpoint; the plan adds the moves after it)"
+        return chosen, best["validated"], f"validated at {at}{beyond}"
+    state = {n: 4 for n in chosen}
+    for n, b in stored[: best["moves"]]:
+        state[n] = b
+    return state, best["validated"], (f"validation KLD stopped improving at {at}: stopped "
+                                      "upgrading there")
+
+
+def upgrade_path(
+    free: list[str],
+    shapes: dict[str, tuple[int, int]],
+    specs_of: dict[str, dict[int | None, QuantSpec | None]],
+    damage: dict[str, dict[int | None, float]],
+) -> list[tuple[str, int | None, float]]:
+    """Every upgrade the budget planner would buy with an unlimited budget, in the order it
+    buys them, starting from all-INT4 with no overrides: (layer, new precision, effective
+    bits per weight after the move). The greedy plan for a budget B is the longest prefix
+    whose bits fit B, plus smaller later moves that still fit (:func:`greedy_budget_plan`)."""
+    params = {n: shapes[n][0] * shapes[n][1] for n in free}
+    total = sum(params.values())
+    used = sum(bits_per_weight(specs_of[n][4], shapes[n]) * params[n] for n in free)
+    out = []
+    for ratio, n, _frm, to, extra in _hull_moves(free, shapes, specs_of, damage):
+        if ratio <= 0:
+            break
+        used += extra
+        out.append((n, to, used / total))
+    return out
+
+
+def _hull_moves(free, shapes, specs_of, damage) -> list[tuple[float, str, int, int | None, float]]:
+    """(ratio, layer, from, to, extra stored bits) sorted by decreasing damage drop per bit;
+    see :func:`greedy_budget_plan` for why these moves and this order."""
+
+    def cost(n, b):
+        return bits_per_weight(specs_of[n][b], shapes[n]) * shapes[n][0] * shapes[n][1]
+
+    moves = []
+    for n in free:
+        d4, d8, d16 = damage[n][4], damage[n][8], damage[n][None]
+        c4, c8, c16 = cost(n, 4), cost(n, 8), cost(n, None)
+        r48 = (d4 - d8) / (c8 - c4)
+        r816 = (d8 - d16) / (c16 - c8)
+        if r816 > r48:  # INT8 not on the lower hull: FP16 at once is the better rate
+            moves.append(((d4 - d16) / (c16 - c4), n, 4, None, c16 - c4))
+        else:
+            moves.append((r48, n, 4, 8, c8 - c4))
+            moves.append((r816, n, 8, None, c16 - c8))
+    # stable order: ties broken by layer order, so equal inputs give equal plans
+    moves.sort(key=lambda m: -m[0])
+    return moves
 
 
 def greedy_budget_plan(
@@ -281,19 +403,7 @@ def greedy_budget_plan(
             "(every free layer at INT4, with scale and zero overhead, plus overrides); use "
             f"--budget-bits >= {min_bits:.4f}, fewer INT8/FP16 overrides or a larger group size"
         )
-    moves = []  # (ratio, layer, from, to, extra_bits)
-    for n in free:
-        d4, d8, d16 = damage[n][4], damage[n][8], damage[n][None]
-        c4, c8, c16 = cost(n, 4), cost(n, 8), cost(n, None)
-        r48 = (d4 - d8) / (c8 - c4)
-        r816 = (d8 - d16) / (c16 - c8)
-        if r816 > r48:  # INT8 not on the lower hull: FP16 at once is the better rate
-            moves.append(((d4 - d16) / (c16 - c4), n, 4, None, c16 - c4))
-        else:
-            moves.append((r48, n, 4, 8, c8 - c4))
-            moves.append((r816, n, 8, None, c16 - c8))
-    # stable order: ties broken by layer order, so equal inputs give equal plans
-    moves.sort(key=lambda m: -m[0])
+    moves = _hull_moves(free, shapes, specs_of, damage)
     state: dict[str, int | None] = {n: 4 for n in free}
     for ratio, n, frm, to, extra in moves:
         if ratio <= 0:

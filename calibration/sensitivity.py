@@ -19,6 +19,15 @@ Cost control (the model is small, the number of runs is 2 x layers):
   O(chunk x vocab));
 - all sequences of a block go through in one batch.
 
+Validation (``validate_tokens`` > 0, the default): the prompts are split by record, the even
+records measured above and the odd ones held out. After the per-layer measurement, the planner's
+upgrade path (:func:`quantpipe.calibration.plan.upgrade_path`: all-INT4, then the moves the
+budget planner buys in its order) is walked on the FP model and the WHOLE mixed model is scored
+on the held-out split at checkpoints every ``validate_step`` bits per weight, up to
+``validate_max_bits``: the measured KLD of real plans on prompts the measurement never saw,
+next to the summed per-layer prediction. The planner stops upgrading where that validation KLD
+stops improving (``calibration.plan.apply_validation``).
+
 Cheap proxies, stored beside the measurement for comparison:
 - ``proxy``: the calibration's per-layer loss tr(dW H dW^T) (squared output error of the
   layer on the calibration tokens);
@@ -49,6 +58,7 @@ log = logging.getLogger(__name__)
 SENSITIVITY_FILE = "sensitivity.json"
 SENSITIVITY_VERSION = 1
 PROMPT_SET = "business-calib"  # calibration-style data; business-eval stays held out
+SPLIT = "records 0, 2, 4, ... measured; 1, 3, 5, ... validated"
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,11 @@ class SensitivitySpec:
     batch_size: int = 8  # sequences per block forward
     chunk_rows: int = 256  # token rows per LM-head / KL chunk (memory: rows x vocab floats)
     force: bool = False  # recompute even if a matching sensitivity.json exists
+    # scored tokens of the held-out prompt split for validating the upgrade path (0: no split,
+    # every record measured and nothing validated: the measurement of version 1 files)
+    validate_tokens: int = 1024
+    validate_step: float = 0.025  # bits per weight between validation checkpoints
+    validate_max_bits: float = 5.0  # last checkpoint at most here (plans rarely go beyond)
 
     def __post_init__(self) -> None:
         if not self.bits or any(b not in (4, 8) for b in self.bits) or len(set(self.bits)) != len(
@@ -75,6 +90,16 @@ class SensitivitySpec:
         for name in ("batch_size", "chunk_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.validate_tokens and self.validate_tokens < self.seq_len:
+            raise ValueError(f"validate_tokens {self.validate_tokens} is below one sequence of "
+                             f"{self.seq_len}; use 0 (no validation) or 1024")
+        if not (self.validate_step > 0 and self.validate_max_bits > 0):
+            raise ValueError("validate_step and validate_max_bits must be > 0")
+
+    @property
+    def validates(self) -> bool:
+        """The held-out split is scored: asked for, and both precisions the planner needs."""
+        return self.validate_tokens > 0 and set(self.bits) == {4, 8}
 
     @property
     def n_sequences(self) -> int:
@@ -82,8 +107,13 @@ class SensitivitySpec:
 
     def settings(self) -> dict:
         """What makes two measurements comparable (reuse needs equal settings)."""
-        return {"tokens": self.tokens, "seq_len": self.seq_len, "bits": list(self.bits),
-                "seed": self.seed, "prompts": PROMPT_SET}
+        out = {"tokens": self.tokens, "seq_len": self.seq_len, "bits": list(self.bits),
+               "seed": self.seed, "prompts": PROMPT_SET}
+        if self.validates:
+            out["validation"] = {"tokens": self.validate_tokens, "split": SPLIT,
+                                 "step_bits": self.validate_step,
+                                 "max_bits": self.validate_max_bits}
+        return out
 
 
 @dataclass(frozen=True)
@@ -103,6 +133,14 @@ class SensitivityResult:
         rho = self.data["spearman"]
         rows.append("Spearman(proxy, measured KLD): " + ", ".join(
             f"{k} {v:.3f}" for k, v in rho.items()))
+        val = self.data.get("validation")
+        if val:
+            rows.append(f"validation on {val['tokens_scored']} held-out tokens (whole model, "
+                        "predicted = summed per-layer KLD):")
+            rows.append(f"{'bits/weight':>12} {'moves':>6} {'predicted':>10} {'validated':>10}")
+            for c in val["checkpoints"]:
+                rows.append(f"{c['bits']:>12.4f} {c['moves']:>6d} {c['predicted']:>10.4g} "
+                            f"{c['validated']:>10.4g}")
         rows.append(f"{self.data['tokens_scored']} tokens, {self.data['seconds']:.0f}s"
                     f"{' (reused)' if self.reused else ''}")
         return "\n".join(rows)
@@ -224,7 +262,10 @@ def _load_model(calib: Calibration):
     return model
 
 
-def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec) -> torch.Tensor:
+def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec,
+                     split: str = "measure") -> torch.Tensor:
+    """Packed token ids [n, seq_len] of the measured split ("measure"; every record when the
+    spec does not validate) or of the held-out split ("validate")."""
     from transformers import AutoTokenizer
 
     from quantpipe.calibration.prompts import (
@@ -233,24 +274,33 @@ def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec) -> torch.Tensor:
         load_prompt_records,
     )
 
+    records = load_prompt_records(PROMPT_SET)
+    tokens = spec.tokens
+    if spec.validates:
+        records = records[0::2] if split == "measure" else records[1::2]
+        tokens = spec.tokens if split == "measure" else spec.validate_tokens
     tok = AutoTokenizer.from_pretrained(fp16_dir)
     data = build_calibration_set(
-        tok, load_prompt_records(PROMPT_SET),
-        CalibDataSpec(n_samples=spec.n_sequences, seq_len=spec.seq_len, min_tokens=16,
+        tok, records,
+        CalibDataSpec(n_samples=-(-tokens // spec.seq_len), seq_len=spec.seq_len, min_tokens=16,
                       seed=spec.seed, mode="pack"),
     )
     return data.input_ids  # [n, seq_len] int64
 
 
 def _model_and_ids(calib: Calibration, spec: SensitivitySpec, model,
-                   input_ids: torch.Tensor | None) -> tuple:
-    """The FP model and the token ids [n, seq_len]; every check, and the prompts (too few
-    tokens fail at once), before the slow model load."""
+                   input_ids: torch.Tensor | None, validate_ids: torch.Tensor | None) -> tuple:
+    """The FP model and the token ids [n, seq_len] of both splits; every check, and the prompts
+    (too few tokens fail at once), before the slow model load. Ids passed by the caller are
+    used as given; the held-out split is built only when the measured one is too."""
     if model is None:
         _check_fp16_source(calib, spec)
     if input_ids is None:
         input_ids = _calibration_ids(calib.fp16_dir, spec)
-    return (_load_model(calib) if model is None else model), input_ids
+        if spec.validates and validate_ids is None:
+            validate_ids = _calibration_ids(calib.fp16_dir, spec, "validate")
+    model = _load_model(calib) if model is None else model
+    return model, input_ids, validate_ids if spec.validates else None
 
 
 def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[float, int]]):
@@ -271,21 +321,23 @@ def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[f
             for short, full in names.items()]
 
 
-def measure_sensitivity(spec: SensitivitySpec, model=None,
-                        input_ids: torch.Tensor | None = None) -> SensitivityResult:
+def measure_sensitivity(spec: SensitivitySpec, model=None, input_ids: torch.Tensor | None = None,
+                        validate_ids: torch.Tensor | None = None) -> SensitivityResult:
     """Measure every linear of ``spec.calib_dir`` alone; write CALIB_DIR/sensitivity.json.
 
-    ``model`` / ``input_ids`` may be passed to skip loading (tests); by default the FP16 model
-    is loaded from the calibration's ``fp16_dir`` and the business-calib prompts are packed.
+    ``model`` / ``input_ids`` / ``validate_ids`` may be passed to skip loading (tests); by
+    default the FP16 model is loaded from the calibration's ``fp16_dir`` and the business-calib
+    prompts are split and packed (``input_ids`` given without ``validate_ids``: no validation).
     Holds CALIB_DIR's output lock throughout: `calibrate --force` replaces CALIB_DIR under it,
     so the results land in the calibration they were measured on, one writer at a time.
     """
     with output_lock(spec.calib_dir):
-        return _measure(spec, model, input_ids)
+        return _measure(spec, model, input_ids, validate_ids)
 
 
 @torch.no_grad()
-def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None) -> SensitivityResult:
+def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
+             validate_ids: torch.Tensor | None) -> SensitivityResult:
     t0 = time.perf_counter()
     calib = read_calibration(spec.calib_dir)
     path = Path(spec.calib_dir) / SENSITIVITY_FILE
@@ -294,7 +346,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None) -> Se
         log.info("reusing %s (same settings); pass --force to measure again", path)
         return SensitivityResult(path, old, reused=True)
     infos = calib.layer_infos()
-    model, input_ids = _model_and_ids(calib, spec, model, input_ids)
+    model, input_ids, validate_ids = _model_and_ids(calib, spec, model, input_ids, validate_ids)
     family = family_for(model.config.model_type)
     blocks = get_blocks(model, family)
     prefix = family.blocks
@@ -346,12 +398,84 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None) -> Se
         "version": SENSITIVITY_VERSION,
         "settings": spec.settings(),
         "tokens_scored": scorer.tokens,
-        "seconds": time.perf_counter() - t0,
+        "seconds": 0.0,
         "spearman": _correlations(layers, spec.bits),
         "layers": layers,
     }
+    if validate_ids is not None:
+        data["validation"] = _validate(calib, infos, layers, blocks, by_block, prefix,
+                                       (model, validate_ids), spec)
+    data["seconds"] = time.perf_counter() - t0
     write_json_atomic(path, data)
     return SensitivityResult(path, data, reused=False)
+
+
+def _checkpoints(path: list[tuple[str, int | None, float]], start_bits: float, step: float,
+                 max_bits: float) -> list[int]:
+    """Move counts k (0 = all-INT4) at which the whole model is scored: the first move that
+    reaches each next multiple of ``step`` above the all-INT4 bits, while the bits stay
+    <= ``max_bits`` (so a checkpoint's bits are exact, never interpolated)."""
+    out = [0]
+    next_bits = start_bits + step
+    for k, (_name, _to, bits) in enumerate(path, start=1):
+        if bits > max_bits * (1 + 1e-12):
+            break
+        if bits >= next_bits - 1e-12:
+            out.append(k)
+            next_bits = start_bits + step * (int((bits - start_bits) / step + 1e-9) + 1)
+    return out
+
+
+def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: list[list[str]],
+              prefix: str, model_ids: tuple, spec: SensitivitySpec) -> dict:
+    """Score the whole mixed model on the held-out split along the planner's upgrade path."""
+    from quantpipe.calibration.plan import bits_per_weight, upgrade_path  # plan imports us
+    from quantpipe.core.qformat import QuantSpec
+
+    model, ids = model_ids
+    names = [n for group in by_block for n in group]
+    shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
+    specs_of = {n: {4: QuantSpec.from_dict(infos[n]["w4"]["spec"]),
+                    8: QuantSpec.from_dict(infos[n]["w8"]["spec"]), None: None} for n in names}
+    damage = {n: {4: layers[n]["kld_w4"], 8: layers[n]["kld_w8"], None: 0.0} for n in names}
+    path = upgrade_path(names, shapes, specs_of, damage)
+    total = sum(o * i for o, i in shapes.values())
+    start_bits = sum(bits_per_weight(specs_of[n][4], shapes[n]) * shapes[n][0] * shapes[n][1]
+                     for n in names) / total
+    ks = _checkpoints(path, start_bits, spec.validate_step, spec.validate_max_bits)
+    block_of = {n: i for i, group in enumerate(by_block) for n in group}
+
+    def linear(n):
+        return blocks[block_of[n]].get_submodule(n[len(f"{prefix}.{block_of[n]}.") :])
+
+    hidden0, ctx = embed_inputs(model, ids)
+    scorer = _Scorer(model, _run_from(blocks, 0, hidden0, ctx, spec.batch_size),
+                     spec.chunk_rows)
+    originals = {n: linear(n).weight.data for n in names}
+    state = {n: 4 for n in names}
+    checkpoints = []
+    try:
+        for group in by_block:  # all INT4 first, one block's weights read at a time
+            for n, w in calib.weights(dict.fromkeys(group, 4)).items():
+                linear(n).weight.data = w.dequantize(originals[n].dtype)
+        done = 0
+        for k in ks:
+            for n, to, _bits in path[done:k]:
+                state[n] = to
+                linear(n).weight.data = (originals[n] if to is None else
+                                         calib.weights({n: to})[n].dequantize(originals[n].dtype))
+            done = k
+            kld = scorer.mean_kld(_run_from(blocks, 0, hidden0, ctx, spec.batch_size))
+            checkpoints.append({"moves": k, "bits": path[k - 1][2] if k else start_bits,
+                                "predicted": sum(damage[n][b] for n, b in state.items()),
+                                "validated": kld})
+            log.info("validation: %.4f bits per weight, KLD %.4g (predicted %.4g)",
+                     checkpoints[-1]["bits"], kld, checkpoints[-1]["predicted"])
+    finally:
+        for n, w in originals.items():
+            linear(n).weight.data = w
+    return {"tokens_scored": scorer.tokens, "split": SPLIT,
+            "path": [[n, to] for n, to, _ in path[: ks[-1]]], "checkpoints": checkpoints}
 
 
 def _run_from(blocks, i: int, hidden: torch.Tensor, ctx: BlockContext,

@@ -15,9 +15,11 @@ import torch
 
 from quantpipe.calibration.plan import (
     PlanSpec,
+    apply_validation,
     bits_per_weight,
     greedy_budget_plan,
     make_plan,
+    upgrade_path,
 )
 from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
 from quantpipe.core.native import quantized_tensors
@@ -57,10 +59,13 @@ def _model_layers(n_blocks=2, d=64, ff=128):
     return shapes
 
 
-def _write_sensitivity(folder: Path, kld: dict[str, tuple[float, float]], rho: float = 0.9):
+def _write_sensitivity(folder: Path, kld: dict[str, tuple[float, float]], rho: float = 0.9,
+                       validation: dict | None = None):
     layers = {n: {"kld_w4": a, "kld_w8": b} for n, (a, b) in kld.items()}
-    (folder / SENSITIVITY_FILE).write_text(json.dumps(
-        {"version": 1, "spearman": {"proxy_w4": rho}, "layers": layers}))
+    data = {"version": 1, "spearman": {"proxy_w4": rho}, "layers": layers}
+    if validation is not None:
+        data["validation"] = validation
+    (folder / SENSITIVITY_FILE).write_text(json.dumps(data))
 
 
 # --- bits arithmetic -------------------------------------------------------------------
@@ -278,3 +283,93 @@ def test_greedy_exact_on_uniform_convex_instances():
         opt, _ = _exact(list(shapes), shapes, specs_of, damage, budget)
         assert _damage_of(chosen, damage) == pytest.approx(opt, rel=1e-12, abs=1e-15)
         assert sum(b == 8 for b in chosen.values()) == k_up
+
+
+# --- upgrade path and validation --------------------------------------------------------
+
+
+def test_upgrade_path_prefixes_are_the_greedy_plans():
+    """The greedy plan at exactly the bits of the path's first k moves is those k moves."""
+    rng = random.Random(2)
+    for _ in range(30):
+        shapes, specs_of, damage = _instance(rng, rng.randint(2, 7), same_shape=False)
+        free = list(shapes)
+        path = upgrade_path(free, shapes, specs_of, damage)
+        assert [b for _, _, b in path] == sorted(b for _, _, b in path)
+        for k in range(len(path) + 1):
+            state = dict.fromkeys(free, 4)
+            for n, to, _ in path[:k]:
+                state[n] = to
+            total = sum(o * i for o, i in shapes.values())
+            bits = sum(bits_per_weight(specs_of[n][b], shapes[n]) * shapes[n][0] * shapes[n][1]
+                       for n, b in state.items()) / total
+            if k:
+                assert path[k - 1][2] == pytest.approx(bits, rel=1e-12)
+            assert greedy_budget_plan(free, shapes, specs_of, damage, {}, bits) == state
+
+
+def _validated_setup(tmp_path, validated: list[float]):
+    """A model whose layers' damages give a path; checkpoints after 0, 2, 4, ... moves."""
+    shapes = _model_layers()
+    int4 = QuantSpec(4, 64, True)
+    calib = FakeCalibration(tmp_path, _infos(shapes, int4))
+    kld = {n: (1.0 + k, 0.01) for k, n in enumerate(shapes)}
+    specs_of = {n: {4: int4, 8: INT8_PER_CHANNEL, None: None} for n in shapes}
+    damage = {n: {4: a, 8: b, None: 0.0} for n, (a, b) in kld.items()}
+    path = upgrade_path(list(shapes), shapes, specs_of, damage)
+    start = make_plan(calib, PlanSpec()).effective_bits()
+    ks = [2 * i for i in range(len(validated))]
+    checkpoints = [{"moves": k, "bits": path[k - 1][2] if k else start, "predicted": 0.0,
+                    "validated": v} for k, v in zip(ks, validated)]
+    validation = {"tokens_scored": 8, "path": [[n, b] for n, b, _ in path[: ks[-1]]],
+                  "checkpoints": checkpoints}
+    _write_sensitivity(tmp_path, kld, validation=validation)
+    return calib, path, checkpoints
+
+
+def test_validation_stops_upgrading_where_it_stops_improving(tmp_path):
+    calib, path, cps = _validated_setup(tmp_path, [1.0, 0.6, 0.4, 0.45, 0.5, 0.3])
+    # budget up to the 5th checkpoint: the best within it is the 3rd (4 moves)
+    plan = make_plan(calib, PlanSpec(budget_bits=cps[4]["bits"]))
+    want = dict.fromkeys(plan.bits, 4)
+    for n, b, _ in path[:4]:
+        want[n] = b
+    assert plan.bits == want and plan.validated_damage == 0.4
+    assert "stopped improving" in plan.validation
+    assert plan.effective_bits() == pytest.approx(cps[2]["bits"], rel=1e-12)
+    assert plan.to_dict()["validated_damage"] == 0.4 and "validated KLD" in plan.table()
+    # the whole path within the budget: the last checkpoint is the best, the greedy plan stays
+    plain = tmp_path / "unvalidated"
+    plain.mkdir()
+    _write_sensitivity(plain, {n: (1.0 + k, 0.01) for k, n in enumerate(calib.infos)})
+
+    def greedy(budget):
+        return make_plan(FakeCalibration(plain, calib.infos), PlanSpec(budget_bits=budget))
+
+    budget = cps[-1]["bits"] + 0.3
+    plan = make_plan(calib, PlanSpec(budget_bits=budget))
+    assert plan.validated_damage == 0.3 and "last checkpoint" in plan.validation
+    assert plan.bits == greedy(budget).bits and plan.effective_bits() > cps[-1]["bits"]
+    assert greedy(budget).validated_damage is None
+    # between checkpoints, still improving: the greedy plan for the budget, not a prefix
+    mid = (cps[1]["bits"] + cps[2]["bits"]) / 2
+    plan = make_plan(calib, PlanSpec(budget_bits=mid))
+    assert plan.validated_damage == 0.6 and plan.bits == greedy(mid).bits
+    assert cps[1]["bits"] < plan.effective_bits() <= mid
+
+
+def test_validation_not_applied_when_it_does_not_describe_the_plan(tmp_path):
+    calib, path, cps = _validated_setup(tmp_path, [1.0, 0.6, 0.4, 0.45])
+    budget = cps[3]["bits"]
+    plan = make_plan(calib, PlanSpec(budget_bits=budget, overrides=(f"{path[-1][0]}=4",)))
+    assert plan.validated_damage is None and "overrides" in plan.validation
+    plan = make_plan(calib, PlanSpec(budget_bits=budget, damage="proxy"))
+    assert plan.validated_damage is None
+    # a path that is not the one the damages give (e.g. sensitivity measured again)
+    data = json.loads((tmp_path / SENSITIVITY_FILE).read_text())
+    data["validation"]["path"] = data["validation"]["path"][::-1]
+    (tmp_path / SENSITIVITY_FILE).write_text(json.dumps(data))
+    plan = make_plan(calib, PlanSpec(budget_bits=budget))
+    assert plan.validated_damage is None and "another upgrade path" in plan.validation
+    chosen = {"a": 4}
+    assert apply_validation(None, chosen, {}, {}, {}, {}, 5.0)[:2] == (chosen, None)

@@ -12,6 +12,7 @@ from quantpipe.calibration.sensitivity import (
     SENSITIVITY_FILE,
     SensitivitySpec,
     _calibration_ids,
+    _checkpoints,
     measure_sensitivity,
     spearman,
 )
@@ -42,7 +43,7 @@ def calib_dir(tmp_path_factory):
     return out
 
 
-SPEC = dict(tokens=128, seq_len=64)
+SPEC = dict(tokens=128, seq_len=64)  # validation: the defaults (what the CLI measures)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,74 @@ def test_bad_layer_ranked_most_sensitive(measured, calib_dir):
     assert all(-1 <= r <= 1 for r in measured.data["spearman"].values())
 
 
+def _kld_fp64(ref: torch.Tensor, cand: torch.Tensor) -> float:
+    """Mean KL(P_ref || P_cand) over rows of [T, V] logits, in float64."""
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(cand.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean())
+
+
+def test_checkpoints_by_hand():
+    path = [("a", 8, 4.30), ("b", 8, 4.40), ("c", 8, 4.45), ("d", None, 5.20), ("e", 8, 5.9)]
+    # start 4.25, step 0.1: 4.30 < 4.35; 4.40 reaches 4.35 (next 4.45); 4.45 reaches it (next
+    # 4.55); 5.20 reaches it (next 5.25); 5.9 is beyond max_bits
+    assert _checkpoints(path, 4.25, 0.1, 5.5) == [0, 2, 3, 4]
+    assert _checkpoints(path, 4.25, 0.1, 4.2) == [0]
+    assert _checkpoints(path, 4.25, 0.01, 16) == [0, 1, 2, 3, 4, 5]
+
+
+def test_validation_is_the_whole_mixed_model_on_the_held_out_split(measured, calib_dir,
+                                                                   tmp_path):
+    """Every checkpoint's validated KLD == a full forward of the model with the path's first k
+    moves applied (the rest INT4), on the held-out split's ids, in float64."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    assert measured.data["settings"]["validation"]["tokens"] == 1024  # the defaults
+    assert measured.data["validation"]["tokens_scored"] == 1024
+    assert measured.data["validation"]["checkpoints"][-1]["bits"] <= 5.0
+    # the whole path (up to all FP16) with coarse checkpoints, on a copy of the calibration
+    calib_dir = shutil.copytree(calib_dir, tmp_path / "calib")
+    (calib_dir / SENSITIVITY_FILE).unlink()
+    spec = SensitivitySpec(calib_dir, **SPEC, validate_tokens=256, validate_step=1.5,
+                           validate_max_bits=16.0)
+    data = measure_sensitivity(spec).data
+    val, layers = data["validation"], data["layers"]
+    assert layers == measured.data["layers"]  # same split, same ids: same measurement
+    ks = [c["moves"] for c in val["checkpoints"]]
+    assert ks[0] == 0 and ks == sorted(set(ks)) and len(ks) >= 4
+    assert len(val["path"]) == ks[-1]
+    bits = [c["bits"] for c in val["checkpoints"]]
+    assert bits == sorted(bits) and bits[-1] <= 16.0
+    assert val["checkpoints"][0]["predicted"] == pytest.approx(
+        sum(v["kld_w4"] for v in layers.values()), rel=1e-12)
+    calib = read_calibration(calib_dir)
+    ids = _calibration_ids(calib.fp16_dir, spec, "validate")
+    measure_ids = _calibration_ids(calib.fp16_dir, spec)
+    assert not any(bool((ids[i] == measure_ids[j]).all())  # the splits share no window
+                   for i in range(ids.shape[0]) for j in range(measure_ids.shape[0]))
+    model = AutoModelForCausalLM.from_pretrained(calib.fp16_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(ids).logits.reshape(-1, model.config.vocab_size)  # [T, V]
+        w4 = calib.weights(dict.fromkeys(layers, 4))
+        for c in (val["checkpoints"][0], val["checkpoints"][len(ks) // 2],
+                  val["checkpoints"][-1]):
+            state = dict.fromkeys(layers, 4)
+            for n, b in val["path"][: c["moves"]]:
+                state[n] = b
+            for n, b in state.items():
+                lin = model.get_submodule(n)
+                if b is None:
+                    continue  # FP16: the model's own weight
+                qw = w4[n] if b == 4 else calib.weights({n: 8})[n]
+                lin.weight.data = qw.dequantize()
+            cand = model(ids).logits.reshape(-1, model.config.vocab_size)
+            assert c["validated"] == pytest.approx(_kld_fp64(ref, cand), rel=1e-4)
+            model = AutoModelForCausalLM.from_pretrained(calib.fp16_dir,
+                                                         dtype=torch.float32).eval()
+    assert val["checkpoints"][-1]["validated"] < 0.5 * val["checkpoints"][0]["validated"]
+
+
 def test_cached_path_equals_full_model_forward(measured, calib_dir):
     """KLD from the block cache == full model forward with the one layer replaced (fp64 KL)."""
     from transformers import AutoModelForCausalLM
@@ -89,8 +158,7 @@ def test_cached_path_equals_full_model_forward(measured, calib_dir):
             lin.weight.data = calib.weights({name: 4})[name].dequantize()
             cand = model(ids).logits.reshape(-1, model.config.vocab_size)
             lin.weight.data = orig
-            lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(cand.double(), -1)
-            want = float((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean())
+            want = _kld_fp64(ref, cand)
             assert measured.data["layers"][name]["kld_w4"] == pytest.approx(want, rel=1e-4)
 
 
@@ -111,6 +179,12 @@ def test_spec_errors(tmp_path):
         SensitivitySpec(tmp_path, bits=(3,))
     with pytest.raises(ValueError, match="--tokens"):
         SensitivitySpec(tmp_path, tokens=10, seq_len=64)
+    with pytest.raises(ValueError, match="validate_tokens"):
+        SensitivitySpec(tmp_path, tokens=128, seq_len=64, validate_tokens=10)
+    # no held-out split asked for, or only INT4 measured: the version-1 settings
+    plain = SensitivitySpec(tmp_path, tokens=128, seq_len=64, validate_tokens=0)
+    assert "validation" not in plain.settings() and not plain.validates
+    assert not SensitivitySpec(tmp_path, tokens=128, seq_len=64, bits=(4,)).validates
 
 
 def test_plan_uses_measurement_and_cli(measured, calib_dir):
@@ -125,6 +199,9 @@ def test_plan_uses_measurement_and_cli(measured, calib_dir):
     assert plan.effective_bits() <= 6.0
     layers = measured.data["layers"]
     assert plan.predicted_damage < 0.5 * sum(v["kld_w4"] for v in layers.values())
+    assert plan.validated_damage is not None and plan.validated_damage >= 0
+    assert plan.to_dict()["validated_damage"] == plan.validated_damage
+    assert "validated KLD" in plan.table()
     runner = CliRunner()
     res = runner.invoke(main, ["sensitivity", str(calib_dir), "--tokens", "128",
                                "--seq-len", "64"])
