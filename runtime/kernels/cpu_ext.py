@@ -54,7 +54,7 @@ class IsaBuild:
     """One build of the kernels for one instruction set."""
 
     name: str  # the QUANTPIPE_CPU_ISA spelling
-    source: str  # file under csrc/ (includes csrc/common.h)
+    source: str  # file under csrc/ (includes csrc/common.h and csrc/simd.h)
     namespace: str  # torch op namespace it registers
     cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the CPU must have
     cflags: tuple[str, ...]  # compiler flags beyond -O3 -fopenmp
@@ -97,7 +97,8 @@ def cpu_can_run(isa: str) -> bool:
 
 def library_name(isa: str) -> str:
     b = ISAS[isa]
-    digest = hashlib.sha256((CSRC / b.source).read_bytes() + (CSRC / "common.h").read_bytes()
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # common.h, simd.h
+    digest = hashlib.sha256((CSRC / b.source).read_bytes() + headers
                             + torch.__version__.encode() + BUILD_FLAGS_VERSION.encode()
                             + " ".join(b.cflags).encode()).hexdigest()
     return f"quantpipe_cpu_{isa}_{digest[:12]}"

@@ -1,5 +1,6 @@
 // quantpipe's CPU kernels for AVX-512 BF16 + VNNI machines (built by runtime/kernels/cpu_ext.py;
-// cpu_ops_avx2.cpp is the AVX2 build of the same ops, csrc/common.h their shared plain C++).
+// cpu_ops_avx2.cpp is the AVX2 build of the same ops, csrc/common.h their shared plain C++,
+// csrc/simd.h their shared SIMD kernels over this file's 16-lane vector ops, struct Simd).
 //
 //   int4_a8_mm     W4A8 GEMM/GEMV, int8 activations per 32 columns, vpdpbusd (the 4-bit default)
 //   quantize_a8    int4_a8_mm's activation quantizer (exposed for tests)
@@ -14,8 +15,8 @@
 
 // --- int4_mm ------------------------------------------------------------------------------
 //
-// Why our own: torch's int4pack CPU kernel is compute-bound (~6.5 G weights/s/core on the
-// AVX-512 machines we measured) and works in blocks of 4 activation rows, so an 8-row decode
+// Why our own: torch's int4pack CPU kernel is compute-bound on the AVX-512 machines we measured
+// (docs/runtime.md) and works in blocks of 4 activation rows, so an 8-row decode
 // step costs twice a 4-row one. This kernel expands each 32-byte chunk of packed weights once,
 // with two table lookups, and feeds it to `vdpbf16ps` for every activation row of the tile.
 //
@@ -39,15 +40,18 @@
 
 #include "common.h"
 
+// the functions with vector code, here and in simd.h (the rest of the file is plain x86-64:
+// it runs before the CPU check)
+#define QP_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,f16c")))
+#include "simd.h"
+
 namespace {
 
 using qp::A8Acts;
 using qp::kA8Block;
 using qp::kRows;
 constexpr int kMaxTile = 8;  // activation rows that share one expanded weight chunk
-
-#define QP_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,f16c")))
 
 QP_TARGET inline __m512bh as_bh(__m512i v) {
   __m512bh r;
@@ -221,72 +225,74 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return y;
 }
 
-// out[m * ldo + 0..15] = the sum of row m's P accumulators (16 output rows each)
-template <int MT, int P>
-QP_TARGET void store_row_sums(const __m512 (&acc)[MT][P], float* out, int64_t ldo) {
-  for (int m = 0; m < MT; ++m) {
-    __m512 sum = acc[m][0];
-    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
-    _mm512_storeu_ps(out + m * ldo, sum);
-  }
+// --- the vector ops of simd.h's shared kernels: 16 fp32 lanes ---------------------------------
+
+// bf16 bits [16] -> fp32 (a 16-bit left shift)
+QP_TARGET inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// --- int8_mm: W8A16 (common.h gives the layout and numerics) ----------------------------------
-
-// sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
-QP_TARGET void group_sums_f32(const float* x, int64_t n_groups, int64_t group_size,
-                              float* sumx) {
-  for (int64_t i = 0; i < n_groups; ++i) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < group_size; k += 16)
-      acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + i * group_size + k));
-    sumx[i] = _mm512_reduce_add_ps(acc);
+struct Simd {
+  static constexpr int L = 16;
+  static constexpr bool kMasks = true;
+  using F = __m512;
+  using I = __m512i;
+  QP_SIMD_OPS(_mm512, si512)
+  QP_TARGET static F load(const uint16_t* p) { return bf16x16(p); }
+  QP_TARGET static F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-}
-
-template <int MT>
-QP_TARGET void int8_tile(const float* x, int64_t K, const float* sumx, int64_t G,
-                         const int8_t* w, const uint16_t* sc, const float* zf,
-                         int64_t group_size, float* out, int64_t ldo) {
-  constexpr int P = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);  // FMA chains in flight per row
-  __m512 total[MT][1];
-  for (int m = 0; m < MT; ++m) total[m][0] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 acc[MT][P];
-    for (int m = 0; m < MT; ++m)
-      for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += P) {  // group_size % P == 0
-      for (int p = 0; p < P; ++p) {
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + p) * kRows))));
-        for (int m = 0; m < MT; ++m)
-          acc[m][p] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k + p]), acc[m][p]);
+  QP_TARGET static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  QP_TARGET static F abs(F v) { return _mm512_abs_ps(v); }
+  QP_TARGET static F round(F v) {
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  QP_TARGET static F pow2_scale(F p, F n) { return _mm512_scalef_ps(p, n); }
+  QP_TARGET static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+  QP_TARGET static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  QP_TARGET static int32_t reduce_add_i(I v) { return _mm512_reduce_add_epi32(v); }
+  QP_TARGET static __mmask16 mask(int64_t cnt) { return static_cast<__mmask16>((1u << cnt) - 1); }
+  QP_TARGET static F load_masked(int64_t cnt, const float* p) {
+    return _mm512_maskz_loadu_ps(mask(cnt), p);
+  }
+  QP_TARGET static void store_masked(int64_t cnt, float* p, F v) {
+    _mm512_mask_storeu_ps(p, mask(cnt), v);
+  }
+  QP_TARGET static F zero_masked(int64_t cnt, F v) { return _mm512_maskz_mov_ps(mask(cnt), v); }
+  QP_TARGET static void store_first(float* p, F v, int64_t cnt) { store_masked(cnt, p, v); }
+  QP_TARGET static void store_xq(int8_t* xq, const I (&q)[2]) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtsepi32_epi8(q[0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtsepi32_epi8(q[1]));
+  }
+  // r[i] = the sum of the 16 lanes of v[i], i < 16: a transpose-and-add tree (45 ops for 16
+  // sums instead of 16 separate horizontal reductions)
+  QP_TARGET static F sum_lanes(const F (&v)[16]) {
+    F b[4];  // b[i], 128-bit lane L: the sums of lane L of v[4i .. 4i + 3]
+    for (int i = 0; i < 4; ++i) {
+      F a[2];
+      for (int h = 0; h < 2; ++h) {  // [x0+x2, y0+y2, x1+x3, y1+y3] per lane
+        const F x = v[4 * i + 2 * h], y = v[4 * i + 2 * h + 1];
+        a[h] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
       }
+      b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(3, 2, 3, 2)));
     }
-    const __m512 s =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kRows)));
-    for (int m = 0; m < MT; ++m) {
-      __m512 sum = acc[m][0];
-      for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[m][p]);
-      total[m][0] = _mm512_fmadd_ps(sum, s, total[m][0]);
-    }
-    if (zf != nullptr) {
-      const __m512 z = _mm512_loadu_ps(zf + g * kRows);
-      for (int m = 0; m < MT; ++m)
-        total[m][0] = _mm512_fmadd_ps(z, _mm512_set1_ps(sumx[m * G + g]), total[m][0]);
-    }
+    const F d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const F d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88),
+                         _mm512_shuffle_f32x4(d01, d23, 0xDD));
   }
-  store_row_sums<MT, 1>(total, out, ldo);
-}
-
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
-  check_cpu();
-  return qp::run_int8_mm<kMaxTile>(x, q8, scales, zf, group_size, &group_sums_f32,
-                                   [](auto mt, const auto&... args) {
-                                     int8_tile<decltype(mt)::value>(args...);
-                                   });
-}
+  // FMA latency: with few rows per tile, each row gets several independent chains
+  static constexpr int int8_chains(int mt) { return mt >= 4 ? 1 : (mt >= 2 ? 2 : 4); }
+  static constexpr int fp16_chains(int mt) { return int8_chains(mt); }
+  static void check() { check_cpu(); }
+};
 
 // --- int4_a8_mm: W4A8 --------------------------------------------------------------------------
 // The activations quantized to int8 per row and block of 32 columns, the 4-bit weights
@@ -294,75 +300,40 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& 
 // common.h describes the layout (16 rows x 4 columns per half chunk), the quantizer and the
 // formula; both builds give identical xq, dx and qsum.
 
-// one row: x fp32 [K] -> xq int8 [K], dx fp32 [K / 32], qsum fp32 [K / group_size]
-QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* xq,
-                            float* dx, float* qsum) {
-  const int64_t per_group = group_size / kA8Block;
-  for (int64_t blk = 0; blk < K / kA8Block; ++blk) {
-    const __m512 v0 = _mm512_loadu_ps(x + blk * kA8Block);
-    const __m512 v1 = _mm512_loadu_ps(x + blk * kA8Block + 16);
-    const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float d = a / 127.0f;
-    const __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
-    // rounded to nearest even (MXCSR default), in [-127, 127]
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + blk * kA8Block), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + blk * kA8Block + 16),
-                     _mm512_cvtsepi32_epi8(q1));
-    dx[blk] = d;
-    const float part = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-    if (blk % per_group == 0) qsum[blk / per_group] = part;
-    else qsum[blk / per_group] += part;
-  }
-}
-
-QP_TARGET inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm512_set1_epi32(v);
-}
-
-// One block of 16 output rows for MT activation rows (the tile's first row at m0).
-// vpdpbusd has a latency of several cycles: with few rows each row gets A independent chains.
-template <int MT>
-QP_TARGET void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G, int64_t group_size,
-                       const uint8_t* w, const float* sc, const float* mz, float* out,
-                       int64_t ldo) {
-  constexpr int A = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
-  const int64_t nb = K / kA8Block, per_group = group_size / kA8Block;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 total[MT];
-  for (int m = 0; m < MT; ++m) total[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 s = _mm512_loadu_ps(sc + g * kRows);
-    for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
-      __m512i acc[MT][A];
-      for (int m = 0; m < MT; ++m)
-        for (int i = 0; i < A; ++i) acc[m][i] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {  // 4 chunks of 8 columns
-        const __m512i raw = _mm512_loadu_si512(w + (blk * 4 + c) * 64);
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* xk = a.xq.data() + (m0 + m) * K + blk * kA8Block + 8 * c;
-          acc[m][(2 * c) % A] = _mm512_dpbusd_epi32(acc[m][(2 * c) % A], lo, bcast4(xk));
-          acc[m][(2 * c + 1) % A] =
-              _mm512_dpbusd_epi32(acc[m][(2 * c + 1) % A], hi, bcast4(xk + 4));
-        }
-      }
+// The exact integer dot of one 32-column block, all 16 rows (simd.h's a8_tile). vpdpbusd has a
+// latency of several cycles: with few rows each row gets A independent chains.
+struct DotVnni512 {
+  template <int MT>
+  QP_TARGET static void run(const uint8_t* w, const int8_t* const* xb, __m512i (&iacc)[MT]) {
+    constexpr int A = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i acc[MT][A];
+    for (int m = 0; m < MT; ++m)
+      for (int i = 0; i < A; ++i) acc[m][i] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {  // 4 chunks of 8 columns
+      const __m512i raw = _mm512_loadu_si512(w + c * 64);
+      const __m512i lo = _mm512_and_si512(raw, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       for (int m = 0; m < MT; ++m) {
-        __m512i isum = acc[m][0];
-        for (int i = 1; i < A; ++i) isum = _mm512_add_epi32(isum, acc[m][i]);
-        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.dx[(m0 + m) * nb + blk]));
-        total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, total[m]);
+        acc[m][(2 * c) % A] =
+            _mm512_dpbusd_epi32(acc[m][(2 * c) % A], lo, Simd::bcast4(xb[m] + 8 * c));
+        acc[m][(2 * c + 1) % A] =
+            _mm512_dpbusd_epi32(acc[m][(2 * c + 1) % A], hi, Simd::bcast4(xb[m] + 8 * c + 4));
       }
     }
-    const __m512 z = _mm512_loadu_ps(mz + g * kRows);
-    for (int m = 0; m < MT; ++m)
-      total[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.qsum[(m0 + m) * G + g]), total[m]);
+    for (int m = 0; m < MT; ++m) {
+      iacc[m] = acc[m][0];
+      for (int i = 1; i < A; ++i) iacc[m] = _mm512_add_epi32(iacc[m], acc[m][i]);
+    }
   }
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, total[m]);
+};
+
+template <int MT>
+QP_TARGET __attribute__((flatten)) void a8_tile(const A8Acts& a, int64_t m0, int64_t K,
+                                                int64_t G, int64_t group_size, const uint8_t* w,
+                                                const float* sc, const float* mz, float* out,
+                                                int64_t ldo) {
+  qp::simd::a8_tile<Simd, DotVnni512, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
 }
 
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations. `vnni` is the AVX2 build's
@@ -371,51 +342,11 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
                       const at::Tensor& mz, int64_t group_size, bool vnni) {
   check_cpu();
   TORCH_CHECK(vnni, "the AVX-512 build always uses VNNI; pass vnni=True");
-  return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size, &quantize_row,
+  return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
+                                      &qp::simd::quantize_row<Simd>,
                                       [](auto mt, const auto&... args) {
                                         a8_tile<decltype(mt)::value>(args...);
                                       });
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x,
-                                                           int64_t group_size) {
-  check_cpu();
-  return qp::run_quantize_a8(x, group_size, &quantize_row);
-}
-
-// --- fp16_mm: the output head (common.h gives the layout and numerics) -----------------------
-// torch's fp16 matmul on these CPUs costs M times its GEMV; this one converts
-// each weight once per tile of 8 rows.
-
-template <int MT>
-QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
-  constexpr int P = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);  // FMA chains in flight per row
-  __m512 acc[MT][P];
-  for (int m = 0; m < MT; ++m)
-    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + P <= K; k += P) {
-    for (int p = 0; p < P; ++p) {
-      const __m512 wv = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + p) * kRows)));
-      for (int m = 0; m < MT; ++m)
-        acc[m][p] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k + p]), acc[m][p]);
-    }
-  }
-  for (; k < K; ++k) {
-    const __m512 wv =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kRows)));
-    for (int m = 0; m < MT; ++m)
-      acc[m][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k]), acc[m][0]);
-  }
-  store_row_sums<MT, P>(acc, out, ldo);
-}
-
-at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
-  check_cpu();
-  return qp::run_fp16_mm<kMaxTile>(x, wb, [](auto mt, const auto&... args) {
-    fp16_tile<decltype(mt)::value>(args...);
-  });
 }
 
 // --- bf16_mm: the output head in bf16 -------------------------------------------------------
@@ -443,7 +374,7 @@ QP_TARGET void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float*
     for (int m = 0; m < MT; ++m)
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, as_bh(bcast_pair(x + m * K + 2 * j)));
   }
-  store_row_sums<MT, P>(acc, out, ldo);
+  qp::simd::store_row_sums<Simd, MT, P>(acc, out, ldo);
 }
 
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
@@ -451,196 +382,6 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& wb) {
   return qp::run_bf16_mm<kMaxTile, uint16_t>(x, wb, &to_bf16, [](auto mt, const auto&... args) {
     bf16_tile<decltype(mt)::value>(args...);
   });
-}
-
-// --- paged_attention -------------------------------------------------------------------------
-// Short query chunks (decode tokens, small prefill chunks) over paged K/V, read straight from the
-// blocks. q [T, H, D]: the chunks of the B sequences one after another, q_lens[b] rows each;
-// k_pool / v_pool [num_blocks, block_size, KV, D] fp32 or bf16 (read as fp32); block_tables
-// [B, max_blocks] int64; ctx_lens [B] int64 (tokens in the context after this step, the chunk's
-// included). Query i of sequence b sits at position ctx_lens[b] - q_lens[b] + i and sees keys
-// 0 .. that position (causal). Query head h reads KV head h / (H / KV) (HF's repeat_kv order).
-// softmax(q k^T * scale) v in fp32. Work is O(q_len * ctx) per sequence: the runner sends long
-// prefill chunks to torch's SDPA instead.
-
-// K/V rows are fp32 or bf16 (a bf16 KV cache: half the bytes); both are read as fp32 lanes
-QP_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-QP_TARGET inline __m512 load16(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit left shift
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline float scalar(float v) { return v; }
-inline float scalar(uint16_t h) { return qp::bf16_to_float(h); }
-
-template <typename T>
-QP_TARGET float dot(const float* a, const T* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
-  float s = _mm512_reduce_add_ps(acc);
-  for (; i < D; ++i) s += a[i] * scalar(b[i]);
-  return s;
-}
-
-template <typename T>
-QP_TARGET void axpy(float alpha, const T* x, float* y, int64_t D) {
-  const __m512 a = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= D; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, load16(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < D; ++i) y[i] += alpha * scalar(x[i]);
-}
-
-// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error < 2e-7, under fp32's unit roundoff beyond a few ulps), times 2^n
-QP_TARGET __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: still a normal fp32
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// p[0..n) <- exp(p - max(p)); returns the sum
-QP_TARGET float softmax_numerators(float* p, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), m));
-    _mm512_storeu_ps(p + j, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p + j), m));
-    _mm512_mask_storeu_ps(p + j, tail, e);
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(tail, e));
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-// r[i] = the sum of the 16 lanes of v[i], i < 16: a transpose-and-add tree (45 ops for 16
-// sums instead of 16 separate horizontal reductions)
-QP_TARGET __m512 sum_lanes16(const __m512 (&v)[16]) {
-  __m512 b[4];  // b[i], 128-bit lane L: the sums of lane L of v[4i .. 4i + 3]
-  for (int i = 0; i < 4; ++i) {
-    __m512 a[2];
-    for (int h = 0; h < 2; ++h) {  // [x0+x2, y0+y2, x1+x3, y1+y3] per lane
-      const __m512 x = v[4 * i + 2 * h], y = v[4 * i + 2 * h + 1];
-      a[h] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
-                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
-                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88),
-                       _mm512_shuffle_f32x4(d01, d23, 0xDD));
-}
-
-// p[g * n + j] = scale * q_g . k_j for the G query heads of one KV head and keys j < n, D a
-// multiple of 16: 16 keys at a time, their partial sums reduced together by sum_lanes16
-template <typename T>
-QP_TARGET void scores16(const float* q, int64_t G, const qp::PagedRows<T>& keys, int64_t n,
-                        float scale, float* p) {
-  const int64_t D = keys.D;
-  const T* rows[16];
-  int64_t blk = 0, off = 0;  // position of key j0 in the block table
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t cnt = std::min<int64_t>(16, n - j0);
-    for (int64_t jj = 0; jj < cnt; ++jj) {
-      rows[jj] = keys.row(blk, off);
-      if (++off == keys.BS) off = 0, ++blk;
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 part[16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        __m512 acc = _mm512_setzero_ps();
-        if (jj < cnt)
-          for (int64_t d = 0; d < D; d += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), load16(rows[jj] + d), acc);
-        part[jj] = acc;
-      }
-      const __m512 sums = _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(p + g * n + j0, valid, sums);
-    }
-  }
-}
-
-// paged_attention's per-KV-head work (common.h's attend_heads), one target-specific function
-// with everything inlined, so that the vector helpers inline into its loops.
-template <typename T>
-QP_TARGET __attribute__((flatten)) void attend(const float* q, int64_t G,
-                                               const qp::PagedRows<T>& keys,
-                                               const qp::PagedRows<T>& values, int64_t n,
-                                               float scale, float* p, float* out) {
-  qp::attend_heads<16>(q, G, keys, values, n, scale, p, out,
-                       [](const auto&... a) { scores16(a...); },
-                       [](const auto&... a) { return dot(a...); }, &softmax_numerators,
-                       [](const auto&... a) { axpy(a...); });
-}
-
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
-                           const at::Tensor& v_pool, const at::Tensor& block_tables,
-                           const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
-  check_cpu();
-  return qp::run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale,
-                       [](const auto&... a) { attend(a...); });
-}
-
-
-// --- silu_mul: the gated MLP's activation --------------------------------------------------
-// gu fp32 [T, 2I] (gate | up, one fused projection) -> out [T, I] = silu(gate) * up, silu(g) =
-// g / (1 + e^-g) in fp32 (exp16's relative error < 2e-7; e^-g clamped to stay finite).
-QP_TARGET void silu_mul_row(const float* gu, int64_t I, float* out) {
-  int64_t i = 0;
-  for (; i + 16 <= I; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gu + i);
-    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
-                                         _mm512_set1_ps(88.0f)));
-    const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(sg, _mm512_loadu_ps(gu + I + i)));
-  }
-  for (; i < I; ++i) out[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[I + i];
-}
-
-at::Tensor silu_mul(const at::Tensor& gu) {
-  check_cpu();
-  return qp::run_silu_mul(gu, &silu_mul_row);
-}
-
-// --- add_rms_norm_ (common.h gives the formula) ---------------------------------------------
-
-QP_TARGET float sum_squares(const float* h, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= D; i += 16) {
-    const __m512 v = _mm512_loadu_ps(h + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  float s = _mm512_reduce_add_ps(acc);
-  for (; i < D; ++i) s += h[i] * h[i];
-  return s;
-}
-
-at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
-                         const at::Tensor& weight, double eps) {
-  check_cpu();
-  return qp::run_add_rms_norm(h, delta, weight, eps, &sum_squares);
 }
 
 bool int4_supported() { return cpu_supported(); }
@@ -655,6 +396,8 @@ TORCH_LIBRARY(quantpipe_cpu, m) {
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
-  qp::impl_ops(m, {&int8_mm, &int4_a8_mm, &quantize_a8, &fp16_mm, &bf16_mm,  // OpImpls' order
-                   &paged_attention, &add_rms_norm_, &silu_mul});
+  using namespace qp::simd;
+  qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
+                   &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
+                   &add_rms_norm_<Simd>, &silu_mul<Simd>});
 }

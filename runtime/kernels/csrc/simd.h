@@ -1,0 +1,415 @@
+// The SIMD kernels both ISA builds share, written once over a vector-ops type V that each build
+// defines (struct Simd in cpu_ops.cpp: 16 fp32 lanes, AVX-512; in cpu_ops_avx2.cpp: 8 lanes,
+// AVX2), and compiled once per build. Every weight layout has blocks of 16 output rows
+// (common.h); a build with V::L = 8 computes each block as two halves of 8 rows.
+//
+// What V gives (static members; F a vector of V::L fp32, I of V::L int32):
+//   L, F, I          lanes and register types
+//   the ops of QP_SIMD_OPS below (same names as the intrinsics, width prefix dropped)
+//   abs, round (nearest even), pow2_scale(p, n) = p * 2^n (n integral, >= -126)
+//   reduce_add, reduce_max, reduce_add_i    horizontal fp32 sum / max, int32 sum
+//   load(const uint16_t*)   L bf16 values as fp32
+//   load_i8(const int8_t*)  L int8 as fp32;  load_f16(const uint16_t*)  L fp16 as fp32
+//   sum_lanes(F (&v)[L])    r[i] = the sum of the lanes of v[i]
+//   store_first(p, v, cnt)  the first cnt lanes of v to p[0..cnt)
+//   store_xq(xq, q)         the 32 int32 of q[32 / L] (in [-127, 127]) as int8
+//   kMasks                  masked tails (load_masked(cnt, p), store_masked, zero_masked)
+//   int8_chains(MT), fp16_chains(MT)   FMA chains per row and 16-row block in those tiles
+// The functions carry QP_TARGET, which the including file defines (its ISA's target attribute,
+// or nothing where the whole file is compiled for its ISA), so that V's inline ops inline here.
+#pragma once
+
+#include <cmath>
+
+#include "common.h"
+
+#ifndef QP_TARGET
+#error "define QP_TARGET (the build's target attribute, or empty) before including simd.h"
+#endif
+
+// The vector ops whose intrinsics differ between the builds only by their width prefix P
+// (_mm512 / _mm256) and the integer register's suffix S (si512 / si256): written once here,
+// expanded inside each build's struct Simd.
+#define QP_SIMD_OPS(P, S)                                                                    \
+  QP_TARGET static F zero() { return P##_setzero_ps(); }                                    \
+  QP_TARGET static F set1(float v) { return P##_set1_ps(v); }                               \
+  QP_TARGET static F load(const float* p) { return P##_loadu_ps(p); }                       \
+  QP_TARGET static void store(float* p, F v) { P##_storeu_ps(p, v); }                       \
+  QP_TARGET static F add(F a, F b) { return P##_add_ps(a, b); }                             \
+  QP_TARGET static F sub(F a, F b) { return P##_sub_ps(a, b); }                             \
+  QP_TARGET static F mul(F a, F b) { return P##_mul_ps(a, b); }                             \
+  QP_TARGET static F div(F a, F b) { return P##_div_ps(a, b); }                             \
+  QP_TARGET static F max(F a, F b) { return P##_max_ps(a, b); }                             \
+  QP_TARGET static F min(F a, F b) { return P##_min_ps(a, b); }                             \
+  QP_TARGET static F fmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }                 \
+  QP_TARGET static F fnmadd(F a, F b, F c) { return P##_fnmadd_ps(a, b, c); }               \
+  QP_TARGET static F to_float(I v) { return P##_cvtepi32_ps(v); }                           \
+  QP_TARGET static I to_int(F v) { return P##_cvtps_epi32(v); }                             \
+  QP_TARGET static I zero_i() { return P##_setzero_##S(); }                                 \
+  QP_TARGET static I add_i(I a, I b) { return P##_add_epi32(a, b); }                        \
+  QP_TARGET static I set1_i(int32_t v) { return P##_set1_epi32(v); }                        \
+  QP_TARGET static I bcast4(const int8_t* p) {                                              \
+    int32_t v;                                                                              \
+    std::memcpy(&v, p, sizeof(v));                                                          \
+    return P##_set1_epi32(v);                                                               \
+  }
+
+namespace qp {
+namespace simd {
+
+// Stores the sum of each row's P accumulators (L output rows) at out + m * ldo.
+template <class V, int MT, int P>
+QP_TARGET inline void store_row_sums(const typename V::F (&acc)[MT][P], float* out,
+                                     int64_t ldo) {
+  for (int m = 0; m < MT; ++m) {
+    typename V::F sum = acc[m][0];
+    for (int p = 1; p < P; ++p) sum = V::add(sum, acc[m][p]);
+    V::store(out + m * ldo, sum);
+  }
+}
+
+// --- int4_a8_mm: W4A8 (common.h gives the layout, the quantizer and the formula) ----------------
+
+// one row: x fp32 [K] -> xq int8 [K], dx fp32 [K / 32], qsum fp32 [K / group_size]
+template <class V>
+QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_t* xq,
+                            float* dx, float* qsum) {
+  constexpr int NV = kA8Block / V::L;  // vectors per block of 32
+  const int64_t per_group = group_size / kA8Block;
+  for (int64_t blk = 0; blk < K / kA8Block; ++blk) {
+    typename V::F v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = V::load(x + blk * kA8Block + i * V::L);
+    typename V::F amax = V::abs(v[0]);
+    for (int i = 1; i < NV; ++i) amax = V::max(amax, V::abs(v[i]));
+    const float a = V::reduce_max(amax);
+    const float d = a / 127.0f;
+    const typename V::F inv = V::set1(a > 0.0f ? 127.0f / a : 0.0f);
+    typename V::I q[NV];  // int32, rounded to nearest even (MXCSR default), in [-127, 127]
+    for (int i = 0; i < NV; ++i) q[i] = V::to_int(V::mul(v[i], inv));
+    typename V::I isum = q[0];
+    for (int i = 1; i < NV; ++i) isum = V::add_i(isum, q[i]);
+    V::store_xq(xq + blk * kA8Block, q);
+    dx[blk] = d;
+    const float part = d * static_cast<float>(V::reduce_add_i(isum));
+    if (blk % per_group == 0) qsum[blk / per_group] = part;
+    else qsum[blk / per_group] += part;
+  }
+}
+
+// One block of 16 output rows for MT activation rows (the tile's first row at m0), in halves of
+// V::L rows. Dot::run<MT>(w, xb, iacc) is the ISA's exact integer dot of one block of 32 columns
+// (the half's chunk bytes at w, chunk stride 64; row m's 32 int8 at xb[m]) into iacc[m].
+//   w  the block's chunks [K/8, 64]; sc / mz the block's [G, 16]; out row m at out + m * ldo
+template <class V, class Dot, int MT>
+QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
+                              int64_t group_size, const uint8_t* w, const float* sc,
+                              const float* mz, float* out, int64_t ldo) {
+  const int64_t nb = K / kA8Block, per_group = group_size / kA8Block;
+  for (int64_t h = 0; h < kRows / V::L; ++h) {
+    typename V::F total[MT];
+    for (int m = 0; m < MT; ++m) total[m] = V::zero();
+    for (int64_t g = 0; g < G; ++g) {
+      const typename V::F s = V::load(sc + g * kRows + h * V::L);
+      for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
+        const int8_t* xb[MT];
+        for (int m = 0; m < MT; ++m) xb[m] = a.xq.data() + (m0 + m) * K + blk * kA8Block;
+        typename V::I iacc[MT];
+        Dot::template run<MT>(w + blk * 4 * 64 + h * 4 * V::L, xb, iacc);
+        for (int m = 0; m < MT; ++m) {
+          const typename V::F sd = V::mul(s, V::set1(a.dx[(m0 + m) * nb + blk]));
+          total[m] = V::fmadd(V::to_float(iacc[m]), sd, total[m]);
+        }
+      }
+      const typename V::F z = V::load(mz + g * kRows + h * V::L);
+      for (int m = 0; m < MT; ++m)
+        total[m] = V::fmadd(z, V::set1(a.qsum[(m0 + m) * G + g]), total[m]);
+    }
+    for (int m = 0; m < MT; ++m) V::store(out + m * ldo + h * V::L, total[m]);
+  }
+}
+
+// --- int8_mm: W8A16 (common.h gives the layout and numerics) ----------------------------------
+
+// sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
+template <class V>
+QP_TARGET void group_sums_f32(const float* x, int64_t n_groups, int64_t group_size,
+                              float* sumx) {
+  for (int64_t i = 0; i < n_groups; ++i) {
+    typename V::F acc = V::zero();
+    for (int64_t k = 0; k < group_size; k += V::L)
+      acc = V::add(acc, V::load(x + i * group_size + k));
+    sumx[i] = V::reduce_add(acc);
+  }
+}
+
+template <class V, int MT>
+QP_TARGET void int8_tile(const float* x, int64_t K, const float* sumx, int64_t G,
+                         const int8_t* w, const uint16_t* sc, const float* zf,
+                         int64_t group_size, float* out, int64_t ldo) {
+  constexpr int P = V::int8_chains(MT);  // FMA chains in flight per row; group_size % P == 0
+  using F = typename V::F;
+  for (int64_t h = 0; h < kRows / V::L; ++h) {
+    F total[MT][1];
+    for (int m = 0; m < MT; ++m) total[m][0] = V::zero();
+    for (int64_t g = 0; g < G; ++g) {
+      F acc[MT][P];
+      for (int m = 0; m < MT; ++m)
+        for (int p = 0; p < P; ++p) acc[m][p] = V::zero();
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += P) {
+        for (int p = 0; p < P; ++p) {
+          const F wv = V::load_i8(w + (k + p) * kRows + h * V::L);
+          for (int m = 0; m < MT; ++m)
+            acc[m][p] = V::fmadd(wv, V::set1(x[m * K + k + p]), acc[m][p]);
+        }
+      }
+      const F s = V::load_f16(sc + g * kRows + h * V::L);
+      for (int m = 0; m < MT; ++m) {
+        F sum = acc[m][0];
+        for (int p = 1; p < P; ++p) sum = V::add(sum, acc[m][p]);
+        total[m][0] = V::fmadd(sum, s, total[m][0]);
+      }
+      if (zf != nullptr) {
+        const F z = V::load(zf + g * kRows + h * V::L);
+        for (int m = 0; m < MT; ++m)
+          total[m][0] = V::fmadd(z, V::set1(sumx[m * G + g]), total[m][0]);
+      }
+    }
+    store_row_sums<V, MT, 1>(total, out + h * V::L, ldo);
+  }
+}
+
+// --- fp16_mm: the output head (common.h gives the layout and numerics) -----------------------
+// torch's fp16 matmul on these CPUs costs M times its GEMV; this one converts each weight once
+// per tile of rows.
+
+template <class V, int MT>
+QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* out, int64_t ldo) {
+  constexpr int P = V::fp16_chains(MT);  // FMA chains in flight per row
+  using F = typename V::F;
+  for (int64_t h = 0; h < kRows / V::L; ++h) {
+    F acc[MT][P];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < P; ++p) acc[m][p] = V::zero();
+    int64_t k = 0;
+    for (; k + P <= K; k += P) {
+      for (int p = 0; p < P; ++p) {
+        const F wv = V::load_f16(w + (k + p) * kRows + h * V::L);
+        for (int m = 0; m < MT; ++m)
+          acc[m][p] = V::fmadd(wv, V::set1(x[m * K + k + p]), acc[m][p]);
+      }
+    }
+    for (; k < K; ++k) {
+      const F wv = V::load_f16(w + k * kRows + h * V::L);
+      for (int m = 0; m < MT; ++m) acc[m][0] = V::fmadd(wv, V::set1(x[m * K + k]), acc[m][0]);
+    }
+    store_row_sums<V, MT, P>(acc, out + h * V::L, ldo);
+  }
+}
+
+// --- paged_attention ---------------------------------------------------------------------------
+// Short query chunks (decode tokens, small prefill chunks) over paged K/V, read straight from the
+// blocks. q [T, H, D]: the chunks of the B sequences one after another, q_lens[b] rows each;
+// k_pool / v_pool [num_blocks, block_size, KV, D] fp32 or bf16 (read as fp32: a bf16 KV cache
+// holds half the bytes); block_tables [B, max_blocks] int64; ctx_lens [B] int64 (tokens in the
+// context after this step, the chunk's included). Query i of sequence b sits at position
+// ctx_lens[b] - q_lens[b] + i and sees keys 0 .. that position (causal). Query head h reads KV
+// head h / (H / KV) (HF's repeat_kv order). softmax(q k^T * scale) v in fp32. Work is
+// O(q_len * ctx) per sequence: the runner sends long prefill chunks to torch's SDPA instead.
+
+inline float scalar(float v) { return v; }
+inline float scalar(uint16_t h) { return bf16_to_float(h); }
+
+template <class V, typename T>
+QP_TARGET float dot(const float* a, const T* b, int64_t D) {
+  typename V::F acc = V::zero();
+  int64_t i = 0;
+  for (; i + V::L <= D; i += V::L) acc = V::fmadd(V::load(a + i), V::load(b + i), acc);
+  float s = V::reduce_add(acc);
+  for (; i < D; ++i) s += a[i] * scalar(b[i]);
+  return s;
+}
+
+template <class V, typename T>
+QP_TARGET void axpy(float alpha, const T* x, float* y, int64_t D) {
+  const typename V::F a = V::set1(alpha);
+  int64_t i = 0;
+  for (; i + V::L <= D; i += V::L) V::store(y + i, V::fmadd(a, V::load(x + i), V::load(y + i)));
+  for (; i < D; ++i) y[i] += alpha * scalar(x[i]);
+}
+
+// exp(x) per lane, x <= 88: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error < 2e-7, under fp32's unit roundoff beyond a few ulps), times 2^n
+template <class V>
+QP_TARGET inline typename V::F exp_lanes(typename V::F x) {
+  using F = typename V::F;
+  x = V::max(x, V::set1(-87.0f));  // e^-87 ~ 1.6e-38: still a normal fp32 (n >= -126)
+  const F n = V::round(V::mul(x, V::set1(1.44269504f)));
+  F r = V::fnmadd(n, V::set1(0.693359375f), x);  // ln2 split in two parts
+  r = V::fnmadd(n, V::set1(-2.12194440e-4f), r);
+  F p = V::set1(1.0f / 720.0f);
+  p = V::fmadd(p, r, V::set1(1.0f / 120.0f));
+  p = V::fmadd(p, r, V::set1(1.0f / 24.0f));
+  p = V::fmadd(p, r, V::set1(1.0f / 6.0f));
+  p = V::fmadd(p, r, V::set1(0.5f));
+  p = V::fmadd(p, r, V::set1(1.0f));
+  p = V::fmadd(p, r, V::set1(1.0f));
+  return V::pow2_scale(p, n);
+}
+
+// p[0..n) <- exp(p - max(p)); returns the sum. The tail after the last full vector: one masked
+// vector where the ISA has masks (its lanes join the vector sum), else lane by lane.
+template <class V>
+QP_TARGET float softmax_numerators(float* p, int64_t n) {
+  using F = typename V::F;
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  const F m = V::set1(mx);
+  F acc = V::zero();
+  int64_t j = 0;
+  for (; j + V::L <= n; j += V::L) {
+    const F e = exp_lanes<V>(V::sub(V::load(p + j), m));
+    V::store(p + j, e);
+    acc = V::add(acc, e);
+  }
+  if constexpr (V::kMasks) {
+    if (j < n) {
+      const F e = exp_lanes<V>(V::sub(V::load_masked(n - j, p + j), m));
+      V::store_masked(n - j, p + j, e);
+      acc = V::add(acc, V::zero_masked(n - j, e));
+    }
+    return V::reduce_add(acc);
+  } else {
+    float s = V::reduce_add(acc);
+    for (; j < n; ++j) {
+      alignas(64) float e[V::L];
+      V::store(e, exp_lanes<V>(V::set1(p[j] - mx)));
+      p[j] = e[0];
+      s += e[0];
+    }
+    return s;
+  }
+}
+
+// p[g * n + j] = scale * q_g . k_j for the G query heads of one KV head and keys j < n, D a
+// multiple of L: L keys at a time, their partial sums reduced together by V::sum_lanes
+template <class V, typename T>
+QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64_t n,
+                      float scale, float* p) {
+  const int64_t D = keys.D;
+  const T* rows[V::L];
+  int64_t blk = 0, off = 0;  // position of key j0 in the block table
+  for (int64_t j0 = 0; j0 < n; j0 += V::L) {
+    const int64_t cnt = std::min<int64_t>(V::L, n - j0);
+    for (int64_t jj = 0; jj < cnt; ++jj) {
+      rows[jj] = keys.row(blk, off);
+      if (++off == keys.BS) off = 0, ++blk;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      typename V::F part[V::L];
+      for (int64_t jj = 0; jj < V::L; ++jj) {
+        typename V::F acc = V::zero();
+        if (jj < cnt)
+          for (int64_t d = 0; d < D; d += V::L)
+            acc = V::fmadd(V::load(q + g * D + d), V::load(rows[jj] + d), acc);
+        part[jj] = acc;
+      }
+      V::store_first(p + g * n + j0, V::mul(V::sum_lanes(part), V::set1(scale)), cnt);
+    }
+  }
+}
+
+// paged_attention's per-KV-head work (common.h's attend_heads), one target-specific function
+// with everything inlined, so that the vector helpers inline into its loops.
+template <class V, typename T>
+QP_TARGET __attribute__((flatten)) void attend(const float* q, int64_t G,
+                                               const PagedRows<T>& keys,
+                                               const PagedRows<T>& values, int64_t n,
+                                               float scale, float* p, float* out) {
+  attend_heads<V::L>(q, G, keys, values, n, scale, p, out,
+                     [](const auto&... a) { scores<V>(a...); },
+                     [](const auto&... a) { return dot<V>(a...); }, &softmax_numerators<V>,
+                     [](const auto&... a) { axpy<V>(a...); });
+}
+
+// --- silu_mul: the gated MLP's activation ------------------------------------------------------
+// gu fp32 [T, 2I] (gate | up, one fused projection) -> out [T, I] = silu(gate) * up, silu(g) =
+// g / (1 + e^-g) in fp32 (exp_lanes's relative error < 2e-7; e^-g clamped to [e^-87, e^88]).
+template <class V>
+QP_TARGET void silu_mul_row(const float* gu, int64_t I, float* out) {
+  using F = typename V::F;
+  int64_t i = 0;
+  for (; i + V::L <= I; i += V::L) {
+    const F g = V::load(gu + i);
+    const F e = exp_lanes<V>(V::min(V::sub(V::zero(), g), V::set1(88.0f)));
+    const F sg = V::div(g, V::add(V::set1(1.0f), e));
+    V::store(out + i, V::mul(sg, V::load(gu + I + i)));
+  }
+  for (; i < I; ++i) out[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[I + i];
+}
+
+// --- add_rms_norm_ (common.h gives the formula) ---------------------------------------------
+
+template <class V>
+QP_TARGET float sum_squares(const float* h, int64_t D) {
+  typename V::F acc = V::zero();
+  int64_t i = 0;
+  for (; i + V::L <= D; i += V::L) {
+    const typename V::F v = V::load(h + i);
+    acc = V::fmadd(v, v, acc);
+  }
+  float s = V::reduce_add(acc);
+  for (; i < D; ++i) s += h[i] * h[i];
+  return s;
+}
+
+// --- the ops both builds define the same way (V::check() first: the build's CPU check) --------
+
+template <class V, int MaxTile>
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& zf, int64_t group_size) {
+  V::check();
+  return run_int8_mm<MaxTile>(x, q8, scales, zf, group_size, &group_sums_f32<V>,
+                              [](auto mt, const auto&... args) {
+                                int8_tile<V, decltype(mt)::value>(args...);
+                              });
+}
+
+template <class V, int MaxTile>
+at::Tensor fp16_mm(const at::Tensor& x, const at::Tensor& wb) {
+  V::check();
+  return run_fp16_mm<MaxTile>(x, wb, [](auto mt, const auto&... args) {
+    fp16_tile<V, decltype(mt)::value>(args...);
+  });
+}
+
+template <class V>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x,
+                                                           int64_t group_size) {
+  V::check();
+  return run_quantize_a8(x, group_size, &quantize_row<V>);
+}
+
+template <class V>
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
+                           const at::Tensor& v_pool, const at::Tensor& block_tables,
+                           const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
+  V::check();
+  return run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale,
+                   [](const auto&... a) { attend<V>(a...); });
+}
+
+template <class V>
+at::Tensor silu_mul(const at::Tensor& gu) {
+  V::check();
+  return run_silu_mul(gu, &silu_mul_row<V>);
+}
+
+template <class V>
+at::Tensor add_rms_norm_(at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                         const at::Tensor& weight, double eps) {
+  V::check();
+  return run_add_rms_norm(h, delta, weight, eps, &sum_squares<V>);
+}
+
+}  // namespace simd
+}  // namespace qp
