@@ -28,7 +28,7 @@ from quantpipe.calibration.grid import (
 )
 from quantpipe.calibration.result import QuantResult
 from quantpipe.calibration.rtn import check_weight, rtn
-from quantpipe.core.families import InputGroup
+from quantpipe.core.families import NO_FOLD, InputGroup
 from quantpipe.core.qformat import QuantSpec
 
 
@@ -312,6 +312,10 @@ def scale_group(block: torch.nn.Module, group: InputGroup, st: GroupStats,
     A previous linear whose outputs do not match the group's inputs (grouped-query attention:
     v_proj -> o_proj) cannot carry the scale: the group is skipped, and the reason recorded.
     """
+    if group.prev_op == NO_FOLD:
+        # MoE: the experts' input also feeds the FP16 router (core.families): left unscaled
+        return {"skipped": f"{group.linears} read an input that also feeds the router: "
+                           "no op to fold a scale into"}
     linears = [block.get_submodule(n) for n in group.linears]
     prev = block.get_submodule(group.prev_op)
     is_norm = not isinstance(prev, torch.nn.Linear)
@@ -342,7 +346,7 @@ def scale_block(block: torch.nn.Module, groups: tuple[InputGroup, ...],
     their gain). Returns {first linear of the group: record}.
     """
     info = {}
-    for group in groups:
+    for group in groups:  # a group with prev_op NO_FOLD is recorded as skipped
         in_features = block.get_submodule(group.linears[0]).in_features
         info[group.linears[0]] = scale_group(block, group, stats[group], recorded, block_kwargs,
                                              spec_for(in_features), norm_kind)

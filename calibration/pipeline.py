@@ -36,7 +36,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -55,6 +55,13 @@ from quantpipe.calibration.capture import (
     run_block,
 )
 from quantpipe.calibration.gptq import gptq
+from quantpipe.calibration.moe import (
+    FALLBACK,
+    expert_linears_in,
+    fallback_quantize,
+    fused_block_state,
+    is_expert_group,
+)
 from quantpipe.calibration.prompts import SHIPPED_SETS
 from quantpipe.calibration.result import QuantResult
 from quantpipe.calibration.rtn import rtn
@@ -63,9 +70,10 @@ from quantpipe.core.families import (
     ONE_PLUS_NORM_FAMILIES,
     Family,
     InputGroup,
-    block_linear_names,
+    block_groups,
     family_for,
-    get_blocks,
+    family_linear_names,
+    get_path,
 )
 from quantpipe.core.io import (
     check_not_overlapping,
@@ -131,6 +139,9 @@ class CalibrateSpec:
     # a layer whose in_features is below group_size: quantize it per channel (-1) instead of
     # failing (the per-layer choice is recorded like any group-size fallback)
     per_channel_if_larger: bool = False
+    # MoE: an expert routed fewer calibration tokens than this is quantized with plain RTN
+    # (recorded per linear as an expert fallback); dense models ignore it
+    min_expert_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -145,7 +156,7 @@ class CalibrateSpec:
             raise ValueError("--static-groups/--dynamic-groups apply to GPTQ only; drop it or "
                              "use --algo gptq")
         lowest = {"samples": 1, "seq_len": 2, "min_tokens": 1, "seed": 0, "batch_size": 1,
-                  "awq_samples": 1}
+                  "awq_samples": 1, "min_expert_tokens": 1}
         for name, low in lowest.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low} "
@@ -189,6 +200,8 @@ class CalibrateResult:
     group_size_fallbacks: dict[str, int]
     damp_raises: int
     resumed_from: int
+    # MoE: expert linear -> the tokens routed to it, for experts below min_expert_tokens
+    expert_fallbacks: dict[str, int] = field(default_factory=dict)
 
 
 def _peak_rss_mb() -> float:
@@ -228,7 +241,8 @@ def _read_config(fp16_dir: Path) -> dict:
 def _linear_in_features(fp16_dir: Path, manifest: dict, family: Family) -> tuple[dict, int]:
     """``({linear name: in_features}, number of blocks)`` from the shard headers alone, in
     model order (block by block, linears in the family's order)."""
-    names = block_linear_names(family)
+    names = family_linear_names(family)
+    moe_first = family.moe.gate_up if family.moe else ""
     pattern = re.compile(rf"{re.escape(family.blocks)}\.(\d+)\.(.+)\.weight")
     found: dict[tuple[int, int], tuple[str, int]] = {}  # (block, linear) -> (name, in)
     for entry in manifest["shards"]:
@@ -238,6 +252,12 @@ def _linear_in_features(fp16_dir: Path, manifest: dict, family: Family) -> tuple
                 if m and m.group(2) in names:
                     in_f = int(f.get_slice(key).get_shape()[1])  # weight: [out, in]
                     found[int(m.group(1)), names.index(m.group(2))] = (key[: -len(".weight")], in_f)
+                # MoE: each expert's linears (ordered after the block's other linears)
+                for j, (name, in_f) in enumerate(expert_linears_in(
+                        family, key, f.get_slice(key).get_shape()).items()):
+                    block = int(name[len(family.blocks) + 1:].split(".", 1)[0])
+                    found[block, len(names) + j + (0 if key.endswith(moe_first) else 10**6)] = (
+                        name, in_f)
     if not found:
         raise ValueError(f"{fp16_dir}: its shards hold no {family.blocks}.N.* linears; "
                          "re-run export-fp16")
@@ -371,7 +391,8 @@ class _BlockWork:
     block: torch.nn.Module  # materialised by the stream for the duration of the block
     name: str  # its model name, e.g. "model.layers.3"
     model_type: str  # config.json's model_type (how its norms apply their gain)
-    groups: tuple[InputGroup, ...]  # the family's input groups, in execution order
+    family: Family
+    groups: tuple[InputGroup, ...]  # the block's input groups, in execution order
     ctx: BlockContext  # positions and mask shared by every sample
     stats: dict[InputGroup, GroupStats]  # per input group: X^T X, mean |x|, a token sample
     recorded: dict[str, list[torch.Tensor]]  # inspected module -> its inputs [n, L, d] each
@@ -444,12 +465,15 @@ def _quantize_awq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tens
 
 def _awq_step(spec: CalibrateSpec, work: _BlockWork) -> _StepResult:
     """AWQ's scales, searched and folded into the block; the changed tensors in fp16."""
-    before = {k: v.detach().clone() for k, v in work.block.state_dict().items()}
+    # compared under the FP16 folder's names (a MoE block's experts stacked back)
+    before = {k: v.detach().clone() for k, v in fused_block_state(work.block,
+                                                                    work.family).items()}
     norm_kind = "one_plus_norm" if work.model_type in ONE_PLUS_NORM_FAMILIES else "norm"
     info = scale_block(work.block, work.groups, work.stats, work.recorded, work.ctx.kwargs(),
                        lambda in_f: _layer_spec(spec, work.name, in_f), norm_kind)
     changed = {f"{work.name}.{k}": v.detach().to(torch.float16).clone()
-               for k, v in work.block.state_dict().items() if not torch.equal(v, before[k])}
+               for k, v in fused_block_state(work.block, work.family).items()
+               if not torch.equal(v, before[k])}
     return _StepResult(info, changed)
 
 
@@ -518,7 +542,9 @@ def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_secon
     stream = ModelStream(spec.fp16_dir)
     model = stream.model
     family = family_for(model.config.model_type)
-    blocks = get_blocks(model, family)
+    # the skeleton's blocks as the FP16 folder stores them (a MoE block is split into
+    # per-expert linears only once its weights are loaded, in _capture)
+    blocks = get_path(model, family.blocks)
     if len(blocks) != inputs.num_blocks:
         raise ValueError(f"{spec.fp16_dir}: config.json describes {len(blocks)} blocks, the "
                          f"shards hold {inputs.num_blocks}; re-run export-fp16")
@@ -559,11 +585,12 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
     work = _capture(spec, algo, block, f"{family.blocks}.{i}", model_type, family, hidden, ctx,
                     seed=spec.seed + i)  # 4a
     step = algo.block_step(spec, work) if algo.block_step is not None else _NO_STEP  # 4b
-    results, raises = _quantize_block(spec, algo, work)  # 4c
+    results, raises, expert_info = _quantize_block(spec, algo, work)  # 4c
     next_hidden = (run_block(block, hidden, ctx, spec.batch_size) if algo.quantized_forward
                    else work.fp_out)  # 4d
     save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves next_hidden)
         "seconds": time.perf_counter() - tb, "awq": step.info, "damp_raises": raises,
+        **expert_info,
     })
     return next_hidden
 
@@ -571,11 +598,12 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
 def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
              family: Family, hidden: torch.Tensor, ctx: BlockContext, seed: int) -> _BlockWork:
     """Run the FP block over its inputs hidden [n, L, d] with the capture hooks."""
-    collector = StatsCollector(block, family.groups, seed=seed,
+    groups = block_groups(family, block)  # MoE: splits the experts (hooks see routed rows)
+    collector = StatsCollector(block, groups, seed=seed,
                                **({} if algo.samples_rows else {"sample_rows": 0}))
     recorder = None
     if algo.records_inputs:
-        inspect_names = [g.inspect for g in family.groups if g.inspect]
+        inspect_names = [g.inspect for g in groups if g.inspect]
         recorder = InputRecorder(block, inspect_names, spec.awq_samples)
     try:
         fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
@@ -583,36 +611,55 @@ def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type:
         collector.remove()
         if recorder is not None:
             recorder.remove()
-    return _BlockWork(block, name, model_type, family.groups, ctx, collector.stats,
+    return _BlockWork(block, name, model_type, family, groups, ctx, collector.stats,
                       recorder.inputs if recorder is not None else {}, fp_out)
 
 
 def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
-    """INT4 and INT8 results for every linear of the block, and the damping raises."""
+    """INT4 and INT8 results for every linear of the block, the damping raises, and (MoE)
+    the tokens routed to each expert with the experts that fell back to RTN."""
     threads = torch.get_num_threads()
     if algo.one_thread:
         torch.set_num_threads(1)
     results: dict[str, dict[int, QuantResult]] = {}
     raises = 0
+    tokens: dict[str, int] = {}  # expert linear -> rows routed to it
+    fallbacks: dict[str, int] = {}  # the same, for experts below spec.min_expert_tokens
     try:
         for group in work.groups:
             stats = work.stats.pop(group)  # freed with H once the group is quantized
             H = stats.take_hessian()  # [in, in] fp32
             x = stats.x_sample()  # [rows, in] fp32 ([0, in] unless algo.samples_rows)
+            quantize = algo.quantize
+            if is_expert_group(work.family, group):
+                tokens.update({f"{work.name}.{n}": stats.tokens for n in group.linears})
+                if stats.tokens < spec.min_expert_tokens:
+                    fallbacks.update({f"{work.name}.{n}": stats.tokens for n in group.linears})
+                    quantize = _quantize_fallback
             for lin_name in group.linears:
                 full = f"{work.name}.{lin_name}"
                 lin = work.block.get_submodule(lin_name)
                 W = lin.weight.data.float()  # [out, in]
                 q4 = _layer_spec(spec, full, lin.in_features)
-                r4 = algo.quantize(spec, full, W, H, q4, x)
-                r8 = algo.quantize(spec, full, W, H, INT8_PER_CHANNEL, x)
+                r4 = quantize(spec, full, W, H, q4, x)
+                r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x)
                 results[full] = {4: r4, 8: r8}
                 raises += r4.damp_raises + r8.damp_raises
                 if algo.quantized_forward:  # the next block sees this block's quantized outputs
                     lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
     finally:
         torch.set_num_threads(threads)
-    return results, raises
+    if fallbacks:
+        log.warning("%s: %d expert linear(s) got fewer than %d calibration tokens; quantized "
+                    "with %s (recorded in the block's expert_fallbacks)", work.name,
+                    len(fallbacks), spec.min_expert_tokens, FALLBACK)
+    expert_info = {"expert_tokens": tokens, "expert_fallbacks": fallbacks} if tokens else {}
+    return results, raises, expert_info
+
+
+def _quantize_fallback(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
+                       qspec: QuantSpec, x: torch.Tensor) -> QuantResult:
+    return fallback_quantize(W, qspec, H)
 
 
 def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
@@ -621,10 +668,11 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
     spec = run.spec
     peak = _peak_rss_mb()
     # after a resume, this process saw only some blocks: the block files are the record
-    fallbacks, total_raises = {}, 0
+    fallbacks, total_raises, expert_fallbacks = {}, 0, {}
     for j in range(inputs.num_blocks):
         info = json.loads(block_file(run.work, j, "json").read_text())
         total_raises += int(info.get("damp_raises", 0))
+        expert_fallbacks.update(info.get("expert_fallbacks", {}))
         for name, layer in info["layers"].items():
             gs = layer["w4"]["spec"]["group_size"]
             if gs != spec.group_size:
@@ -649,8 +697,12 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
         data=data_summary,
         group_size_fallbacks=fallbacks,
         damp_raises=total_raises,
+        **({"expert_fallbacks": expert_fallbacks,
+            "min_expert_tokens": spec.min_expert_tokens}
+           if family_for(inputs.model_type).moe else {}),
         seconds=seconds,
         peak_rss_mb=peak,
     )
     shutil.rmtree(run.work / "state", ignore_errors=True)
-    return CalibrateResult(spec.out, seconds, peak, fallbacks, total_raises, start)
+    return CalibrateResult(spec.out, seconds, peak, fallbacks, total_raises, start,
+                           expert_fallbacks)

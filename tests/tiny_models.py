@@ -104,7 +104,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gemma3_text": dict(sliding_window=8, query_pre_attn_scalar=32,
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(partial_rotary_factor=0.5),  # fused qkv_proj / gate_up_proj, partial RoPE
+    # MoE: 4 experts, top-2, experts 32 wide. Mixtral renormalises the top-k weights always,
+    # Qwen only with norm_topk_prob (off for qwen2_moe, on for qwen3_moe: both paths run)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_family_model(model_type: str, seed: int = 0, **over):
@@ -125,7 +133,7 @@ def make_family_model(model_type: str, seed: int = 0, **over):
     one_plus = model_type.startswith("gemma")  # gain (1 + w): keep it near 1 as well
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3-D: a MoE block's experts [E, out, in]
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.copy_((0.0 if one_plus else 1.0) + 0.1 * torch.randn_like(p))

@@ -9,6 +9,11 @@ embedding scale). Module names inside a block are relative to that block; every 
 names its block parts ``input_layernorm``, ``self_attn`` (``o_proj``) and ``mlp``
 (``down_proj``), the Llama layout.
 
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) add an :class:`ExpertGroup`
+(``moe``): where the experts are, how checkpoints name them, the router and the shared expert.
+Their experts are addressed per expert once a block is split (quantpipe.core.experts);
+:func:`block_groups` gives a block's input groups, experts included.
+
 Adding a family is one ``Family(...)`` line in ``FAMILIES`` plus its tests (docs/families.md).
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from quantpipe.core.experts import ExpertGroup, split_experts
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class Family:
     attn_softcap: str | None = None  # config field c: scores -> c * tanh(scores / c)
     final_softcap: str | None = None  # config field c: logits -> c * tanh(logits / c)
     rope_per_layer_type: bool = False  # rotary_emb(x, pos, layer_type): one RoPE per layer type
+    # mixture of experts: the MLP is a router + experts (+ a shared expert); ``groups`` then
+    # holds the attention groups only and block_groups() adds each block's MLP groups
+    moe: ExpertGroup | None = None
 
     def __post_init__(self) -> None:
         for g in self.groups:
@@ -81,6 +91,20 @@ _PHI3_GROUPS = (
     InputGroup(("mlp.down_proj",), "mlp.gate_up_proj", ""),
 )
 
+# MoE: a block's MLP input (post_attention_layernorm's output) also feeds the router (and
+# Qwen2-MoE's shared_expert_gate), both kept FP16: a scale folded into that norm would change
+# the routing unless the router were rescaled too, so AWQ leaves these groups unscaled
+# (prev_op "": no op to fold into; calibration records the skip). down_proj reads only its own
+# expert's act(gate) * up and folds into that expert's up_proj as in a dense MLP.
+_ATTN_GROUPS = _LLAMA_GROUPS[:2]
+_DENSE_MLP_GROUPS = _LLAMA_GROUPS[2:]  # a dense layer of a MoE model (mlp_only_layers)
+NO_FOLD = ""  # InputGroup.prev_op of a group whose scale has nowhere to go
+
+
+def _mlp_groups(gate: str, up: str, down: str) -> tuple[InputGroup, ...]:
+    return (InputGroup((gate, up), NO_FOLD, ""), InputGroup((down,), up, ""))
+
+
 _GEMMA_COMMON = dict(one_plus_norm=True, norm_eps="eps",
                      query_scale="query_pre_attn_scalar")
 _GEMMA2_COMMON = dict(_GEMMA_COMMON, attn_out_norm="post_attention_layernorm",
@@ -99,6 +123,14 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(_GEMMA2_GROUPS, qk_norm=True, rope_per_layer_type=True,
                           **_GEMMA2_COMMON),
     "phi3": Family(_PHI3_GROUPS, qkv_proj="self_attn.qkv_proj", gate_up_proj="mlp.gate_up_proj"),
+    # hub names: block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down); router
+    # block_sparse_moe.gate
+    "mixtral": Family(_ATTN_GROUPS, moe=ExpertGroup(
+        num_experts="num_local_experts", linear_names=("w1", "w3", "w2"),
+        hub_mlp="block_sparse_moe")),
+    "qwen2_moe": Family(_ATTN_GROUPS, moe=ExpertGroup(
+        shared_expert="mlp.shared_expert", shared_expert_gate="mlp.shared_expert_gate")),
+    "qwen3_moe": Family(_ATTN_GROUPS, qk_norm=True, moe=ExpertGroup()),
 }
 
 # Norms whose effective gain is (1 + weight) rather than weight (AWQ scales (1 + w)).
@@ -129,11 +161,54 @@ def get_path(model: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 def get_blocks(model: torch.nn.Module, family: Family) -> torch.nn.ModuleList:
-    return get_path(model, family.blocks)
+    """The decoder blocks; a MoE family's experts are split into per-expert linears first
+    (:func:`quantpipe.core.experts.split_experts`, in place, the same function): the form in
+    which calibration, sensitivity and plans address an expert's linears."""
+    blocks = get_path(model, family.blocks)
+    if family.moe is not None:
+        for block in blocks:
+            split_experts(block, family.moe)
+    return blocks
 
 
-def block_linear_names(family: Family) -> list[str]:
-    return [name for g in family.groups for name in g.linears]
+def block_groups(family: Family, block: torch.nn.Module, num_experts: int | None = None
+                 ) -> tuple[InputGroup, ...]:
+    """The input groups of one block in execution order. MoE: the attention groups, then per
+    expert (gate, up) and (down), then the shared expert's; a block without experts (a dense
+    layer of a MoE model) has the Llama MLP groups; the block's experts are split first
+    (:func:`get_blocks`). ``num_experts``: the config's count (read from the block when None)."""
+    moe = family.moe
+    if moe is None:
+        return family.groups
+    if not split_experts(block, moe):
+        return family.groups + _DENSE_MLP_GROUPS
+    if num_experts is None:
+        num_experts = len(block.get_submodule(moe.path))
+    groups = list(family.groups)
+    for e in range(num_experts):
+        groups += _mlp_groups(*moe.expert_linears(e))
+    if moe.shared_expert:
+        groups += _mlp_groups(*(f"{moe.shared_expert}.{n}"
+                                for n in ("gate_proj", "up_proj", "down_proj")))
+    return tuple(groups)
+
+
+def family_linear_names(family: Family) -> list[str]:
+    """Every non-expert linear a block of the family may hold (a MoE family's blocks add a
+    shared expert, or a dense MLP in its dense layers); experts are per block (block_groups)."""
+    names = [name for g in family.groups for name in g.linears]
+    if family.moe is not None:
+        names += [n for g in _DENSE_MLP_GROUPS for n in g.linears]
+        if family.moe.shared_expert:
+            names += [f"{family.moe.shared_expert}.{n}"
+                      for n in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def block_linear_names(family: Family, block: torch.nn.Module | None = None) -> list[str]:
+    """The linears of one block, in group order (``block``: needed for MoE families)."""
+    groups = family.groups if block is None else block_groups(family, block)
+    return [name for g in groups for name in g.linears]
 
 
 def config_value(cfg, field: str | None) -> float | None:

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from quantpipe.calibration.awq import fold_scales
-from quantpipe.core.families import FAMILIES, ONE_PLUS_NORM_FAMILIES, family_for, get_blocks
+from quantpipe.core.families import (
+    FAMILIES,
+    NO_FOLD,
+    ONE_PLUS_NORM_FAMILIES,
+    block_groups,
+    family_for,
+    get_blocks,
+)
+from tests.tiny_models import FAMILY_CONFIGS, MOE_FAMILIES
 
 # float64 end to end: any change well above rounding is a wrong fold, not noise
 MAX_REL_ERR = 1e-5
@@ -18,18 +26,21 @@ MAX_REL_ERR = 1e-5
 def _tiny_model(model_type: str) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # MHA (kv heads = heads) so that v_proj -> o_proj can be folded too
-    cfg = AutoConfig.for_model(
-        model_type, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    # MHA (kv heads = heads) so that v_proj -> o_proj can be folded too; MoE: the tiny
+    # configs' experts (4, top-2, 32 wide)
+    moe = FAMILY_CONFIGS[model_type] if model_type in MOE_FAMILIES else {}
+    kw = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=64,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    cfg = AutoConfig.for_model(model_type, **{**kw, **moe})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64,
                                              attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3-D: MoE experts [E, out, in]
                 p.normal_(0.0, 0.1)
             elif "norm" in name:  # distinct gains, so a fold into the wrong norm shows
                 p.copy_(0.5 + torch.rand_like(p))
@@ -42,12 +53,17 @@ def _tiny_model(model_type: str) -> torch.nn.Module:
 def test_awq_folds_keep_logits(model_type):
     model = _tiny_model(model_type)
     family = family_for(model_type)
-    block = get_blocks(model, family)[0]
+    block = get_blocks(model, family)[0]  # MoE: experts split into per-expert linears
     ids = torch.randint(0, 96, (2, 12))  # [batch, seq]
     with torch.no_grad():
         ref = model(ids).logits  # [2, 12, vocab] fp64
     gen = torch.Generator().manual_seed(1)
-    for group in family.groups:
+    for group in block_groups(family, block):
+        if group.prev_op == NO_FOLD:
+            # MoE: the experts' input also feeds the FP16 router; calibration leaves it
+            # unscaled and records the skip
+            assert family.moe is not None, group
+            continue
         prev = block.get_submodule(group.prev_op)
         linears = [block.get_submodule(n) for n in group.linears]
         if isinstance(prev, torch.nn.Linear):
