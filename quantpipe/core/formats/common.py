@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from quantpipe.core.experts import hub_name, split_fused_name
+from quantpipe.core.families import FAMILIES, Family
 from quantpipe.core.formats.base import FolderToWrite
 from quantpipe.core.io import (
     LazyTensors,
@@ -28,7 +30,7 @@ from quantpipe.core.io import (
     write_manifest,
     write_shards,
 )
-from quantpipe.core.qformat import QuantizedWeight, weight_shape, weight_spec
+from quantpipe.core.qformat import LazyWeights, QuantizedWeight, weight_shape, weight_spec
 from quantpipe.core.sources import DTYPES
 
 # Files copied from the FP16 folder into every quantized folder.
@@ -77,8 +79,10 @@ def load_fp16_source(
     fp_overrides: Mapping[str, torch.Tensor] | None = None,
     fp16_shards: list[dict] | None = None,
     recorded_by: str = "",
-) -> tuple[dict, Mapping[str, torch.Tensor], dict]:
-    """The FP16 folder's ``(config, state, manifest)`` with ``fp_overrides`` applied.
+) -> tuple[dict, Mapping[str, torch.Tensor], dict, Mapping[str, QuantizedWeight]]:
+    """The FP16 folder's ``(config, state, manifest)`` with ``fp_overrides`` applied, and
+    ``weights``, both under the hub's names (:func:`hub_layout`: a MoE model's experts one
+    ``.weight`` per expert and linear; the identity for dense models).
 
     First checks the shards' sha256 (:func:`check_fp16_shards`; ``fp16_shards``: the hashes
     the calibration recorded, named by ``recorded_by``), then that every quantized layer has a
@@ -92,13 +96,78 @@ def load_fp16_source(
     config = json.loads((fp16_dir / "config.json").read_text())
     state = Overlay(read_fp_state(fp16_dir), fp_overrides or {},
                     DTYPES[fp16_manifest.get("dtype", "fp16")])
+    state, weights = hub_layout(config, state, weights)
     missing = [n for n in weights if f"{n}.weight" not in state]
     if missing:
         raise ValueError(f"quantized layers not found in {fp16_dir}: {sorted(missing)[:5]}")
     for name in weights:
         shape, want = tensor_shape(state, f"{name}.weight"), weight_shape(weights, name)
         assert shape == tuple(want), (name, shape, want)
-    return config, state, fp16_manifest
+    return config, state, fp16_manifest, weights
+
+
+class HubState(Mapping):
+    """A MoE model's tensors (transformers' names: fused 3-D experts) under the hub's names,
+    each expert's gate, up and down ``[out, in]`` a tensor of its own (vLLM's and transformers'
+    loaders read these). Read on access; the last fused tensor read is kept, so writing a
+    layer's experts one by one reads it once."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], family: Family) -> None:
+        moe = family.moe
+        assert moe is not None
+        self._base = base
+        self._where: dict[str, tuple[str, tuple[int, int, int] | None]] = {}
+        g, u, d = moe.linear_names
+        for k in base:
+            found = split_fused_name(k, family.blocks, moe)
+            if found is None:
+                self._where[hub_name(k, family.blocks, moe)] = (k, None)
+                continue
+            prefix, kind = found
+            E, rows = tensor_shape(base, k)[:2]  # gate_up [E, 2I, H] / down [E, H, I]
+            for e in range(E):
+                pre = hub_name(f"{prefix}.{moe.path}.{e}", family.blocks, moe)
+                if kind == moe.gate_up:
+                    self._where[f"{pre}.{g}.weight"] = (k, (e, 0, rows // 2))
+                    self._where[f"{pre}.{u}.weight"] = (k, (e, rows // 2, rows))
+                else:
+                    self._where[f"{pre}.{d}.weight"] = (k, (e, 0, rows))
+        self._cached: tuple[str | None, torch.Tensor | None] = (None, None)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        base_key, part = self._where[key]
+        if part is None:
+            return self._base[base_key]
+        if self._cached[0] != base_key:
+            self._cached = (base_key, self._base[base_key])
+        e, lo, hi = part
+        return self._cached[1][e, lo:hi].clone()  # [out, in]: its own storage when saved
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+
+def hub_layout(config: dict, state: Mapping[str, torch.Tensor],
+               weights: Mapping[str, QuantizedWeight]
+               ) -> tuple[Mapping[str, torch.Tensor], Mapping[str, QuantizedWeight]]:
+    """``state`` and ``weights`` under the hub's names: for a MoE family
+    (:data:`quantpipe.core.families.FAMILIES`) the experts are split per expert
+    (:class:`HubState`) and calibration's per-expert linears renamed (Mixtral: ``mlp`` ->
+    ``block_sparse_moe``); dense families pass as they are."""
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None or family.moe is None:
+        return state, weights
+    hub = {hub_name(n, family.blocks, family.moe): n for n in weights}
+    renamed = LazyWeights({h: weight_spec(weights, n) for h, n in hub.items()},
+                          {h: tuple(weight_shape(weights, n)) for h, n in hub.items()},
+                          lambda h: weights[hub[h]])
+    return HubState(state, family), renamed
 
 
 def source_fp16_entry(fp16_dir: str | Path, fp16_manifest: dict) -> dict:

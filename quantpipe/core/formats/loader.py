@@ -3,12 +3,14 @@ format-neutral structure, after :mod:`quantpipe.core.formats.verify` has passed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from quantpipe.core.experts import fused_tensors
+from quantpipe.core.families import FAMILIES
 from quantpipe.core.formats.verify import VerifyReport, inspect_checkpoint
 from quantpipe.core.hf_model import build_causal_lm
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
@@ -73,4 +75,18 @@ def load_dequantized_model(folder: str | Path, dtype: torch.dtype = torch.float3
     (the reference model of `eval` and `report`); one layer is dequantized at a time and
     becomes the model's parameter (no second copy)."""
     ckpt = load_quantized(folder)
-    return build_causal_lm(ckpt.config, ckpt.dequantized_tensors(dtype), dtype, where=folder)
+    tensors = model_tensors(ckpt.config, ckpt.dequantized_tensors(dtype))
+    return build_causal_lm(ckpt.config, tensors, dtype, where=folder)
+
+
+def model_tensors(config: dict, tensors: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hub name, tensor)`` pairs -> transformers' names: a MoE model's per-expert weights
+    stacked into its 3-D ``gate_up_proj`` / ``down_proj`` (one block's experts held at a
+    time) and Mixtral's ``block_sparse_moe`` renamed ``mlp``; dense models as they are."""
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None or family.moe is None:
+        yield from tensors
+        return
+    yield from fused_tensors(tensors, family.blocks, family.moe,
+                             int(config[family.moe.num_experts]))

@@ -44,8 +44,8 @@ def write_checkpoint(
     """
     checkpoint_format = format_named(fmt)
     check_not_overlapping(out, {"FP16_DIR": fp16_dir})
-    config, state, fp16_manifest = load_fp16_source(fp16_dir, weights, fp_overrides,
-                                                    fp16_shards, recorded_by)
+    config, state, fp16_manifest, weights = load_fp16_source(fp16_dir, weights, fp_overrides,
+                                                             fp16_shards, recorded_by)
     fields = {"source_fp16": source_fp16_entry(fp16_dir, fp16_manifest), **(manifest_fields or {})}
     job = FolderToWrite(Path(out), config, state, weights, Path(fp16_dir), fields,
                         max_shard_size, force)
