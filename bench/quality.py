@@ -2,8 +2,11 @@
 
 For each configuration: `calibrate` (128 x 512 tokens of the shipped calibration prompts by
 default) and `export --bits 4` (plus `--bits 8` for the first configuration); then every
-quantized model is scored against the FP16 reference on the held-out prompts (business-eval)
-in ONE pass (one reference forward per window). Prints a table and saves every number.
+quantized model is scored against the FP16 reference on each evaluation corpus in ONE pass
+per corpus (one reference forward per window): the held-out prompts (business-eval, the same
+kind of text as the calibration prompts) and text unrelated to them (sotu: 4,096 tokens of
+State of the Union addresses, see bench/corpora.py). Prints a table per corpus and saves
+every number.
 
     python bench/quality.py --fp16 work/smollm2/fp16 --work work/bench-quality \
         --configs gptq-sym,awq-sym,rtn-sym --json bench/results/quality.json
@@ -19,10 +22,12 @@ import platform
 import time
 from pathlib import Path
 
+from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
+
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model, load_texts
+from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 
@@ -64,33 +69,43 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", default="business-eval")
-    ap.add_argument("--max-tokens", type=int, default=0, help="eval token limit (0: all)")
+    ap.add_argument("--corpora", default="business-eval,sotu",
+                    help="evaluation texts, comma list (bench/corpora.py)")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="business-eval token limit (0: all; sotu is always 4,096 tokens)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json", type=Path, default=Path("bench/results/quality.json"))
     args = ap.parse_args()
+    try:
+        corpora = parse_corpora(args.corpora)
+    except ValueError as exc:
+        ap.error(str(exc))
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     configs = args.configs.split(",")
     results = [calibrate_and_export(args.fp16, args.work, c, [4, 8] if i == 0 else [4], args)
                for i, c in enumerate(configs)]
-    texts = load_texts(args.fp16, None, args.prompts)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.fp16)
     labels = [(r, k) for r in results for k in r["models"]]
     cands = [load_eval_model(r["models"][k]["path"]) for r, k in labels]
-    evals = evaluate_many(load_eval_model(args.fp16), cands, tokenizer,
-                          EvalSpec(args.fp16, args.fp16, texts, args.max_tokens, args.ctx),
-                          names=[r["models"][k]["path"] for r, k in labels])
-    print(f"\n{'model':16s} {'bpw':>6s} {'KLD mean':>9s} {'median':>8s} {'p99':>7s} "
-          f"{'same-top':>8s} {'PPL':>7s}")
-    for (r, k), ev in zip(labels, evals):
-        r["models"][k]["eval"] = ev.to_dict()
-        print(f"{r['config'] + ' ' + k.upper():16s} {r['models'][k]['bits_per_weight']:6.3f} "
-              f"{ev.kld['mean']:9.5f} {ev.kld['median']:8.5f} {ev.kld['p99']:7.4f} "
-              f"{100 * ev.same_top_rate:7.2f}% {ev.ppl_candidate:7.3f}")
-    print(f"FP16 PPL {evals[0].ppl_reference:.3f} on {evals[0].tokens} held-out tokens")
+    ref = load_eval_model(args.fp16)
+    for corpus in corpora:
+        texts = eval_texts(corpus, args.fp16, tokenizer)
+        limit = args.max_tokens if corpus == "business-eval" else 0
+        evals = evaluate_many(ref, cands, tokenizer,
+                              EvalSpec(args.fp16, args.fp16, texts, limit, args.ctx),
+                              names=[r["models"][k]["path"] for r, k in labels])
+        print(f"\n{corpus}: {'model':16s} {'bpw':>6s} {'KLD mean':>9s} {'median':>8s} "
+              f"{'p99':>7s} {'same-top':>8s} {'PPL':>7s}")
+        for (r, k), ev in zip(labels, evals):
+            r["models"][k].setdefault("eval", {})[corpus] = ev.to_dict()
+            print(f"{corpus}: {r['config'] + ' ' + k.upper():16s} "
+                  f"{r['models'][k]['bits_per_weight']:6.3f} {ev.kld['mean']:9.5f} "
+                  f"{ev.kld['median']:8.5f} {ev.kld['p99']:7.4f} "
+                  f"{100 * ev.same_top_rate:7.2f}% {ev.ppl_candidate:7.3f}")
+        print(f"{corpus}: FP16 PPL {evals[0].ppl_reference:.3f} on {evals[0].tokens} tokens")
     write_json_atomic(args.json, {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version()},

