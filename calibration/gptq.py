@@ -31,28 +31,58 @@ from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 logger = logging.getLogger(__name__)
 
 
-def damped_inverse_cholesky(
-    H: torch.Tensor, percdamp: float, max_damp_raises: int
-) -> tuple[torch.Tensor, float, int]:
-    """Upper Cholesky factor of (H + damp I)^-1, raising damp tenfold while it fails.
+def lower_triangular_inverse(L: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+    """L: [n, n] lower-triangular, non-singular -> L^-1 [n, n] lower-triangular (same dtype).
 
-    H: [in, in] f64 -> (Hinv [in, in] f64 upper-triangular, percdamp used, raises).
-    damp = percdamp * mean(diag(H)) (sec. 3, "Step 3: Cholesky reformulation": dampening keeps
-    the inverse well-conditioned; a Cholesky failure means H + damp I is not numerically
-    positive definite, so more dampening is the standard remedy).
+    Recursive on 2 x 2 blocks: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]], the
+    off-diagonal block by two triangular solves (no general matmul), so the flop count is
+    LAPACK trtri's n^3 / 3 (torch has no trtri; a solve against the identity costs n^3).
     """
-    mean_diag = float(torch.diagonal(H).mean())
+    n = L.shape[0]
+    if n <= leaf:
+        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype), upper=False)
+    k = n // 2
+    out = torch.zeros_like(L)  # [n, n]
+    out[:k, :k] = lower_triangular_inverse(L[:k, :k], leaf)
+    out[k:, k:] = lower_triangular_inverse(L[k:, k:], leaf)
+    BAinv = torch.linalg.solve_triangular(L[:k, :k], L[k:, :k], upper=False, left=False)
+    out[k:, :k] = torch.linalg.solve_triangular(L[k:, k:], BAinv, upper=False).neg_()
+    return out
+
+
+def damped_inverse_cholesky(
+    H: torch.Tensor, order: torch.Tensor, percdamp: float, max_damp_raises: int
+) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor of (H_p + damp I)^-1, H_p = H in column order ``order`` with the
+    diagonal of dead inputs (H_ii = 0) set to 1; damp is raised tenfold while it fails.
+
+    H: [in, in] any float dtype, order: [in] int64 -> (Hinv [in, in] fp32 upper-triangular
+    in ``order``, percdamp used, raises). damp = percdamp * mean(diag(H_p)) (sec. 3, "Step 3:
+    Cholesky reformulation": dampening keeps the inverse well-conditioned; a Cholesky failure
+    means H + damp I is not numerically positive definite, so more dampening is the standard
+    remedy). The factorization runs in float64.
+
+    One Cholesky and one triangular inverse give the factor: with J the order-reversing
+    permutation, if J (H_p + damp I) J = L L^T then (H_p + damp I)^-1 = U^T U with
+    U = J L^-1 J, upper-triangular with a positive diagonal, i.e. the Cholesky factor of the
+    inverse (the reference code forms the inverse and factors it again: twice the work).
+    """
+    diag_p = torch.diagonal(H)[order].double()  # [in] f64
+    diag_p[diag_p == 0] = 1.0  # dead inputs (see hessian_factor)
+    mean_diag = float(diag_p.mean())
+    rev = order.flip(0)  # [in] J applied to the order
+    info = torch.empty((), dtype=torch.int32)
     raises = 0
     while True:
         damp = percdamp * mean_diag
-        H_damped = H.clone()
-        H_damped.diagonal().add_(damp)
-        L, info = torch.linalg.cholesky_ex(H_damped)  # [in, in] lower
+        A = H[rev[:, None], rev].double()  # [in, in] f64: J H_p J (one gather, then f64)
+        A.diagonal().copy_(diag_p.flip(0)).add_(damp)
+        L, info = torch.linalg.cholesky_ex(A, out=(A, info))  # [in, in] f64 lower, in place
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)  # (H + damp I)^-1, [in, in]
-            Hinv, info = torch.linalg.cholesky_ex(Hinv, upper=True)  # [in, in] upper
-            if int(info) == 0 and bool(torch.isfinite(Hinv).all()):
-                return Hinv, percdamp, raises
+            Linv = lower_triangular_inverse(L).float()  # [in, in] fp32 lower
+            del A, L
+            if bool(torch.isfinite(Linv).all()):
+                return Linv.flip(0, 1), percdamp, raises  # J L^-1 J: [in, in] upper
         if raises >= max_damp_raises:
             raise ValueError(
                 f"GPTQ: Cholesky of H + damp*I failed even with percdamp={percdamp:.3g} "
@@ -76,6 +106,7 @@ class HessianFactor:
     act_order: bool  # columns by decreasing diag(H) (else in their own order)
     percdamp: float  # relative dampening finally used (after any raises)
     damp_raises: int  # times the dampening was raised after a failed Cholesky
+    damp: float  # the absolute dampening added to diag(H): percdamp * mean(diag(H))
     dead: torch.Tensor  # [in] bool: inputs never active in calibration (H_ii = 0)
     perm: torch.Tensor  # [in] int64: the order in which the columns are quantized
     diag_H: torch.Tensor  # [in] fp32 diag(H), dead inputs set to 1, original column order
@@ -86,7 +117,7 @@ def hessian_factor(
     H: torch.Tensor, act_order: bool, percdamp: float = 0.01, max_damp_raises: int = 8
 ) -> HessianFactor:
     """H: [in, in] (any float dtype) -> its :class:`HessianFactor` (dead inputs, act-order
-    permutation, damped inverse Cholesky factor in float64, stored as fp32)."""
+    permutation, damped inverse Cholesky factor computed in float64, stored as fp32)."""
     if H.dim() != 2 or H.shape[0] != H.shape[1]:
         raise ValueError(f"H must be square [in, in], got shape {tuple(H.shape)}")
     if not torch.isfinite(H).all():
@@ -95,22 +126,22 @@ def hessian_factor(
         raise ValueError(
             f"need percdamp > 0 and max_damp_raises >= 0; got {percdamp}, {max_damp_raises}"
         )
-    H = H.double().clone()  # [in, in] f64: the inverse and Cholesky are done in float64
-    # Dead inputs (never active in calibration): H_ii = 0 gives no information; fix the
-    # diagonal to 1 so H stays invertible and quantize those columns to 0 (IST gptq.py).
-    dead = torch.diagonal(H) == 0  # [in] bool
-    H[dead, dead] = 1.0
+    diag = torch.diagonal(H).to(torch.float64, copy=True)  # [in] f64
+    # Dead inputs (never active in calibration): H_ii = 0 gives no information; the diagonal
+    # is taken as 1 so H stays invertible and those columns are quantized to 0 (IST gptq.py).
+    dead = diag == 0  # [in] bool
+    diag[dead] = 1.0
     # act-order (IST repo's --act-order heuristic, not in the paper): quantize the columns
     # with the largest Hessian diagonal first, while most columns remain to absorb errors.
     if act_order:
-        perm = torch.argsort(torch.diagonal(H), descending=True)  # [in] int64
+        perm = torch.argsort(diag, descending=True)  # [in] int64
     else:
         perm = torch.arange(H.shape[0])
-    diag_H = torch.diagonal(H).float()  # [in] weights for the mse_clip search
-    H = H[perm][:, perm]  # [in, in] f64 permuted
-    Hinv, percdamp_used, raises = damped_inverse_cholesky(H, percdamp, max_damp_raises)
-    # [in, in] upper; the updates run in fp32 like the reference code
-    return HessianFactor(act_order, percdamp_used, raises, dead, perm, diag_H, Hinv.float())
+    diag_H = diag.float()  # [in] weights for the mse_clip search
+    # [in, in] fp32 upper, permuted; the updates run in fp32 like the reference code
+    Hinv, percdamp_used, raises = damped_inverse_cholesky(H, perm, percdamp, max_damp_raises)
+    damp = percdamp_used * float(diag.mean())
+    return HessianFactor(act_order, percdamp_used, raises, damp, dead, perm, diag_H, Hinv)
 
 
 # The factor of the H object gptq() was last given, per act_order: (weak reference to H,
@@ -138,7 +169,7 @@ def _shared_factor(H: torch.Tensor, act_order: bool, percdamp: float,
 
 
 def gptq_columns(
-    W: torch.Tensor,
+    W_t: torch.Tensor,
     Hinv: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
@@ -147,30 +178,31 @@ def gptq_columns(
     block_size: int,
     group_params=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GPTQ column loop on permuted columns (sec. 3, steps 1-3).
+    """The GPTQ column loop on permuted columns (sec. 3, steps 1-3), on W transposed.
 
-    W: [out, in] fp32 permuted (updated in place), Hinv: [in, in] fp32 upper Cholesky factor of
-    the permuted (H + damp I)^-1, scales / zeros: [out, G] fp32, col_group: [in] int64 group of
-    every permuted column. ``group_params(cols, j)`` (dynamic groups) gives the scale and zero
-    [out] of the group entered at permuted column j from its current columns [out, gs], and
-    the caller's ``scales``, ``zeros`` and ``col_group`` are filled in as groups are entered.
-    -> (Q [out, in] fp32 dequantized, q [out, in] uint8, Losses [out] f64 per-row OBS loss).
+    W_t: [in, out] fp32, W^T with its rows (W's columns) in the permuted order, updated in
+    place; Hinv: [in, in] fp32 upper Cholesky factor of the permuted (H + damp I)^-1; scales /
+    zeros: [out, G] fp32; col_group: [in] int64 group of every permuted column. Every column
+    is a contiguous row of W_t, so the per-column steps and the lazy batch updates read and
+    write contiguous memory. ``group_params(cols, rest, j)`` (dynamic groups) gives the scale
+    and zero [out] of the group entered at permuted column j from its current columns, and the
+    caller's ``scales``, ``zeros`` and ``col_group`` are filled in as groups are entered.
+    -> (Q_t [in, out] fp32 dequantized, q_t [in, out] uint8, Losses [out] f64 per-row OBS
+    loss), rows in the permuted order.
     """
-    out_f, n_cols = W.shape
-    Q = torch.zeros_like(W)  # [out, in] dequantized, permuted order
-    q_int = torch.zeros(out_f, n_cols, dtype=torch.uint8)  # [out, in] permuted order
+    n_cols, out_f = W_t.shape
+    Q_t = torch.empty_like(W_t)  # [in, out] dequantized, permuted order
+    q_t = torch.empty(n_cols, out_f, dtype=torch.uint8)  # [in, out] permuted order
     Losses = torch.zeros(out_f, dtype=torch.float64)  # [out] per-row OBS loss (as IST code)
     # sec. 3, "Step 2: lazy batch-updates": quantize a block of columns with rank-1 updates
     # inside the block, then apply the block's accumulated error to the rest of W at once.
-    # Inside a block the columns are rows of transposed copies ([count, out]): every
-    # per-column step then reads and writes contiguous memory (same values, same fp32 ops).
     for i1 in range(0, n_cols, block_size):
         i2 = min(i1 + block_size, n_cols)
         count = i2 - i1
-        W1 = W[:, i1:i2].t().contiguous()  # [count, out]: row i is column i1 + i of W
-        Q1 = torch.zeros_like(W1)  # [count, out] dequantized
-        q1 = torch.zeros_like(W1)  # [count, out] integers (fp32 until the block is done)
-        Err1 = torch.zeros_like(W1)  # [count, out]
+        W1 = W_t[i1:i2]  # [count, out] view: row i is column i1 + i
+        Q1 = Q_t[i1:i2]  # [count, out] view, dequantized
+        q1 = torch.empty_like(W1)  # [count, out] integers (fp32 until the block is done)
+        Err1 = torch.empty_like(W1)  # [count, out]
         Hinv1 = Hinv[i1:i2, i1:i2]  # [count, count]
         if group_params is None:  # every column's group is known: gather its params once
             S1 = scales[:, col_group[i1:i2]].t().contiguous()  # [count, out]
@@ -182,20 +214,20 @@ def gptq_columns(
             if group_params is None:
                 s, z = S1[i], Z1[i]  # [out] each
             else:
-                s, z = group_params(W1[i:].t(), W[:, i2:], j)
+                s, z = group_params(W1[i:].t(), W_t[i2:].t(), j)
             q1[i] = qj = quantize_to_grid(w, s, z, maxq)  # [out] integers
             Q1[i] = (qj - z) * s  # same fp32 ops as QuantizedWeight.dequantize
             # sec. 2, OBQ update (sec. 3 Step 1: any fixed column order works):
-            # delta_F = -(w - q) / [H_F^-1]_qq * (H_F^-1)_{:,q}
+            # delta_F = -(w - q) / [H_F^-1]_qq * (H_F^-1)_{:,q}; column j itself is done
             Err1[i] = err1 = (w - Q1[i]) / d  # [out]
-            # [count - i, 1] x [1, out] -> [count - i, out] (an outer product)
-            W1[i:] -= torch.outer(Hinv1[i, i:], err1)
-        Q[:, i1:i2] = Q1.t()
-        q_int[:, i1:i2] = q1.t().to(torch.uint8)
+            # [count - i - 1, 1] x [1, out] -> [count - i - 1, out] (an outer product)
+            W1[i + 1:] -= torch.outer(Hinv1[i, i + 1:], err1)
+        q_t[i1:i2] = q1  # exact: integers in [0, maxq]
         Losses += (Err1 * Err1).sum(dim=0).double() / 2  # (w - q)^2 / d^2 per column
-        # lazy batch update of all later columns: [out, count] @ [count, in - i2]
-        W[:, i2:] -= Err1.t() @ Hinv[i1:i2, i2:]
-    return Q, q_int, Losses
+        # lazy batch update of all later columns, in place:
+        # [in - i2, out] -= [in - i2, count] @ [count, out]
+        W_t[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)
+    return Q_t, q_t, Losses
 
 
 def gptq(
@@ -262,7 +294,7 @@ def gptq(
     else:
         diag_perm = diag_H[perm]  # [in] permuted
 
-        def group_params(W1_rest, W_rest, j):
+        def group_params(W1_rest, W_rest, j):  # [out, *] views of W_t's rows
             # params of the group entered at permuted column j from its *current* columns:
             # those inside this block already carry the in-block updates (W1), later ones
             # come from W. Returns the scale and zero [out] of group j // gs.
@@ -278,8 +310,10 @@ def gptq(
             col_group[j] = g
             return scales[:, g], zeros[:, g]
 
-    Q, q_int, Losses = gptq_columns(W[:, perm], factor.Hinv, scales, zeros, col_group,
-                                    spec.maxq, block_size, group_params)
+    W_t = W.t()[perm]  # [in, out] fp32: W's columns as rows, in the permuted order
+    Q_t, q_t, Losses = gptq_columns(W_t, factor.Hinv, scales, zeros, col_group, spec.maxq,
+                                    block_size, group_params)
+    del W_t
 
     invperm = torch.argsort(perm)
     g_idx = col_group[invperm].to(torch.int32)  # [in] group of every original column
@@ -292,17 +326,40 @@ def gptq(
         stored = QuantSpec(spec.bits, spec.group_size, spec.sym, act_order=False)
     weight = QuantizedWeight(
         spec=stored,
-        q=q_int[:, invperm].contiguous(),  # [out, in] uint8, original column order
+        q=q_t[invperm].t().contiguous(),  # [in, out] -> [out, in] uint8, original order
         scales=scales.half(),  # exact: fp16-representable by construction
         zeros=zeros.to(torch.uint8),
         g_idx=g_idx,
     )
     W_hat = weight.dequantize()  # [out, in] fp32
-    assert torch.equal(W_hat, Q[:, invperm]), "stored tensors must reproduce W_hat exactly"
-    logger.debug("GPTQ: sum of per-row Losses %.6g", float(Losses.sum()))
+    assert torch.equal(W_hat, Q_t[invperm].t()), "stored tensors must reproduce W_hat exactly"
     return QuantResult(
         weight=weight,
-        loss=proxy_loss(W_in, W_hat, H),  # on the caller's H: undamped, unpermuted
+        loss=_loss(W_in, W, W_hat, H, Losses, factor.damp),
         damp=factor.percdamp,
         damp_raises=factor.damp_raises,
     )
+
+
+def _loss(W_in: torch.Tensor, W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor,
+          Losses: torch.Tensor, damp: float) -> float:
+    """The proxy loss tr(dW H dW^T) on the caller's H (undamped, unpermuted), dW = W - W_hat.
+
+    GPTQ's own errors give it without the [out, in] @ [in, in] matmul: with Hinv = U, the
+    loop's scaled errors E (Err1, [out, in]) satisfy W - W_hat = E U, so the damped loss is
+    tr(dW (H + damp I) dW^T) = ||E||^2 = 2 * sum(Losses) (sec. 3: each step's OBS error), and
+    the undamped one is that minus damp * ||dW||^2. Dead inputs drop out of both (their W
+    columns are 0 here and their rows of H are 0). When the dampening term is a large part
+    of the damped loss (after damping raises) the difference would lose digits, and the trace
+    is formed directly instead.
+    W_in: [out, in] caller's weights, W: [out, in] fp32 with dead columns zeroed, W_hat:
+    [out, in] fp32, H: [in, in], Losses: [out] f64 -> float.
+    """
+    dW = W - W_hat  # [out, in] fp32
+    damped = 2.0 * float(Losses.sum())  # tr(dW (H + damp I) dW^T)
+    damp_part = damp * float(dW.square_().double().sum())
+    if damp_part > 0.5 * damped:
+        logger.debug("GPTQ: loss formed directly (damping %.3g of the damped loss)",
+                     damp_part / max(damped, 1e-300))
+        return proxy_loss(W_in, W_hat, H)
+    return damped - damp_part

@@ -13,8 +13,8 @@ from quantpipe.core.qformat import QuantSpec
 
 # smallest scale allowed: keeps 1/scale finite and the fp16 scale a normal number
 MIN_SCALE = 1e-5
-# elements of W per chunk of rows in the MSE clip search (a float64 copy of a chunk stays in
-# the L2 cache while the candidates are evaluated)
+# elements of W per chunk of rows in the MSE clip search (a chunk and its error stay in the L2
+# cache while the candidates are evaluated)
 CLIP_CHUNK = 1 << 17
 
 
@@ -113,7 +113,7 @@ def params_for_groups(
         )
     col_weight = None if col_weight is None else col_weight.expand(Wg.shape[1:])  # [G, gs]
     # Rows are searched in chunks of about CLIP_CHUNK elements: each candidate's error passes
-    # then stay in cache instead of streaming the whole float64 error through memory.
+    # then stay in cache instead of streaming the whole error through memory.
     rows = max(1, CLIP_CHUNK // (Wg.shape[1] * Wg.shape[2]))
     for r in range(0, Wg.shape[0], rows):
         chunk = slice(r, r + rows)
@@ -142,13 +142,17 @@ def _mse_clip_rows(
     col_weight: [G, gs] or None -> the best scale, zero [rows, G].
     """
 
+    sym_lo, sym_hi = -float(spec.sym_zero), float(spec.maxq - spec.sym_zero)
+
     def err_of(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        # the fp32 ops of fake_quantize, in place: [rows, G, gs]
+        # fake_quantize's values, in place in fp32: [rows, G, gs]
         s, z = s.unsqueeze(-1), z.unsqueeze(-1)  # [rows, G, 1]
-        w_hat = (Wg / s).round_().add_(z).clamp_(0, spec.maxq).sub_(z).mul_(s)
-        # errors in float64 so that ties between candidates compare exactly
-        d = w_hat.double().sub_(Wg)  # [rows, G, gs] f64
-        d.square_()
+        if spec.sym:  # zero is sym_zero everywhere: clamp(round(x) + z, 0, maxq) - z in one
+            d = torch.div(Wg, s).round_().clamp_(sym_lo, sym_hi).mul_(s)
+        else:
+            d = torch.div(Wg, s).round_().add_(z).clamp_(0, spec.maxq).sub_(z).mul_(s)
+        # squared error in fp32: a candidate within fp32 rounding of the best one is as good
+        d.sub_(Wg).square_()  # [rows, G, gs]
         if col_weight is not None:
             d.mul_(col_weight)
         return d.sum(dim=-1)  # [rows, G]
