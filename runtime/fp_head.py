@@ -230,27 +230,32 @@ def _new_head(head_w: torch.Tensor, bias: torch.Tensor | None, mode: str,
     return HalfHead(head_w, bias, mode, act_dtype)
 
 
-def set_half_head(model: nn.Module, mode: str) -> None:
+def set_half_head(model: nn.Module, mode: str, act_dtype: torch.dtype | None = None) -> None:
     """Replace the FP embedding table and lm_head of an HF causal LM (see the module doc).
 
+    ``act_dtype``: the model's activation dtype (default: the embedding table's). A table or
+    head already in fp16 (``build_causal_lm(keep_fp16_embeddings=True)``) is used as it is.
     ``mode="fp32"`` leaves the model as it is, and so does a model whose table or head is not
     fp16-representable (a bf16 or fp32 checkpoint: rounding would change it; logged).
     """
     if mode not in HEAD_DTYPES:
         raise ValueError(f"head dtype {mode!r}: use one of {HEAD_DTYPES}")
-    if mode == "fp32":
-        return
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
+    act_dtype = act_dtype or emb.weight.dtype
+    if mode == "fp32":
+        _cast_tables(model, act_dtype)
+        return
     if not isinstance(head, nn.Linear) or not isinstance(emb, nn.Embedding):
         raise ValueError(f"{type(model).__name__}: head dtype {mode} needs an nn.Embedding input "
                          f"and an nn.Linear output head, found {type(emb).__name__} and "
                          f"{type(head).__name__}")
-    act_dtype = emb.weight.dtype
     tied = head.weight is emb.weight
 
     def to_fp16(w: torch.Tensor) -> torch.Tensor | None:
         w = w.detach()
+        if w.dtype == torch.float16:
+            return w
         w16 = w.to(torch.float16)
         # exactness check in row chunks: no full-size temporary next to the fp32 table
         for i in range(0, w.shape[0], 4096):
@@ -264,6 +269,7 @@ def set_half_head(model: nn.Module, mode: str) -> None:
         # bf16 / fp32 checkpoints: rounding to fp16 would change the model; keep it as it is
         log.warning("head dtype %s: the embedding table or lm_head is not fp16-representable "
                     "(not an fp16 checkpoint); keeping them in %s", mode, act_dtype)
+        _cast_tables(model, act_dtype)
         return
     new_head = _new_head(head_w, head.bias, mode, act_dtype)
     if tied and getattr(new_head, "w16", None) is not None:
@@ -271,3 +277,15 @@ def set_half_head(model: nn.Module, mode: str) -> None:
     model.set_input_embeddings(CastEmbedding(table, act_dtype, emb.num_embeddings,
                                              getattr(emb, "embed_scale", None)))
     model.set_output_embeddings(new_head)
+
+
+def _cast_tables(model: nn.Module, act_dtype: torch.dtype) -> None:
+    """The embedding table and head in ``act_dtype``, where a loader kept them in fp16."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    if emb.weight.dtype != act_dtype:
+        emb.weight = nn.Parameter(emb.weight.detach().to(act_dtype), requires_grad=False)
+    if tied:
+        head.weight = emb.weight
+    elif head is not None and head.weight.dtype != act_dtype:
+        head.weight = nn.Parameter(head.weight.detach().to(act_dtype), requires_grad=False)

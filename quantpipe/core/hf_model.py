@@ -18,6 +18,7 @@ def build_causal_lm(
     device: str | torch.device = "cpu",
     modules: Iterable[tuple[str, torch.nn.Module]] = (),
     where: str | Path = "checkpoint",
+    keep_fp16_embeddings: bool = False,
 ):
     """A transformers causal LM (eval mode) on ``device`` holding ``tensors`` and ``modules``.
 
@@ -28,7 +29,9 @@ def build_causal_lm(
     names; floating ones are cast to ``dtype``) become the parameters themselves
     (``assign=True``: the model never holds a weight twice). ``config``'s
     ``quantization_config`` is dropped. Tied embeddings are tied again; a missing, unexpected
-    or never-loaded tensor is a ValueError naming ``where``.
+    or never-loaded tensor is a ValueError naming ``where``. ``keep_fp16_embeddings``: an
+    fp16 input embedding table or output head stays fp16 (the CPU runtime's fp16 head computes
+    in fp32 from them: no fp32 copy of the largest tensors is ever made).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -45,8 +48,14 @@ def build_causal_lm(
             raise ValueError(f"{where}: quantized layer {name} is not an nn.Linear of "
                              f"{type(model).__name__}")
         setattr(parent, child, module)
-    state = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
-             for k, v in tensors}
+    keep = _embedding_names(model) if keep_fp16_embeddings else set()
+
+    def cast(name: str, v: torch.Tensor) -> torch.Tensor:
+        if not v.is_floating_point() or (name in keep and v.dtype == torch.float16):
+            return v.to(device)
+        return v.to(device=device, dtype=dtype)
+
+    state = {k: cast(k, v) for k, v in tensors}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -61,3 +70,11 @@ def build_causal_lm(
     if left:
         raise ValueError(f"{where}: tensors never loaded: {left[:5]}")
     return model.eval()
+
+
+def _embedding_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names of the input embedding table and the output head's weight."""
+    tables = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+              if m is not None and getattr(m, "weight", None) is not None]
+    return {n for n, p in model.named_parameters(remove_duplicate=False)
+            if any(p is t for t in tables)}

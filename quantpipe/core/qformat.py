@@ -211,23 +211,26 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = 32 // bits
     assert q.shape[-1] % per_word == 0, f"last dim {q.shape[-1]} not a multiple of {per_word}"
     assert int(q.max()) < 2**bits if q.numel() else True
-    # [..., in] -> [..., in/per_word, per_word] int64 so shifts never overflow
-    v = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits  # [per_word]
-    words = (v << shifts).sum(dim=-1)  # [..., in/per_word] in [0, 2**32)
-    # reinterpret the unsigned 32-bit pattern as int32 (two's complement)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
+    v = q.reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)  # [..., words, per_word]
+    # one slot at a time in int32: a shift into the sign bit gives the two's complement
+    # pattern of the unsigned word, and the temporaries stay one word array (never int64 of
+    # the whole layer)
+    words = v[..., 0].to(torch.int32)
+    for i in range(1, per_word):
+        words |= v[..., i].to(torch.int32) << (i * bits)
+    return words
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
     """Inverse of :func:`pack_int32`: [..., in * bits // 32] int32 -> [..., in] uint8."""
     per_word = 32 // bits
     mask = 2**bits - 1
-    w = packed.to(torch.int64) & 0xFFFFFFFF  # unsigned view
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits  # [per_word]
-    v = (w.unsqueeze(-1) >> shifts) & mask  # [..., words, per_word]
-    v = v.reshape(*packed.shape[:-1], packed.shape[-1] * per_word).to(torch.uint8)
+    p = packed.to(torch.int32)
+    v = torch.empty(*packed.shape, per_word, dtype=torch.uint8)  # [..., words, per_word]
+    for i in range(per_word):
+        # an arithmetic shift fills the top with the sign bit; the mask drops it
+        v[..., i] = (p >> (i * bits)) & mask
+    v = v.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
     if n is not None:
         v = v[..., :n]
     return v

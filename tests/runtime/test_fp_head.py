@@ -181,3 +181,35 @@ def test_set_half_head_int8_keeps_the_fp16_table_and_falls_back_without_kernels(
     assert isinstance(model.get_output_embeddings(), HalfHead)
     assert model.get_output_embeddings().mode == "fp16"
     assert "test says no" in caplog.text and "fp16 head instead" in caplog.text
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("mode", ["fp16", "fp32"])
+def test_tables_loaded_in_fp16_give_the_fp32_models_logits(tie, mode):
+    """build_causal_lm(keep_fp16_embeddings=True) + set_half_head(act_dtype=fp32): the runtime's
+    low-memory load (no fp32 copy of the table or head is ever made) computes what the fp32 load
+    does."""
+    from quantpipe.core.hf_model import build_causal_lm
+
+    ref, _ = _fp16_model(tie=tie)
+    state = {k: (v.half() if "embed" in k or "lm_head" in k else v.clone())
+             for k, v in ref.state_dict().items() if not (tie and k == "lm_head.weight")}
+    table = state["model.embed_tokens.weight"]
+    model = build_causal_lm(ref.config.to_dict(), state.items(), torch.float32,
+                            keep_fp16_embeddings=True)
+    assert model.get_input_embeddings().weight.data_ptr() == table.data_ptr()  # kept, no copy
+    assert model.model.norm.weight.dtype == torch.float32
+    set_half_head(model, mode, act_dtype=torch.float32)
+    emb = model.get_input_embeddings()
+    if mode == "fp16":
+        assert isinstance(emb, CastEmbedding) and emb.weight.data_ptr() in (
+            table.data_ptr(), model.get_output_embeddings().w16.data_ptr())
+    else:  # fp32 head: the loader's fp16 tables are cast back to the activation dtype
+        assert emb.weight.dtype == torch.float32
+        assert (model.get_output_embeddings().weight is emb.weight) == tie
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        want, got = ref(ids).logits.double(), model(ids).logits
+    assert got.dtype == torch.float32
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < (2e-3 if mode == "fp16" else 1e-6), float(rel)
