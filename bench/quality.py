@@ -4,15 +4,17 @@ For each configuration: `calibrate` (128 x 512 tokens of the shipped calibration
 default) and `export --bits 4` (plus `--bits 8` for the first configuration); then every
 quantized model is scored against the FP16 reference on each evaluation corpus in ONE pass
 per corpus (one reference forward per window): the held-out prompts (business-eval, the same
-kind of text as the calibration prompts) and text unrelated to them (sotu: 4,096 tokens of
-State of the Union addresses, see bench/corpora.py). Prints a table per corpus and saves
-every number.
+kind of text as the calibration prompts) and text unrelated to them (sotu: 4,088 scored
+tokens of State of the Union addresses, see bench/corpora.py). Prints a table per corpus and
+saves every number.
 
     python bench/quality.py --fp16 work/smollm2/fp16 --work work/bench-quality \
         --configs gptq-sym,awq-sym,rtn-sym --json bench/results/quality.json
 
-Configurations are ALGO-sym or ALGO-asym (ALGO in gptq, awq, rtn). Calibrations and exports
-already finished in --work are reused (delete the folder to recompute).
+Configurations are ALGO-sym or ALGO-asym (ALGO in gptq, awq, rtn, or gptqrefine: GPTQ then
+``calibration.refine.refine_result`` on every linear, registered by this script only, to
+measure the refinement before the pipeline offers it). Calibrations and exports already
+finished in --work are reused (delete the folder to recompute).
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
 from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
+
+
+def register_refined_gptq() -> None:
+    """The bench-only algorithm ``gptqrefine``: calibrate's GPTQ row with every result (INT4
+    and INT8) passed through least-squares scale/zero refinement on the same Hessian."""
+    import dataclasses
+
+    from quantpipe.calibration import pipeline
+    from quantpipe.calibration.refine import refine_result
+
+    base = pipeline.ALGORITHMS["gptq"]
+
+    def quantize(spec, name, W, H, qspec, x):
+        return refine_result(W, H, base.quantize(spec, name, W, H, qspec, x))
+
+    pipeline.ALGORITHMS["gptqrefine"] = dataclasses.replace(base, quantize=quantize)
 
 
 def calibrate_and_export(fp16: Path, work: Path, name: str, bits: list[int], args) -> dict:
@@ -72,7 +90,7 @@ def main() -> None:
     ap.add_argument("--corpora", default="business-eval,sotu",
                     help="evaluation texts, comma list (bench/corpora.py)")
     ap.add_argument("--max-tokens", type=int, default=0,
-                    help="business-eval token limit (0: all; sotu is always 4,096 tokens)")
+                    help="business-eval token limit (0: all; sotu is always 8 windows)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--json", type=Path, default=Path("bench/results/quality.json"))
     args = ap.parse_args()
@@ -81,6 +99,7 @@ def main() -> None:
     except ValueError as exc:
         ap.error(str(exc))
     args.work.mkdir(parents=True, exist_ok=True)
+    register_refined_gptq()
     t0 = time.time()
     configs = args.configs.split(",")
     results = [calibrate_and_export(args.fp16, args.work, c, [4, 8] if i == 0 else [4], args)

