@@ -136,24 +136,17 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(args.fp16)
     texts = {c: eval_texts(c, args.fp16, tok) for c in corpora}
-    ref = load_eval_model(args.fp16)
     results = {}
     for name, cfg in configs.items():
         qdir = args.work / f"q-{name}"
         exp = export_quantized(ExportSpec(args.calib, qdir, bits=cfg.get("bits", 4),
                                           budget_bits=cfg.get("budget_bits"),
                                           overrides=cfg.get("overrides", ()), force=True))
-        cand = load_eval_model(qdir)
-        evals = {}
-        for c in corpora:
-            limit = args.max_tokens if c == "business-eval" else 0
-            evals[c] = evaluate_many(ref, [cand], tok, EvalSpec(
-                args.fp16, qdir, texts[c], limit, args.ctx))[0].to_dict()
-        del cand
         results[name] = {
             "settings": ({"greedy_without_validation": args.budget}
                          if name == "auto-unvalidated" else
                          {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}),
+            "path": str(qdir),
             "effective_bits_per_weight": exp.plan.effective_bits(),
             "counts": exp.plan.counts(),
             "bytes": exp.bytes_on_disk,
@@ -161,11 +154,21 @@ def main() -> None:
             "validated_damage": exp.plan.validated_damage,
             "validation": exp.plan.validation,
             "plan_layers": {n: b for n, b in exp.plan.bits.items() if b != 4},
-            "eval": evals,
+            "eval": {},
         }
-        print(f"{name:16s} {exp.plan.effective_bits():.4f} bpw  " + "  ".join(
-            f"{c} KLD {ev['kld']['mean']:.5f} PPL {ev['ppl_candidate']:.3f} "
-            f"(FP16 {ev['ppl_reference']:.3f})" for c, ev in evals.items()), flush=True)
+    # every plan scored in one pass per corpus (one reference forward per window)
+    ref = load_eval_model(args.fp16)
+    cands = [load_eval_model(r["path"]) for r in results.values()]
+    for c in corpora:
+        limit = args.max_tokens if c == "business-eval" else 0
+        evals = evaluate_many(ref, cands, tok, EvalSpec(args.fp16, args.fp16, texts[c], limit,
+                                                        args.ctx), names=list(results))
+        for (name, r), ev in zip(results.items(), evals):
+            r["eval"][c] = ev.to_dict()
+            print(f"{c:13s} {name:16s} {r['effective_bits_per_weight']:.4f} bpw  KLD mean "
+                  f"{ev.kld['mean']:.5f}  p99 {ev.kld['p99']:.4f}  same-top "
+                  f"{100 * ev.same_top_rate:.2f}%  PPL {ev.ppl_candidate:.3f} "
+                  f"(FP16 {ev.ppl_reference:.3f})", flush=True)
 
     kld = {c: {k: v["eval"][c]["kld"]["mean"] for k, v in results.items()} for c in corpora}
     targets = {}
