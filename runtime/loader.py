@@ -10,11 +10,20 @@
    before the next, so the peak is the packed model plus one layer;
 4. and assigns the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``, tying
    embeddings.
+
+MoE families (Mixtral, Qwen MoE): the checkpoint names each expert's linears
+(``...experts.E.w1``); transformers' model holds 3-D expert parameters instead.
+``build_causal_lm`` places only ``nn.Linear`` replacements, so those parameters get a
+zero-stride placeholder (no memory) and, once the model is built, each block's experts module
+is replaced by a :class:`quantpipe.core.experts.SplitExperts` of the experts' QuantLinears
+(FP ``nn.Linear`` for an expert a plan kept FP16). transformers' router module stays and
+routes (softmax, top-k, its renormalisation), so the routing is the HF model's.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from quantpipe.core.experts import ExpertMLP, SplitExperts, config_ints, model_name
+from quantpipe.core.families import FAMILIES, Family
 from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized
 from quantpipe.core.formats.native import quantized_tensors
 from quantpipe.core.heap import release_freed_memory
@@ -96,12 +107,93 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     # each QuantLinear is built (repacked on device) as build_causal_lm asks for the next one
     quant_linears = ((name, QuantLinear(packed, device, backend=backend, bias_dtype=dtype))
                      for name, packed in ckpt.packed_layers())
-    model = build_causal_lm(ckpt.config, ckpt.fp_tensors(), dtype, device=device,
+    family = FAMILIES.get(ckpt.config.get("model_type"))
+    experts = _Experts(family, ckpt, dtype, device) if family and family.moe else None
+    tensors = ckpt.fp_tensors()
+    if experts is not None:
+        quant_linears, tensors = experts.take(quant_linears), experts.placeholders(tensors)
+    model = build_causal_lm(ckpt.config, tensors, dtype, device=device,
                             modules=quant_linears, where=qdir)
-    del ckpt, quant_linears
+    if experts is not None:
+        experts.install(model)
+    del ckpt, quant_linears, tensors, experts
     release_freed_memory()
     counts = Counter(m.backend for m in model.modules() if isinstance(m, QuantLinear))
     log.info("loaded %s on %s: %d QuantLinear layers %s", qdir, device, sum(counts.values()),
              dict(counts))
     model.quantpipe_backends = dict(counts)
     return model
+
+
+class _Experts:
+    """A MoE checkpoint's experts, set aside while ``build_causal_lm`` builds the rest, then
+    installed per block as :class:`SplitExperts` (module docstring)."""
+
+    def __init__(self, family: Family, ckpt: PackedCheckpoint, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.family, self.moe = family, family.moe
+        config = ckpt.config
+        self.num_experts, self.hidden, self.inter = config_ints(
+            config, self.moe.num_experts, "hidden_size", self.moe.intermediate)
+        self.dtype, self.device = dtype, device
+        leaves = "|".join(map(re.escape, self.moe.linear_names))
+        # a split-model name: {blocks}.N.{path}.E.{gate|up|down}
+        self._pattern = re.compile(rf"({re.escape(family.blocks)}\.\d+)\."
+                                   rf"{re.escape(self.moe.path)}\.(\d+)\.({leaves})")
+        names = [*ckpt.layer_names(), *(k.removesuffix(".weight") for k in ckpt.source.fp_tensors)]
+        # the blocks with experts (a Qwen2-MoE dense layer has none), from the names alone
+        self.blocks = sorted({m.group(1) for m in map(self._match, names) if m is not None})
+        self.modules: dict[str, dict[tuple[int, str], torch.nn.Module]] = {}  # per block
+
+    def _match(self, hub: str):
+        return self._pattern.fullmatch(model_name(hub, self.family.blocks, self.moe))
+
+    def _keep(self, m, module: torch.nn.Module) -> None:
+        self.modules.setdefault(m.group(1), {})[int(m.group(2)), m.group(3)] = module
+
+    def take(self, quant_linears: Iterator[tuple[str, torch.nn.Module]]
+             ) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The QuantLinears build_causal_lm places (model names); experts' are kept here."""
+        for name, module in quant_linears:
+            m = self._match(name)
+            if m is None:
+                yield model_name(name, self.family.blocks, self.moe), module
+            else:
+                self._keep(m, module)
+
+    def placeholders(self, tensors: Iterator[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The FP tensors under the model's names; an expert kept FP16 becomes an nn.Linear
+        kept here; each MoE block's 3-D expert parameters get a zero-stride placeholder."""
+        for name, t in tensors:
+            m = self._match(name[: -len(".weight")]) if name.endswith(".weight") else None
+            if m is None:
+                yield model_name(name, self.family.blocks, self.moe), t
+                continue
+            lin = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, device="meta")
+            lin.weight = torch.nn.Parameter(t.to(self.device, self.dtype), requires_grad=False)
+            self._keep(m, lin)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        E, H, inter = self.num_experts, self.hidden, self.inter
+        for block in self.blocks:
+            pre = f"{block}.{self.moe.path}"
+            yield f"{pre}.{self.moe.gate_up}", zero.expand(E, 2 * inter, H)  # [E, 2I, H]
+            yield f"{pre}.{self.moe.down}", zero.expand(E, H, inter)  # [E, H, I]
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Each MoE block's experts module -> SplitExperts of the kept linears."""
+        names = self.moe.linear_names
+        for block in self.blocks:
+            got = self.modules.get(block, {})
+            missing = [(e, n) for e in range(self.num_experts) for n in names if (e, n) not in got]
+            if missing:
+                raise ValueError(f"{block}: experts {sorted({e for e, _ in missing})} lack "
+                                 f"{sorted({n for _, n in missing})}; the checkpoint is "
+                                 "incomplete")
+            parent_name, _, child = f"{block}.{self.moe.path}".rpartition(".")
+            parent = model.get_submodule(parent_name)
+            act_fn = getattr(parent, child).act_fn
+            setattr(parent, child, SplitExperts(
+                ExpertMLP(names, *(got[e, n] for n in names), act_fn)
+                for e in range(self.num_experts)))
+        self.modules.clear()

@@ -34,6 +34,7 @@ class ExpertGroup:
     down: str = "down_proj"  # [E, H, I]
     router: str = "mlp.gate"  # router weight [E, H] (kept FP16, in no input group)
     num_experts: str = "num_experts"  # config field: the number of experts
+    intermediate: str = "moe_intermediate_size"  # config field: an expert's width I
     # the hub's names of one expert's gate, up and down linears (vLLM and transformers read them)
     linear_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     hub_mlp: str = "mlp"  # the hub's name of the block's MoE module (Mixtral: block_sparse_moe)
@@ -43,6 +44,17 @@ class ExpertGroup:
     def expert_linears(self, e: int) -> tuple[str, str, str]:
         """Expert ``e``'s gate, up and down linears inside a split block."""
         return tuple(f"{self.path}.{e}.{n}" for n in self.linear_names)
+
+
+def config_ints(config: dict, *fields: str) -> tuple[int, ...]:
+    """Config numbers of a config.json dict, read through transformers' config class (whose
+    ``attribute_map`` aliases names: Qwen3-MoE's ``num_experts`` is stored as
+    ``num_local_experts``)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items()
+                                  if k != "quantization_config"})
+    return tuple(int(getattr(cfg, f)) for f in fields)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -77,7 +89,10 @@ class SplitExperts(torch.nn.ModuleList):
                 continue
             y = expert(hidden_states[token_idx])  # [t, H]
             y = y * top_k_weights[token_idx, k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
+            # each row appears once per expert: a plain indexed add is transformers' index_add_
+            # (the same one addition per element), without index_add_'s threaded CPU path,
+            # which stalls on a loaded machine
+            out[token_idx] += y.to(out.dtype)
         return out
 
     def fused(self, group: ExpertGroup) -> dict[str, torch.Tensor]:

@@ -126,7 +126,8 @@ FAMILIES: dict[str, Family] = {
     # hub names: block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down); router
     # block_sparse_moe.gate
     "mixtral": Family(_ATTN_GROUPS, moe=ExpertGroup(
-        num_experts="num_local_experts", linear_names=("w1", "w3", "w2"),
+        num_experts="num_local_experts", intermediate="intermediate_size",
+        linear_names=("w1", "w3", "w2"),
         hub_mlp="block_sparse_moe")),
     "qwen2_moe": Family(_ATTN_GROUPS, moe=ExpertGroup(
         shared_expert="mlp.shared_expert", shared_expert_gate="mlp.shared_expert_gate")),

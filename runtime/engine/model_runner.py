@@ -249,7 +249,7 @@ def fuse_projections(layer, hidden_act: str | None,
     family = family or FAMILIES["llama"]
     qkv = None if family.qkv_proj else _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up = None
-    if hidden_act == "silu" and not family.gate_up_proj:
+    if hidden_act == "silu" and not family.gate_up_proj and family.moe is None:
         gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
     return FusedProjections(qkv, gate_up)
 
@@ -445,6 +445,8 @@ class ModelRunner:
         fp = self.projections[i]
         if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> silu(gate) * up [T, I]
             return layer.mlp.down_proj(self.ops.silu_mul(a8w4_matmul(x, fp.gate_up)))
+        if self.family.moe is not None:  # transformers' MoE blocks take [batch, seq, hidden]
+            return layer.mlp(x[None])[0]
         return layer.mlp(x)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,

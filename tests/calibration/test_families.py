@@ -90,5 +90,6 @@ def test_awq_folds_keep_logits(model_type):
 
 
 def test_unsupported_model_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match="not supported.*gemma2.*llama.*phi3.*qwen3"):
+    with pytest.raises(ValueError, match="not supported.*gemma2.*llama.*mixtral.*phi3.*"
+                       "qwen2_moe.*qwen3.*qwen3_moe"):
         family_for("gpt2")

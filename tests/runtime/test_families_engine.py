@@ -1,10 +1,12 @@
-"""The serving engine on every dense family of the registry: logits and greedy tokens vs HF.
+"""The serving engine on every family of the registry: logits and greedy tokens vs HF.
 
 Each family's tiny model (tests/tiny_models.FAMILY_CONFIGS) turns on what the family adds over
 Llama: Llama 3.x RoPE scaling, Mistral's sliding window on every layer, Qwen2's q/k/v biases,
 Qwen3's q/k norms, Gemma's (1 + w) norms and embedding scale, Gemma 2's sandwich norms, score
 and final-logit soft-caps, query_pre_attn_scalar and alternating sliding layers, Gemma 3's
-per-layer-type RoPE and q/k norms, Phi-3's fused qkv_proj / gate_up_proj and partial RoPE.
+per-layer-type RoPE and q/k norms, Phi-3's fused qkv_proj / gate_up_proj and partial RoPE;
+Mixtral, Qwen2-MoE (shared expert, no top-k renormalisation) and Qwen3-MoE (top-k renormalised)
+run transformers' router and experts through the engine's ``layer.mlp`` call.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from tests.tiny_models import FAMILY_CONFIGS, hf_greedy, make_family_model
 # fp32 end to end; the engine sums in another order than HF (paged blocks, GQA folding)
 LOGITS_ATOL = 2e-4
 NEW = 6
-DENSE = sorted(FAMILY_CONFIGS)
+FAMS = sorted(FAMILY_CONFIGS)
 
 
-@pytest.fixture(scope="module", params=DENSE)
+@pytest.fixture(scope="module", params=FAMS)
 def tiny(request):
     return request.param, *make_family_model(request.param)
 
@@ -74,7 +76,6 @@ def test_engine_greedy_matches_hf(tiny):
 
 
 def test_every_registry_family_has_a_tiny_config():
-    # MoE families are not in the registry yet (docs/families.md)
     assert set(FAMILY_CONFIGS) == set(FAMILIES)
 
 
@@ -97,5 +98,6 @@ def test_unsupported_model_type_fails_naming_the_supported_ones():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama.*phi3.*qwen3"):
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama.*mixtral.*phi3.*"
+                       "qwen2_moe.*qwen3.*qwen3_moe"):
         ModelRunner(model, 4, 4)

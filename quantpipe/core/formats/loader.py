@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.core.experts import fused_tensors
+from quantpipe.core.experts import config_ints, fused_tensors
 from quantpipe.core.families import FAMILIES
 from quantpipe.core.formats.verify import VerifyReport, inspect_checkpoint
 from quantpipe.core.hf_model import build_causal_lm
@@ -88,5 +88,5 @@ def model_tensors(config: dict, tensors: Iterable[tuple[str, torch.Tensor]]
     if family is None or family.moe is None:
         yield from tensors
         return
-    yield from fused_tensors(tensors, family.blocks, family.moe,
-                             int(config[family.moe.num_experts]))
+    (num_experts,) = config_ints(config, family.moe.num_experts)
+    yield from fused_tensors(tensors, family.blocks, family.moe, num_experts)
