@@ -448,3 +448,67 @@ def test_paged_attention_matches_float64_reference_decode_and_chunks(isa, d, ops
     with pytest.raises(RuntimeError, match="outside the pool"):
         ops.paged_attention(q, k_pool, v_pool, bad, torch.tensor(ctx_lens),
                                                 torch.tensor(q_lens), 0.125)
+
+
+# --- the kernels' thread pool (csrc/thread_pool.h) ---------------------------------------------
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _split_cases(isa, ops):
+    """(name, call) of ops big enough to be split over several threads: every output row block
+    is computed by exactly one thread, so the results must not depend on the thread count."""
+    gen = torch.Generator().manual_seed(3)
+    p4 = random_packed(576, 576, QuantSpec(4, 64, False), seed=4)
+    w4 = cpu_kernels.repack_a8w4(p4, isa)
+    w4 = cpu_kernels.CpuA8W4(w4.packed, w4.scales, w4.mz, w4.perm, w4.group_size, w4.op,
+                             _a8_variants(isa)[-1])
+    w8 = cpu_kernels.repack_q8(random_packed(576, 576, QuantSpec(8, 64, False), seed=5), isa)
+    wh = (torch.randn(2048 // 16, 576, 16, generator=gen) * 0.1).half()
+    k_pool, v_pool = torch.randn(2, 16, 16, 3, 64, generator=gen).unbind(0)  # [blocks, 16, KV, D]
+    kv_args = (torch.arange(16).view(1, 16), torch.tensor([250]), torch.tensor([1]), 0.125)
+    q = torch.randn(1, 9, 64, generator=gen)
+    cases = []
+    for m in (1, 3, 9):
+        x = torch.randn(m, 576, generator=gen)
+        cases += [(f"int4_a8_mm m={m}", lambda x=x: cpu_kernels.a8w4_matmul(x, w4)),
+                  (f"int8_mm m={m}", lambda x=x: cpu_kernels.q8_matmul(x, w8)),
+                  (f"fp16_mm m={m}", lambda x=x: ops.fp16_mm(x, wh))]
+    cases.append(("paged_attention", lambda: ops.paged_attention(q, k_pool, v_pool, *kv_args)))
+    return cases
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_results_do_not_depend_on_the_thread_count(isa, ops, threads):
+    """Decode-sized matmuls (one row of a 576 x 576 layer) and attention are split over the
+    pool's threads; 2 and 5 threads (more than this machine may have) give the bytes of 1."""
+    cases = _split_cases(isa, ops)
+    threads(1)
+    want = [fn() for _, fn in cases]
+    for n in (2, 5):
+        threads(n)
+        for (name, fn), w in zip(cases, want):
+            for _ in range(3):  # a worker may join late or not at all: any split is exact
+                assert torch.equal(fn(), w), (name, n)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_callers_on_several_threads_share_the_pool(isa, ops, threads):
+    """Ops called at once from several Python threads (a server's workers): one caller uses the
+    pool, the others run on their own thread, all results exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = _split_cases(isa, ops)
+    threads(1)
+    want = [fn() for _, fn in cases]
+    threads(2)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: cases[i % len(cases)][1](), range(8 * len(cases))))
+    for i, g in enumerate(got):
+        assert torch.equal(g, want[i % len(cases)]), cases[i % len(cases)][0]

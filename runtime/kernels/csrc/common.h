@@ -15,20 +15,23 @@
 #include <type_traits>
 #include <vector>
 
+#include "thread_pool.h"
+
 namespace qp {
 
 constexpr int64_t kRows = 16;  // output rows per weight block (every blocked layout)
 constexpr int64_t kA8Block = 32;  // activations quantized to int8 per block of 32 columns
 
-// Blocks of 16 output rows are split over torch's threads when there is enough work to pay for
-// waking them: at least kMinMacsPerThread multiply-adds each (one row of a 192 x 576 layer
-// stays on one thread).
-constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
+// Blocks of 16 output rows are split over the threads (thread_pool.h: torch's thread count)
+// when each thread gets at least kMinMacsPerThread multiply-adds: every matmul of a decode step
+// of a small model (a 576 x 576 layer, one row) is split over 2 threads. The pool's hand-off
+// costs a cache-line transfer while its workers spin between a step's ops, and a worker that is
+// not there in time takes nothing, so the bound only keeps each chunk well above that cost.
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 16;
 
-// int8 dot products do 4x the multiply-adds per instruction: a thread needs 4x the work to pay
-// for its wake-up (and a decode step of a small model then wakes threads for its large
-// matmuls only, which also keeps it fast when other processes load the cores)
-constexpr int64_t kMinA8MacsPerThread = int64_t{1} << 20;
+// int8 dot products do 4x the multiply-adds per instruction of the fp32 FMA kernels: a chunk
+// needs more of them for the same time
+constexpr int64_t kMinA8MacsPerThread = int64_t{1} << 17;
 
 // Calls tile(block, m0, MT) for every block of 16 output rows and every tile of MT <= MaxTile
 // activation rows (MT a compile-time constant: the accumulators stay in registers).
@@ -38,7 +41,7 @@ void for_each_tile(int64_t M, int64_t NB, int64_t K, const Tile& tile,
   static_assert(MaxTile >= 1 && MaxTile <= 8, "tiles of 1..8 rows");
   const int64_t macs_per_block = std::max<int64_t>(1, kRows * K * M);
   const int64_t grain = std::max<int64_t>(1, min_macs / macs_per_block);
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  qp::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t m0 = 0; m0 < M; m0 += MaxTile) {
         switch (std::min<int64_t>(MaxTile, M - m0)) {
@@ -111,7 +114,7 @@ A8Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group_size,
   a.xq.resize(M * K);
   a.dx.resize(M * nb);
   a.qsum.resize(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  qp::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + m * K, K, group_size, a.xq.data() + m * K, a.dx.data() + m * nb,
                    a.qsum.data() + m * G);
@@ -331,7 +334,7 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   const int64_t grain = work < kMinMacsPerThread ? B * KV : 1;
   auto run = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    at::parallel_for(0, B * KV, grain, [&](int64_t i0, int64_t i1) {
+    qp::parallel_for(0, B * KV, grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> p;  // [G, n] scores, then softmax numerators
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KV, kvh = i % KV;
