@@ -54,6 +54,8 @@ def load_baseline(commit: str) -> dict:
                              check=True, capture_output=True, text=True).stdout
         for other in MODULES:  # the baseline's own helpers, not the working tree's
             src = src.replace(f"quantpipe.calibration.{other} ", f"{pkg}.{other} ")
+        # the family registry moved to quantpipe.core (commit 18a8a84)
+        src = src.replace("quantpipe.calibration.families ", "quantpipe.core.families ")
         (root / pkg / f"{name}.py").write_text(src)
     sys.path.insert(0, str(root))
     return {name: importlib.import_module(f"{pkg}.{name}") for name in MODULES}
@@ -259,6 +261,8 @@ def main() -> None:
             print(f"rep {rep} {name}: block {phases['block total']:.1f} s, GPTQ "
                   f"{phases['GPTQ total (14 calls)']:.1f} s, load {phases['loadavg_1min_after']}",
                   flush=True)
+            # every phase of this run, so that a run stopped early still leaves its numbers
+            print(json.dumps({"rep": rep, "impl": name, "phases": phases}), flush=True)
 
     def medians(rows: list[dict]) -> dict:
         keys = sorted({k for r in rows for k in r})

@@ -200,7 +200,7 @@ def _fp16_folder(shape: str, base: Path, reuse: bool) -> tuple[dict, Path]:
 
 
 def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: int,
-              keep: bool, reuse: bool = False) -> dict:
+              keep: bool, reuse: bool = False, stages: str = "all") -> dict:
     base = work / shape
     base.mkdir(parents=True, exist_ok=True)
     res, fp16 = _fp16_folder(shape, base, reuse)
@@ -220,6 +220,8 @@ def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: i
         secs = block_seconds(calib)
         st[key]["seconds_per_block"] = {"mean": round(sum(secs) / len(secs), 2),
                                         "max": round(max(secs), 2), "blocks": len(secs)}
+        if stages == "calibrate":
+            continue
         st[f"export-{algo}"] = run_stage(["export", str(calib), "--bits", "4", "--out",
                                           str(qdir), "--force"], base / f"export-{algo}.log")
         if st[f"export-{algo}"]["rc"] != 0:
@@ -254,18 +256,32 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the model folders")
     ap.add_argument("--reuse-fp16", action="store_true",
                     help="start from a finished FP16 folder of a --keep run under --work")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="override the depth: a slice of N layers of each shape at its real "
+                         "widths (peak RSS is reached within one block; named SHAPE-N)")
+    ap.add_argument("--stages", default="all",
+                    help="all, or calibrate: stop after calibrate (memory of one stage)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    if args.stages not in ("all", "calibrate"):
+        ap.error("--stages is all or calibrate")
+    if args.layers:
+        for s in list(shapes):
+            SHAPES[f"{s}-{args.layers}"] = dict(SHAPES[s], num_hidden_layers=args.layers)
+        shapes = [f"{s}-{args.layers}" for s in shapes]
     algos = [a for a in args.algos.split(",") if a]
     out = {"cpu": cpu_info(), "torch": torch.__version__, "samples": args.samples,
-           "seq_len": args.seq_len, "results": {}}
+           "seq_len": args.seq_len, "loadavg_before": os.getloadavg(),
+           "note": "shared machine: other jobs were using the CPUs, so seconds are noisy",
+           "results": {}}
     for shape in shapes:
         out["results"][shape] = run_shape(shape, algos, args.work, args.samples, args.seq_len,
-                                          args.keep, args.reuse_fp16)
+                                          args.keep, args.reuse_fp16, args.stages)
+        out["loadavg_after"] = os.getloadavg()
         write_json_atomic(args.json, out)  # after every shape: a long run keeps what it has
     print(f"wrote {args.json}")
 

@@ -77,32 +77,95 @@ def run_block(block, hidden: torch.Tensor, ctx: BlockContext, batch_size: int) -
     return torch.cat(outs)
 
 
-@dataclass
-class GroupStats:
-    """Statistics of one shared linear input, accumulated over all calibration tokens."""
+# rows per stored strip of the X^T X sum (see GroupStats): the strips hold the upper triangle
+# plus half a strip's square per strip, so narrower strips waste less
+XTX_STRIP_ROWS = 256
 
-    in_features: int
-    # [in, in] fp64 sum of the batches' fp32 x^T x, added in place (no fp64 copy of each
-    # product). fp64 sums keep calibration's results those of the reference runs: summed in
-    # fp32 instead, GPTQ's rounding choices on SmolLM2 change enough to move the KLD 0.138 ->
-    # 0.147 (docs/scale.md); fp32 would halve this matrix (11008^2 for a 7B down_proj)
-    xtx: torch.Tensor | None  # None once take_hessian() consumed it
-    abs_sum: torch.Tensor  # [in] fp64 sum of |x|
-    tokens: int = 0
-    sample: list[torch.Tensor] = field(default_factory=list)  # rows kept for clip search
-    sample_rows: int = 0
+
+class GroupStats:
+    """Statistics of one shared linear input, accumulated over all calibration tokens.
+
+    X^T X is symmetric, so only its upper triangle is summed: row strips ``[r0:r1, r0:in]``
+    (each with its full diagonal square) in float64, about half of the full [in, in] float64
+    matrix (a 7B down_proj's 11008^2 sum). Each batch's fp32 product is added in place, as a
+    full matrix would be; the Hessian is rebuilt by mirroring the strips. fp64 sums keep
+    calibration's results those of the reference runs (docs/scale.md).
+    """
+
+    def __init__(self, in_features: int, xtx: torch.Tensor | None = None,
+                 abs_sum: torch.Tensor | None = None, tokens: int = 0,
+                 sample: list[torch.Tensor] | None = None, sample_rows: int = 0) -> None:
+        self.in_features = in_features
+        # [in] fp64 sum of |x|
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64) if abs_sum is None \
+            else abs_sum
+        self.tokens = tokens
+        self.sample: list[torch.Tensor] = [] if sample is None else sample  # rows for clipping
+        self.sample_rows = sample_rows
+        self._strips: list[torch.Tensor] | None  # [r1 - r0, in - r0] fp64 each; None: taken
+        if xtx is None:
+            self._strips = [torch.zeros(r1 - r0, in_features - r0, dtype=torch.float64)
+                            for r0, r1 in self._bounds()]
+        else:
+            self.xtx = xtx
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        n = self.in_features
+        return [(r0, min(r0 + XTX_STRIP_ROWS, n)) for r0 in range(0, n, XTX_STRIP_ROWS)]
+
+    def add_xtx(self, x: torch.Tensor) -> None:
+        """x: [tokens, in] fp32: add x^T x ([in, in] fp32, symmetric) to the fp64 sum."""
+        P = x.T @ x  # [in, in] fp32
+        for (r0, r1), strip in zip(self._bounds(), self._strips):
+            strip.add_(P[r0:r1, r0:])  # fp64 += fp32, elementwise as a full matrix would be
+
+    def _full(self, scale: float | None, dtype: torch.dtype, consume: bool) -> torch.Tensor:
+        """The symmetric [in, in] matrix from the strips (times ``scale``), in ``dtype``."""
+        if self._strips is None:
+            raise ValueError("X^T X was already taken by take_hessian()")
+        n = self.in_features
+        out = torch.empty(n, n, dtype=dtype)
+        for i, (r0, r1) in enumerate(self._bounds()):
+            strip = self._strips[i]
+            if scale is not None:  # 2 X^T X / tokens: multiply, then divide, in fp64
+                strip = strip.mul_(2.0) if consume else strip * 2.0
+                strip.div_(scale)
+            out[r0:r1, r0:] = strip  # the cast rounds as .float() would
+            out[r1:, r0:r1] = out[r0:r1, r1:].T  # mirrored: X^T X is symmetric
+            if consume:
+                self._strips[i] = None  # freed strip by strip while H fills up
+        if consume:
+            self._strips = None
+        return out
+
+    @property
+    def xtx(self) -> torch.Tensor:
+        """X^T X summed over the tokens: [in, in] fp64 (a full copy, built from the strips)."""
+        return self._full(None, torch.float64, consume=False)
+
+    @xtx.setter
+    def xtx(self, value: torch.Tensor) -> None:
+        """Replace the sum by a symmetric [in, in] matrix (its upper triangle is kept)."""
+        assert value.shape == (self.in_features, self.in_features), value.shape
+        self._strips = [value[r0:r1, r0:].to(torch.float64, copy=True)
+                        for r0, r1 in self._bounds()]
+
+    def scale_inputs(self, s: torch.Tensor) -> None:
+        """The statistics of the inputs x / s (s: [in] fp32), in place: X^T X / (s s^T) and
+        sum |x| / s (AWQ's rescaling, sec. 3: the next linear reads x / s)."""
+        for (r0, r1), strip in zip(self._bounds(), self._strips):
+            strip /= (s[r0:r1, None] * s[None, r0:]).double()  # [r1 - r0, in - r0]
+        self.abs_sum /= s.double()
 
     @property
     def H(self) -> torch.Tensor:
         """GPTQ Hessian of the layer-wise loss: 2 X^T X / tokens  -> [in, in] fp32 (a copy)."""
-        return (2.0 * self.xtx / max(self.tokens, 1)).float()
+        return self._full(max(self.tokens, 1), torch.float32, consume=False)
 
     def take_hessian(self) -> torch.Tensor:
-        """:attr:`H`, scaling the fp64 sum in place (no second fp64 [in, in] matrix) before
-        the fp32 copy; the statistics keep no X^T X afterwards."""
-        H = self.xtx.mul_(2.0).div_(max(self.tokens, 1)).float()  # the same roundings as H
-        self.xtx = None
-        return H
+        """:attr:`H`, scaling the fp64 strips in place and freeing each once it is copied
+        into the fp32 matrix; the statistics keep no X^T X afterwards."""
+        return self._full(max(self.tokens, 1), torch.float32, consume=True)
 
     @property
     def x_absmean(self) -> torch.Tensor:
@@ -124,17 +187,14 @@ class StatsCollector:
         for group in groups:
             lin = block.get_submodule(group.linears[0])
             in_f = lin.in_features
-            self.stats[group] = GroupStats(
-                in_f, torch.zeros(in_f, in_f, dtype=torch.float64),
-                torch.zeros(in_f, dtype=torch.float64),
-            )
+            self.stats[group] = GroupStats(in_f)
             self._handles.append(lin.register_forward_pre_hook(self._hook(group)))
 
     def _hook(self, group: InputGroup):
         def hook(_module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
             st = self.stats[group]
-            st.xtx.add_(x.T @ x)  # [in, in] fp64 += [in, tokens] @ [tokens, in] fp32
+            st.add_xtx(x)  # [in, in] fp64 (upper strips) += [in, tokens] @ [tokens, in] fp32
             st.abs_sum += x.abs().sum(0).double()
             st.tokens += x.shape[0]
             want = self._sample_rows - st.sample_rows
