@@ -313,9 +313,9 @@ def scale_group(block: torch.nn.Module, group: InputGroup, st: GroupStats,
     v_proj -> o_proj) cannot carry the scale: the group is skipped, and the reason recorded.
     """
     if group.prev_op == NO_FOLD:
-        # MoE: the experts' input also feeds the FP16 router (core.families): left unscaled
-        return {"skipped": f"{group.linears} read an input that also feeds the router: "
-                           "no op to fold a scale into"}
+        # MoE: a group of several reading one norm (scale_shared_input scales them together)
+        return {"skipped": f"{group.linears} share their input with other groups: scaled "
+                           "with them (scale_shared_input), not alone"}
     linears = [block.get_submodule(n) for n in group.linears]
     prev = block.get_submodule(group.prev_op)
     is_norm = not isinstance(prev, torch.nn.Linear)
@@ -332,6 +332,43 @@ def scale_group(block: torch.nn.Module, group: InputGroup, st: GroupStats,
     _fold_into(prev, norm_kind if is_norm else "linear", linears, weights, res.scales)
     _rescale_inputs(st, recorded.get(group.inspect) if group.inspect else None, res.scales)
     return {"ratio": res.ratio, "loss_s1": res.losses[0], "loss_best": min(res.losses)}
+
+
+def scale_shared_input(block: torch.nn.Module, linears: list[str], prev_op: str,
+                       compensate: list[str], inspect: str, stats: list[GroupStats],
+                       recorded: dict[str, list[torch.Tensor]], block_kwargs: dict,
+                       spec: QuantSpec, norm_kind: str) -> dict:
+    """One scale for linears that read one norm's output in several input groups (a MoE
+    block's experts: each sees only its routed rows), folded into that norm, with the columns
+    of the unquantized modules reading the same output (``compensate``: the router,
+    Qwen2-MoE's shared_expert_gate) multiplied by it too, so their outputs do not change.
+
+    x_absmean is over all the groups' rows: with every token routed to k experts and seen
+    once by a shared expert, that is the mean over the tokens. The loss is ``inspect``'s
+    output error (the MoE block, on its ``recorded`` inputs); the compensated modules keep
+    their FP weights in every candidate, as they do after the fold.
+    """
+    mods = [block.get_submodule(n) for n in linears]
+    extra = [block.get_submodule(n) for n in compensate]
+    tokens = sum(st.tokens for st in stats)
+    x_absmean = (sum(st.abs_sum for st in stats) / max(tokens, 1)).float()  # [in]
+    weights = [m.weight.data.float() for m in mods]  # [out_i, in] each
+    loss_fn = _module_loss(block.get_submodule(inspect), mods, torch.cat(recorded[inspect]),
+                           block_kwargs)
+    res = awq_search_scales(x_absmean, weights, spec, loss_fn)
+    prev = block.get_submodule(prev_op)
+    # the compensated modules' [out, in] weights get the same column scaling as the linears
+    _fold_into(prev, norm_kind, mods + extra, weights + [m.weight.data.float() for m in extra],
+               res.scales)
+    for st in stats:
+        _rescale_inputs(st, None, res.scales)
+    _rescale_inputs_recorded(recorded[inspect], res.scales)
+    return {"ratio": res.ratio, "loss_s1": res.losses[0], "loss_best": min(res.losses),
+            "linears": len(mods), "compensated": list(compensate)}
+
+
+def _rescale_inputs_recorded(recorded: list[torch.Tensor], s: torch.Tensor) -> None:
+    recorded[:] = [t / s for t in recorded]  # [n, L, in] each
 
 
 def scale_block(block: torch.nn.Module, groups: tuple[InputGroup, ...],

@@ -5,7 +5,8 @@ A block's experts are split into per-expert linears before capture
 groups whose hooks see only the rows the router sent to that expert: (gate, up) share the
 Hessian of the routed MLP inputs, down's is made from that expert's ``act(gate) * up`` on the
 same rows. The router (and Qwen2-MoE's ``shared_expert_gate``) belong to no group: they stay
-FP16.
+FP16 (AWQ multiplies their columns by the scale it folds into the norm feeding them, which
+leaves their outputs unchanged: :func:`moe_shared_input`).
 
 An expert that received fewer than ``min_tokens`` rows has a Hessian too poor to trust (rank
 below its in_features, dominated by dampening): its linears are quantized with plain RTN
@@ -16,16 +17,41 @@ below its in_features, dominated by dampening): its linears are quantized with p
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from quantpipe.calibration.result import QuantResult, proxy_loss
 from quantpipe.calibration.rtn import rtn
 from quantpipe.core.experts import SplitExperts, split_fused_name
-from quantpipe.core.families import Family, InputGroup
+from quantpipe.core.families import NO_FOLD, Family, InputGroup
 from quantpipe.core.qformat import QuantSpec
 
 FALLBACK = "rtn"  # what an expert below the token minimum is quantized with
+
+
+@dataclass(frozen=True)
+class SharedInput:
+    """The MoE block's input groups AWQ scales at once (awq.scale_shared_input)."""
+
+    key: str  # where the block's JSON records the result under "awq"
+    groups: list[InputGroup]  # each expert's (and the shared expert's) (gate, up) group
+    linears: list[str]  # their linears
+    prev_op: str  # the norm producing the input (the scale is folded into it)
+    compensate: list[str]  # unquantized readers of the input: router, shared_expert_gate
+    inspect: str  # the MoE block, whose output the scale search compares
+
+
+def moe_shared_input(family: Family, groups: tuple[InputGroup, ...]) -> SharedInput | None:
+    """The groups of a MoE block that read its input, or None (dense block or family)."""
+    joint = [g for g in groups if g.prev_op == NO_FOLD]
+    if not joint:
+        return None
+    moe = family.moe
+    assert moe is not None and len({g.inspect for g in joint}) == 1, joint
+    return SharedInput(f"{moe.path} (all experts' gate/up)", joint,
+                       [n for g in joint for n in g.linears], family.mlp_in_norm,
+                       [n for n in (moe.router, moe.shared_expert_gate) if n], joint[0].inspect)
 
 
 def is_expert_group(family: Family, group: InputGroup) -> bool:

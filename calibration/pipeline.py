@@ -45,7 +45,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from quantpipe.calibration.artifact import block_file, save_block, work_dir
-from quantpipe.calibration.awq import awq_quantize, scale_block
+from quantpipe.calibration.awq import awq_quantize, scale_block, scale_shared_input
 from quantpipe.calibration.capture import (
     BlockContext,
     GroupStats,
@@ -61,6 +61,7 @@ from quantpipe.calibration.moe import (
     fallback_quantize,
     fused_block_state,
     is_expert_group,
+    moe_shared_input,
 )
 from quantpipe.calibration.prompts import SHIPPED_SETS
 from quantpipe.calibration.result import QuantResult
@@ -471,6 +472,13 @@ def _awq_step(spec: CalibrateSpec, work: _BlockWork) -> _StepResult:
     norm_kind = "one_plus_norm" if work.model_type in ONE_PLUS_NORM_FAMILIES else "norm"
     info = scale_block(work.block, work.groups, work.stats, work.recorded, work.ctx.kwargs(),
                        lambda in_f: _layer_spec(spec, work.name, in_f), norm_kind)
+    shared = moe_shared_input(work.family, work.groups)
+    if shared is not None:  # MoE: every expert's (gate, up) scaled at once
+        in_f = work.block.get_submodule(shared.linears[0]).in_features
+        info[shared.key] = scale_shared_input(
+            work.block, shared.linears, shared.prev_op, shared.compensate, shared.inspect,
+            [work.stats[g] for g in shared.groups], work.recorded, work.ctx.kwargs(),
+            _layer_spec(spec, work.name, in_f), norm_kind)
     changed = {f"{work.name}.{k}": v.detach().to(torch.float16).clone()
                for k, v in fused_block_state(work.block, work.family).items()
                if not torch.equal(v, before[k])}
@@ -603,7 +611,7 @@ def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type:
                                **({} if algo.samples_rows else {"sample_rows": 0}))
     recorder = None
     if algo.records_inputs:
-        inspect_names = [g.inspect for g in groups if g.inspect]
+        inspect_names = list(dict.fromkeys(g.inspect for g in groups if g.inspect))
         recorder = InputRecorder(block, inspect_names, spec.awq_samples)
     try:
         fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]

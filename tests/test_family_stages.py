@@ -146,10 +146,17 @@ def test_calibrate(family, algo, prompt_file, tmp_path_factory):
     if moe is not None:  # every expert got enough tokens: no fallback
         assert calib.manifest["expert_fallbacks"] == {}
     if moe is not None and algo == "awq":
-        # the experts' input also feeds the router: unscaled; each down folds into its up
+        # every expert's gate/up scaled at once into the norm, the router compensated; each
+        # down folds into its own up
         awq = calib.block_info(0)["awq"]
         gate, _, down = moe.expert_linears(0)
-        assert "router" in awq[gate]["skipped"] and "ratio" in awq[down], awq
+        joint = awq[f"{moe.path} (all experts' gate/up)"]
+        assert "scaled with them" in awq[gate]["skipped"] and "ratio" in awq[down], awq
+        assert moe.router in joint["compensated"] and joint["linears"] >= 8, joint
+        if joint["ratio"] > 0:  # the folded norm and the compensated router are FP overrides
+            fp = calib.fp_tensors()
+            assert {f"model.layers.0.{moe.router}.weight",
+                    "model.layers.0.post_attention_layernorm.weight"} <= set(fp)
 
 
 @pytest.mark.parametrize("family,algo", [_param(f, "gptq", CALIBRATE_XFAIL) for f in FAMS])

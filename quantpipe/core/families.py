@@ -91,18 +91,20 @@ _PHI3_GROUPS = (
     InputGroup(("mlp.down_proj",), "mlp.gate_up_proj", ""),
 )
 
-# MoE: a block's MLP input (post_attention_layernorm's output) also feeds the router (and
-# Qwen2-MoE's shared_expert_gate), both kept FP16: a scale folded into that norm would change
-# the routing unless the router were rescaled too, so AWQ leaves these groups unscaled
-# (prev_op "": no op to fold into; calibration records the skip). down_proj reads only its own
+# MoE: every expert's (gate, up) reads post_attention_layernorm's output, but each sees only
+# the rows routed to it, so each is its own Hessian group (prev_op NO_FOLD: no fold of its
+# own). AWQ scales all of them at once (awq.scale_shared_input, inspecting the MoE block
+# "mlp"), folded into that norm with the router's (and Qwen2-MoE's shared_expert_gate's)
+# columns multiplied by the scale, so routing is unchanged. down_proj reads only its own
 # expert's act(gate) * up and folds into that expert's up_proj as in a dense MLP.
 _ATTN_GROUPS = _LLAMA_GROUPS[:2]
 _DENSE_MLP_GROUPS = _LLAMA_GROUPS[2:]  # a dense layer of a MoE model (mlp_only_layers)
-NO_FOLD = ""  # InputGroup.prev_op of a group whose scale has nowhere to go
+NO_FOLD = ""  # InputGroup.prev_op of a group scaled together with others (MoE experts)
+MOE_BLOCK = "mlp"  # the MoE module of a block (router, experts, shared expert)
 
 
 def _mlp_groups(gate: str, up: str, down: str) -> tuple[InputGroup, ...]:
-    return (InputGroup((gate, up), NO_FOLD, ""), InputGroup((down,), up, ""))
+    return (InputGroup((gate, up), NO_FOLD, MOE_BLOCK), InputGroup((down,), up, ""))
 
 
 _GEMMA_COMMON = dict(one_plus_norm=True, norm_eps="eps",

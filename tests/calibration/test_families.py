@@ -58,12 +58,25 @@ def test_awq_folds_keep_logits(model_type):
     with torch.no_grad():
         ref = model(ids).logits  # [2, 12, vocab] fp64
     gen = torch.Generator().manual_seed(1)
-    for group in block_groups(family, block):
+    norm_kind = "one_plus_norm" if model_type in ONE_PLUS_NORM_FAMILIES else "norm"
+    groups = block_groups(family, block)
+    joint = [n for g in groups if g.prev_op == NO_FOLD for n in g.linears]
+    if joint:
+        # MoE: every expert's (and the shared expert's) gate/up share one scale folded into
+        # the MLP-input norm; the router and shared_expert_gate read that norm too and get
+        # their columns multiplied by it (calibration.awq.scale_shared_input)
+        moe = family.moe
+        readers = joint + [n for n in (moe.router, moe.shared_expert_gate) if n]
+        mods = [block.get_submodule(n) for n in readers]
+        norm = block.get_submodule(family.mlp_in_norm)
+        s = 0.5 + 1.5 * torch.rand(norm.weight.numel(), generator=gen, dtype=torch.float64)
+        res = fold_scales(norm.weight.data, norm_kind, [m.weight.data for m in mods], s)
+        norm.weight.data = res.prev_weight
+        for m, w in zip(mods, res.weights):
+            m.weight.data = w
+    for group in groups:
         if group.prev_op == NO_FOLD:
-            # MoE: the experts' input also feeds the FP16 router; calibration leaves it
-            # unscaled and records the skip
-            assert family.moe is not None, group
-            continue
+            continue  # folded above
         prev = block.get_submodule(group.prev_op)
         linears = [block.get_submodule(n) for n in group.linears]
         if isinstance(prev, torch.nn.Linear):
@@ -73,7 +86,7 @@ def test_awq_folds_keep_logits(model_type):
                 continue
             kind = "linear"
         else:
-            kind = "one_plus_norm" if model_type in ONE_PLUS_NORM_FAMILIES else "norm"
+            kind = norm_kind
         s = 0.5 + 1.5 * torch.rand(linears[0].in_features, generator=gen, dtype=torch.float64)
         bias = getattr(prev, "bias", None)
         res = fold_scales(prev.weight.data, kind, [lin.weight.data for lin in linears], s,
