@@ -102,16 +102,25 @@ class GroupStats:
         self.tokens = tokens
         self.sample: list[torch.Tensor] = [] if sample is None else sample  # rows for clipping
         self.sample_rows = sample_rows
-        self._strips: list[torch.Tensor] | None  # [r1 - r0, in - r0] fp64 each; None: taken
-        if xtx is None:
-            self._strips = [torch.zeros(r1 - r0, in_features - r0, dtype=torch.float64)
-                            for r0, r1 in self._bounds()]
-        else:
+        # [r1 - r0, in - r0] fp64 each, views of one buffer; None once taken
+        self._strips: list[torch.Tensor] | None
+        self._strips = self._new_strips()
+        if xtx is not None:
             self.xtx = xtx
 
     def _bounds(self) -> list[tuple[int, int]]:
         n = self.in_features
         return [(r0, min(r0 + XTX_STRIP_ROWS, n)) for r0 in range(0, n, XTX_STRIP_ROWS)]
+
+    def _new_strips(self) -> list[torch.Tensor]:
+        """Zeroed strips, views of one fp64 buffer: one large allocation that goes back to the
+        system when the strips are dropped (many strip-sized ones would stay in malloc's
+        heap after they are freed, and the process would not shrink)."""
+        n = self.in_features
+        sizes = [(r1 - r0) * (n - r0) for r0, r1 in self._bounds()]
+        buf = torch.zeros(sum(sizes), dtype=torch.float64)  # [sum of strip sizes] fp64
+        return [part.view(r1 - r0, n - r0) for part, (r0, r1)
+                in zip(buf.split(sizes), self._bounds())]
 
     def add_xtx(self, x: torch.Tensor) -> None:
         """x: [tokens, in] fp32: add x^T x ([in, in] fp32, symmetric) to the fp64 sum."""
@@ -132,10 +141,8 @@ class GroupStats:
                 strip.div_(scale)
             out[r0:r1, r0:] = strip  # the cast rounds as .float() would
             out[r1:, r0:r1] = out[r0:r1, r1:].T  # mirrored: X^T X is symmetric
-            if consume:
-                self._strips[i] = None  # freed strip by strip while H fills up
         if consume:
-            self._strips = None
+            self._strips = None  # frees the fp64 buffer
         return out
 
     @property
@@ -147,8 +154,9 @@ class GroupStats:
     def xtx(self, value: torch.Tensor) -> None:
         """Replace the sum by a symmetric [in, in] matrix (its upper triangle is kept)."""
         assert value.shape == (self.in_features, self.in_features), value.shape
-        self._strips = [value[r0:r1, r0:].to(torch.float64, copy=True)
-                        for r0, r1 in self._bounds()]
+        self._strips = self._new_strips()
+        for (r0, r1), strip in zip(self._bounds(), self._strips):
+            strip.copy_(value[r0:r1, r0:])
 
     def scale_inputs(self, s: torch.Tensor) -> None:
         """The statistics of the inputs x / s (s: [in] fp32), in place: X^T X / (s s^T) and
@@ -163,8 +171,8 @@ class GroupStats:
         return self._full(max(self.tokens, 1), torch.float32, consume=False)
 
     def take_hessian(self) -> torch.Tensor:
-        """:attr:`H`, scaling the fp64 strips in place and freeing each once it is copied
-        into the fp32 matrix; the statistics keep no X^T X afterwards."""
+        """:attr:`H`, scaling the fp64 strips in place before the fp32 copy (no second fp64
+        matrix); the statistics keep no X^T X afterwards."""
         return self._full(max(self.tokens, 1), torch.float32, consume=True)
 
     @property
