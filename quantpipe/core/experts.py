@@ -112,7 +112,7 @@ def _linear(weight: torch.Tensor) -> torch.nn.Linear:
 
 def split_experts(block: torch.nn.Module, group: ExpertGroup) -> bool:
     """Replace ``block``'s 3-D experts module by :class:`SplitExperts` (the same function, per
-    expert linears holding copies of the slices); idempotent. False: this block has no experts
+    expert linears holding views of the slices); idempotent. False: this block has no experts
     (a dense layer of a MoE model, e.g. Qwen2-MoE's ``mlp_only_layers``)."""
     parent_name, _, child = group.path.rpartition(".")
     parent = block.get_submodule(parent_name)
@@ -126,8 +126,10 @@ def split_experts(block: torch.nn.Module, group: ExpertGroup) -> bool:
     inter = down.shape[-1]
     names = group.linear_names
     split = SplitExperts(
-        ExpertMLP(names, _linear(gate_up[e, :inter].clone()), _linear(gate_up[e, inter:].clone()),
-                  _linear(down[e].clone()), experts.act_fn)
+        # views of the fused parameters (contiguous row blocks): no second copy of the
+        # experts while a block is split; every stage replaces a weight, never writes into it
+        ExpertMLP(names, _linear(gate_up[e, :inter]), _linear(gate_up[e, inter:]),
+                  _linear(down[e]), experts.act_fn)
         for e in range(gate_up.shape[0]))
     setattr(parent, child, split)
     return True
