@@ -171,21 +171,6 @@ def split_fused_name(name: str, blocks: str, group: ExpertGroup) -> tuple[str, s
     return None if m is None else (m.group(1), m.group(2))
 
 
-def expert_tensors(block_prefix: str, kind: str, fused: torch.Tensor, group: ExpertGroup
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A fused experts tensor -> ``(split-model name, [out, in] weight)`` per expert and linear:
-    gate_up [E, 2I, H] -> gate [I, H], up [I, H]; down [E, H, I] -> down [H, I]."""
-    g, u, d = group.linear_names
-    for e in range(fused.shape[0]):
-        pre = f"{block_prefix}.{group.path}.{e}"
-        if kind == group.gate_up:
-            inter = fused.shape[1] // 2
-            yield f"{pre}.{g}.weight", fused[e, :inter]
-            yield f"{pre}.{u}.weight", fused[e, inter:]
-        else:
-            yield f"{pre}.{d}.weight", fused[e]
-
-
 def fused_tensors(tensors: Iterable[tuple[str, torch.Tensor]], blocks: str, group: ExpertGroup,
                   num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Per-expert ``.weight`` tensors (hub or split names) -> transformers' fused parameters
