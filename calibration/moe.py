@@ -8,10 +8,11 @@ same rows. The router (and Qwen2-MoE's ``shared_expert_gate``) belong to no grou
 FP16 (AWQ multiplies their columns by the scale it folds into the norm feeding them, which
 leaves their outputs unchanged: :func:`moe_shared_input`).
 
-An expert that received fewer than ``min_tokens`` rows has a Hessian too poor to trust (rank
-below its in_features, dominated by dampening): its linears are quantized with plain RTN
-(min-max, no Hessian) instead, and the block's JSON lists each such linear with its token count
-(``expert_fallbacks``); the manifest sums them and calibrate logs a warning.
+An expert that received fewer than ``CalibrateSpec.min_expert_tokens`` rows has a Hessian too
+poor to trust (rank below its in_features, dominated by dampening): its linears are quantized
+with plain RTN (min-max, no Hessian) instead, and the block's JSON lists each such linear with
+its token count (``expert_fallbacks``, beside every expert's ``expert_tokens``); the manifest
+and ``CalibrateResult`` list them all and calibrate logs a warning per block.
 """
 
 from __future__ import annotations
