@@ -110,3 +110,35 @@ def test_expert_below_the_token_minimum_falls_back_to_rtn_and_is_reported(mixtra
     kept = [n for n in tokens if n not in below]
     for name in kept:  # block 0's inputs are the same in both runs
         assert torch.equal(second.weights({name: 4})[name].q, first.weights({name: 4})[name].q)
+
+
+def test_qwen2_moe_dense_layer_calibrates_exports_and_loads(tmp_path):
+    """A Qwen2-MoE layer in ``mlp_only_layers`` has a dense MLP: it gets Llama's MLP groups,
+    is exported as plain linears beside the other layer's experts, and the loaded model (fp32
+    dequantizing backend) matches the dequantized HF model."""
+    from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+    from quantpipe.core.native import load_dequantized_model
+    from quantpipe.runtime.loader import load_quantized_model
+    from quantpipe.stages.export import ExportSpec, export_quantized
+    from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
+
+    model, tok = make_family_model("qwen2_moe", mlp_only_layers=[1])
+    fam = family_for("qwen2_moe")
+    blocks = get_blocks(model, fam)
+    assert [g.linears for g in block_groups(fam, blocks[1])][2:] == [
+        ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
+    save_model(model, tok, tmp_path / "src")
+    export_fp16(Fp16ExportSpec(str(tmp_path / "src"), tmp_path / "fp16"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in CORPUS[:8]) + "\n")
+    calib = calibrate(CalibrateSpec(tmp_path / "fp16", tmp_path / "c", str(prompts), algo="rtn",
+                                    samples=4, seq_len=24, min_tokens=4, group_size=32,
+                                    min_expert_tokens=1)).out
+    export_quantized(ExportSpec(calib, tmp_path / "q", bits=4))
+    loaded = load_quantized_model(tmp_path / "q", "cpu", torch.float32, backend="dequant")
+    assert not hasattr(loaded.model.layers[1].mlp, "experts")
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(ids).logits, load_dequantized_model(tmp_path / "q")(ids).logits,
+            rtol=0, atol=1e-4)
