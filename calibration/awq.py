@@ -294,8 +294,7 @@ def _fold_into(prev: torch.nn.Module, prev_kind: str, linears: list[torch.nn.Lin
 def _rescale_inputs(st: GroupStats, recorded: list[torch.Tensor] | None, s: torch.Tensor) -> None:
     """After folding, the group's input is x / s: keep its statistics in the new coordinates
     (the Hessian X^T X, mean |x|, the clip-search sample and the recorded module inputs)."""
-    st.xtx /= (s[:, None] * s[None, :]).double()  # [in, in]
-    st.abs_sum /= s.double()  # [in]
+    st.scale_inputs(s)  # X^T X / (s s^T) [in, in], sum |x| / s [in], in place
     st.sample = [t / s for t in st.sample]  # [rows, in] each
     if recorded is not None:
         recorded[:] = [t / s for t in recorded]  # [n, L, in] each
