@@ -96,8 +96,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
-                         dtype: torch.dtype | None = None, backend: str | None = None):
-    """A transformers causal LM running from the packed weights of ``qdir`` (eval mode)."""
+                         dtype: torch.dtype | None = None, backend: str | None = None,
+                         keep_fp16_embeddings: bool = False):
+    """A transformers causal LM running from the packed weights of ``qdir`` (eval mode).
+
+    ``keep_fp16_embeddings``: an fp16 embedding table and head stay fp16 (for
+    ``runtime.fp_head.set_half_head``, which then never needs an fp32 copy of them)."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch.cuda.is_available() is False; "
@@ -113,7 +117,8 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     if experts is not None:
         quant_linears, tensors = experts.take(quant_linears), experts.placeholders(tensors)
     model = build_causal_lm(ckpt.config, tensors, dtype, device=device,
-                            modules=quant_linears, where=qdir)
+                            modules=quant_linears, where=qdir,
+                            keep_fp16_embeddings=keep_fp16_embeddings)
     if experts is not None:
         experts.install(model)
     del ckpt, quant_linears, tensors, experts

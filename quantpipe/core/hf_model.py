@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from quantpipe.core.heap import release_freed_memory
+
 
 def build_causal_lm(
     config: dict,
@@ -48,6 +50,9 @@ def build_causal_lm(
             raise ValueError(f"{where}: quantized layer {name} is not an nn.Linear of "
                              f"{type(model).__name__}")
         setattr(parent, child, module)
+        # the layer's unpacking temporaries are freed by now: return them to the OS before
+        # the next layer is built, or the freed heap grows with the model (glibc keeps it)
+        release_freed_memory()
     keep = _embedding_names(model) if keep_fp16_embeddings else set()
 
     def cast(name: str, v: torch.Tensor) -> torch.Tensor:

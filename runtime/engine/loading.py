@@ -38,7 +38,10 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
                 f"{folder} is a quantpipe quantized folder but runtime.loader is not available "
                 f"({exc}); serve the FP16 folder instead"
             ) from exc
-        model = load_quantized_model(folder, device, dtype)
+        # a half head on CPU reads the checkpoint's fp16 table as it is: loading it as fp32
+        # first would double the largest tensors at the peak
+        model = load_quantized_model(folder, device, dtype, keep_fp16_embeddings=(
+            device == "cpu" and head_dtype != "fp32"))
     elif qcfg:
         raise ValueError(f"{folder} uses quant_method {qcfg.get('quant_method')!r}; the engine "
                          "serves FP16 folders and quantpipe-native quantized folders")
@@ -46,7 +49,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
         ).to(device)
-    set_half_head(model, head_dtype if device == "cpu" else "fp32")
+    set_half_head(model, head_dtype if device == "cpu" else "fp32", act_dtype=dtype)
     release_freed_memory()  # the load's temporaries and a replaced fp32 table
     tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     return model.eval(), tok
