@@ -240,12 +240,15 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--min-tokens", default=16, show_default=True, help="Drop shorter prompts.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per forward.")
+@click.option("--min-expert-tokens", default=64, show_default=True,
+              help="MoE: an expert routed fewer calibration tokens is quantized with RTN "
+                   "(counted and reported); dense models ignore it.")
 @click.option("--force", is_flag=True,
               help="Replace a finished CALIB_DIR (only once the new one is complete) and "
                    "discard an unfinished run with other settings.")
 def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
                   static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
-                  min_tokens, seed, batch_size, force):
+                  min_tokens, seed, batch_size, min_expert_tokens, force):
     """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 
@@ -254,7 +257,7 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
             fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
             strict_group_size, samples, seq_len, min_tokens, seed, batch_size,
             static_groups=static_groups, force=force,
-            per_channel_if_larger=per_channel_if_larger,
+            per_channel_if_larger=per_channel_if_larger, min_expert_tokens=min_expert_tokens,
         )
         res = calibrate(spec)
     except ValueError as exc:
@@ -262,6 +265,10 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
     click.echo(f"wrote {res.out} in {res.seconds:.1f}s (peak RSS {res.peak_rss_mb:.0f} MB, "
                f"group-size fallbacks on {len(res.group_size_fallbacks)} layers, "
                f"damping raises {res.damp_raises})")
+    if res.expert_fallbacks:
+        click.echo(f"{len(res.expert_fallbacks)} expert linears got fewer than "
+                   f"{min_expert_tokens} routed tokens and were quantized with RTN "
+                   "(listed under expert_fallbacks in the manifest)")
 
 
 _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeatable; "

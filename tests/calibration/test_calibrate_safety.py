@@ -103,6 +103,7 @@ def test_calibrate_refuses_out_containing_the_prompt_file(fp16_dir, tmp_path):
     (dict(group_size=48), "--group-size 48 is not supported"),
     (dict(group_size=128), "larger than in_features 64 of model.layers.0.self_attn.q_proj"),
     (dict(min_tokens=10_000), "all 48 records were dropped"),
+    (dict(min_expert_tokens=0), "--min-expert-tokens must be >= 1"),
 ])
 def test_bad_option_with_force_keeps_the_finished_calibration(finished, fp16_dir, prompt_file,
                                                               tmp_path, bad, match):

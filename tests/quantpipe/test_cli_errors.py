@@ -232,3 +232,18 @@ def test_safetensors_write_error_is_a_disk_error(tmp_path):
                           'message: "No space left on device" })')
     msg = _describe_failure(exc, {"out": tmp_path / "q"})
     assert msg.startswith("no space left on the device while writing") and str(tmp_path) in msg
+
+
+def test_calibrate_passes_min_expert_tokens_to_the_spec(tmp_path, monkeypatch):
+    import quantpipe.calibration.pipeline as pipeline
+
+    seen = {}
+
+    def fake_calibrate(spec):  # only the option plumbing is under test here
+        seen["spec"] = spec
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(pipeline, "calibrate", fake_calibrate)
+    r = invoke("calibrate", tmp_path, "--out", tmp_path / "c", "--min-expert-tokens", "7")
+    assert r.exit_code == 1 and "stop here" in r.output
+    assert seen["spec"].min_expert_tokens == 7
