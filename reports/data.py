@@ -93,7 +93,7 @@ class Fallback:
     """A numerical fallback taken during calibration (shown in the report, never hidden)."""
 
     layer: str
-    kind: str  # e.g. "gptq_damping", "group_size"
+    kind: str  # e.g. "gptq_damping", "group_size", "expert_tokens" (MoE)
     detail: str  # e.g. "damp 0.01 -> 0.1 after a failed Cholesky"
 
 
@@ -186,6 +186,11 @@ class CalibrationFacts:
             if name in chosen and chosen[name] == 4:
                 fallbacks.append(Fallback(name, "group_size",
                                           f"group size {requested} -> {gs} (does not divide)"))
+        floor = manifest.get("min_expert_tokens")
+        for name, tokens in (manifest.get("expert_fallbacks") or {}).items():
+            if chosen.get(name) is not None:
+                fallbacks.append(Fallback(name, "expert_tokens",
+                                          f"{tokens} routed calibration tokens (< {floor}): RTN"))
         eff = None if plan is None else plan.get("effective_bits_per_weight")
         return cls(
             algorithm=str(manifest.get("algo", settings.get("algo", "unknown"))),

@@ -263,6 +263,13 @@ def test_calibration_facts_from_calibration_artifact():
         candidates=(CandidateData("c", "/c", calibration=f),), prompts=(),
         reference_outputs=None))
     assert "Numerical fallbacks (gptq_damping: 1, group_size: 1)" in page
+    # MoE: an expert linear routed too few tokens (RTN) is listed unless the plan keeps it FP16
+    moe = {**manifest, "expert_fallbacks": {"a.q_proj": 12, "a.up_proj": 3},
+           "min_expert_tokens": 64}
+    g = CalibrationFacts.from_calibration(moe, infos, plan)
+    experts = [x for x in g.fallbacks if x.kind == "expert_tokens"]
+    assert [x.layer for x in experts] == ["a.q_proj"]
+    assert experts[0].detail == "12 routed calibration tokens (< 64): RTN"
 
 
 def test_empty_output_is_shown_and_flagged():
