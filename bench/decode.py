@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantpipe.core.native import load_dequantized_model  # noqa: E402
+from quantpipe.core.formats.loader import load_dequantized_model  # noqa: E402
 from quantpipe.core.qformat import QuantSpec  # noqa: E402
 from quantpipe.runtime.engine import load_model_for_serving  # noqa: E402
 from quantpipe.runtime.generate import engine_decode, greedy_decode  # noqa: E402
@@ -56,7 +56,7 @@ def rtn_quantize(fp16_dir: Path, out: Path, spec: QuantSpec) -> Path:
     from transformers import AutoModelForCausalLM
 
     from quantpipe.calibration.grid import quantize_to_grid, scale_zero_from_range
-    from quantpipe.core.native import write_native
+    from quantpipe.core.formats.writers import write_checkpoint
     from quantpipe.core.qformat import QuantizedWeight, resolve_group_size
 
     model = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)
@@ -73,7 +73,7 @@ def rtn_quantize(fp16_dir: Path, out: Path, spec: QuantSpec) -> Path:
         q = quantize_to_grid(wg, scale[..., None], zero[..., None], s.maxq)
         weights[name] = QuantizedWeight(s, q.reshape(out_f, in_f).to(torch.uint8), scale.half(),
                                         zero.to(torch.uint8))
-    write_native(out, fp16_dir, weights, force=True)
+    write_checkpoint("native", out, fp16_dir, weights, force=True)
     return out
 
 

@@ -233,7 +233,7 @@ def _serving(family: str, prompt_file, tmp_path_factory):
 def test_runtime_generate(family, prompt_file, tmp_path_factory):
     """The loaded QuantLinear model's logits near the dequantized reference; the engine's greedy
     tokens equal HF greedy on that model (the second prompt runs past the sliding windows)."""
-    from quantpipe.core.native import load_dequantized_model
+    from quantpipe.core.formats.loader import load_dequantized_model
     from quantpipe.runtime.engine import SamplingParams
 
     native, model, tok, eng = _serving(family, prompt_file, tmp_path_factory)
@@ -330,7 +330,7 @@ def test_moe_runtime_matches_the_dequantized_hf_model(family, prompt_file, tmp_p
     with the fp32 dequantizing backend: logits equal the dequantized HF model's within
     MOE_LOGITS_ATOL, and the engine's greedy tokens equal HF greedy on the dequantized model."""
     from quantpipe.core.experts import SplitExperts
-    from quantpipe.core.native import load_dequantized_model
+    from quantpipe.core.formats.loader import load_dequantized_model
     from quantpipe.runtime.engine import EngineConfig, LLMEngine, SamplingParams
     from quantpipe.runtime.loader import load_quantized_model
     from quantpipe.runtime.quant_linear import QuantLinear

@@ -117,7 +117,7 @@ def test_qwen2_moe_dense_layer_calibrates_exports_and_loads(tmp_path):
     is exported as plain linears beside the other layer's experts, and the loaded model (fp32
     dequantizing backend) matches the dequantized HF model."""
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
-    from quantpipe.core.native import load_dequantized_model
+    from quantpipe.core.formats.loader import load_dequantized_model
     from quantpipe.runtime.loader import load_quantized_model
     from quantpipe.stages.export import ExportSpec, export_quantized
     from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16

@@ -11,7 +11,8 @@ import torch
 
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
-from quantpipe.core.native import load_dequantized_model, read_native
+from quantpipe.core.formats.loader import load_dequantized_model
+from quantpipe.core.formats.native import read_native
 from quantpipe.reports.eval import EvalSpec, evaluate_models
 from quantpipe.stages.export import ExportSpec, export_quantized
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16

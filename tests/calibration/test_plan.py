@@ -22,7 +22,7 @@ from quantpipe.calibration.plan import (
     upgrade_path,
 )
 from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
-from quantpipe.core.native import quantized_tensors
+from quantpipe.core.formats.native import quantized_tensors
 from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
 
 

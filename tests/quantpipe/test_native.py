@@ -1,7 +1,9 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantpipe.core.native import load_dequantized_model, read_native, write_native
+from quantpipe.core.formats.loader import load_dequantized_model
+from quantpipe.core.formats.native import read_native
+from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.qformat import QuantSpec
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import rtn
@@ -16,7 +18,7 @@ def test_native_round_trip(tiny_llama_dir, tmp_path):
     for i, (name, mod) in enumerate(ref.named_modules()):
         if isinstance(mod, torch.nn.Linear) and name != "lm_head":
             weights[name] = rtn(mod.weight.data, specs[i % len(specs)])
-    write_native(tmp_path / "q", fp16, weights)
+    write_checkpoint("native", tmp_path / "q", fp16, weights)
     ckpt = read_native(tmp_path / "q")
     for name, qw in weights.items():
         got = ckpt.quantized_weight(name)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from quantpipe.calibration.grid import quantize_to_grid, scale_zero_from_range
-from quantpipe.core.native import write_native
+from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32
 from quantpipe.runtime.kernels.layout import PackedLinear
 
@@ -53,4 +53,4 @@ def quantize_folder(fp16_dir: Path, out: Path, specs: list[QuantSpec]) -> dict:
                if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     for i, (name, mod) in enumerate(linears):
         weights[name] = rtn(mod.weight.data, specs[i % len(specs)])
-    return write_native(out, fp16_dir, weights)
+    return write_checkpoint("native", out, fp16_dir, weights)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quantpipe.core.native import load_dequantized_model
+from quantpipe.core.formats.loader import load_dequantized_model
 from quantpipe.core.qformat import QuantSpec
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.loader import load_quantized_model
