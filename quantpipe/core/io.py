@@ -527,7 +527,23 @@ class LazyTensors(Mapping):
         return LazyTensors(self._folder, stored, self._keys - drop, self._prefix)
 
 
-class Overlay(Mapping):
+class KeyedView(Mapping):
+    """A read-on-access Mapping whose keys, order and length are those of ``self._keys_of``
+    (set by the subclass); the subclass reads the values."""
+
+    _keys_of: Mapping
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys_of)
+
+    def __len__(self) -> int:
+        return len(self._keys_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys_of
+
+
+class Overlay(KeyedView):
     """``base`` with some tensors replaced by ``overrides`` (cast to the base tensor's dtype),
     in ``base``'s order; both are read on access."""
 
@@ -536,20 +552,12 @@ class Overlay(Mapping):
         unknown = [k for k in overrides if k not in base]
         assert not unknown, f"overrides of tensors the base does not have: {unknown[:3]}"
         self._base, self._overrides, self._dtype = base, overrides, dtype
+        self._keys_of = base
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._overrides:
             return self._overrides[key].to(self._dtype)
         return self._base[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._base)
-
-    def __len__(self) -> int:
-        return len(self._base)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._base
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tensor_shape(self._base, key)

@@ -20,6 +20,7 @@ from quantpipe.core.experts import hub_name, split_fused_name
 from quantpipe.core.families import FAMILIES, Family
 from quantpipe.core.formats.base import FolderToWrite
 from quantpipe.core.io import (
+    KeyedView,
     LazyTensors,
     Overlay,
     atomic_output_dir,
@@ -106,7 +107,7 @@ def load_fp16_source(
     return config, state, fp16_manifest, weights
 
 
-class HubState(Mapping):
+class HubState(KeyedView):
     """A MoE model's tensors (transformers' names: fused 3-D experts) under the hub's names,
     each expert's gate, up and down ``[out, in]`` a tensor of its own (vLLM's and transformers'
     loaders read these). Read on access; the last fused tensor read is kept, so writing a
@@ -133,6 +134,7 @@ class HubState(Mapping):
                 else:
                     self._where[f"{pre}.{d}.weight"] = (k, (e, 0, rows))
         self._cached: tuple[str | None, torch.Tensor | None] = (None, None)
+        self._keys_of = self._where
 
     def __getitem__(self, key: str) -> torch.Tensor:
         base_key, part = self._where[key]
@@ -142,15 +144,6 @@ class HubState(Mapping):
             self._cached = (base_key, self._base[base_key])
         e, lo, hi = part
         return self._cached[1][e, lo:hi].clone()  # [out, in]: its own storage when saved
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._where
 
 
 def hub_layout(config: dict, state: Mapping[str, torch.Tensor],
