@@ -167,15 +167,9 @@ def fold_scales(
     return FoldResult(new_prev.to(prev_weight.dtype), new_bias, new_weights)
 
 
-def awq_clip_search(
-    W: torch.Tensor,
-    x: torch.Tensor,
-    spec: QuantSpec,
-    n_grid: int = 20,
-    max_shrink: float = 0.5,
-    n_sample_tokens: int = 512,
-    row_batch: int = 256,
-) -> torch.Tensor:
+def awq_clip_search(W: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int = 20,
+                    max_shrink: float = 0.5, n_sample_tokens: int = 512,
+                    row_batch: int = 256) -> torch.Tensor:
     """Max |value| per (row, group) minimizing each group's output error (llm-awq auto_clip).
 
     W: [out, in], x: [tokens, in] -> max_val [out, G] fp32. For shrink p = 1 - k / n_grid,
