@@ -31,23 +31,25 @@ from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 logger = logging.getLogger(__name__)
 
 
-def lower_triangular_inverse(L: torch.Tensor, leaf: int = 256) -> torch.Tensor:
-    """L: [n, n] lower-triangular, non-singular -> L^-1 [n, n] lower-triangular (same dtype).
+def lower_triangular_inverse_(L: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+    """L: [n, n] lower-triangular, non-singular (zero upper triangle) -> L^-1, in place.
 
-    Recursive on 2 x 2 blocks: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]], the
-    off-diagonal block by two triangular solves (no general matmul), so the flop count is
-    LAPACK trtri's n^3 / 3 (torch has no trtri; a solve against the identity costs n^3).
+    Recursive on 2 x 2 blocks: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]. The
+    off-diagonal block is made first, by two triangular solves with A and C (no general
+    matmul: LAPACK trtri's n^3 / 3 flops; torch has no trtri, and a solve against the identity
+    costs n^3), then A and C are inverted in place; the largest temporaries are two of B's size.
     """
     n = L.shape[0]
     if n <= leaf:
-        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype), upper=False)
+        return L.copy_(torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype), upper=False))
     k = n // 2
-    out = torch.zeros_like(L)  # [n, n]
-    out[:k, :k] = lower_triangular_inverse(L[:k, :k], leaf)
-    out[k:, k:] = lower_triangular_inverse(L[k:, k:], leaf)
-    BAinv = torch.linalg.solve_triangular(L[:k, :k], L[k:, :k], upper=False, left=False)
-    out[k:, :k] = torch.linalg.solve_triangular(L[k:, k:], BAinv, upper=False).neg_()
-    return out
+    A, B, C = L[:k, :k], L[k:, :k], L[k:, k:]
+    BAinv = torch.linalg.solve_triangular(A, B, upper=False, left=False)  # [n - k, k]
+    B.copy_(torch.linalg.solve_triangular(C, BAinv, upper=False).neg_())
+    del BAinv
+    lower_triangular_inverse_(A, leaf)
+    lower_triangular_inverse_(C, leaf)
+    return L
 
 
 def damped_inverse_cholesky(
@@ -79,8 +81,8 @@ def damped_inverse_cholesky(
         A.diagonal().copy_(diag_p.flip(0)).add_(damp)
         L, info = torch.linalg.cholesky_ex(A, out=(A, info))  # [in, in] f64 lower, in place
         if int(info) == 0:
-            Linv = lower_triangular_inverse(L).float()  # [in, in] fp32 lower
-            del A, L
+            Linv = lower_triangular_inverse_(L).float()  # [in, in] fp32 lower
+            del A, L  # the float64 buffer
             if bool(torch.isfinite(Linv).all()):
                 return Linv.flip(0, 1), percdamp, raises  # J L^-1 J: [in, in] upper
         if raises >= max_damp_raises:
