@@ -40,6 +40,7 @@ from quantpipe.core.families import (  # runtime.generate reads FAMILIES from he
     get_path,
     layer_windows,
 )
+from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
@@ -329,12 +330,20 @@ class ModelRunner:
         # the C++ norm's gain, one tensor per norm module: weight, or (1 + weight) computed once
         self.gains = {id(n): self._gain(n) for n in self._residual_norms()} if self.fused else {}
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-        self.projections = [fuse_projections(layer, act, family) if self.fused
-                            else FusedProjections(None, None) for layer in self.layers]
+        self.projections = [self._fused(layer, act, family) for layer in self.layers]
         self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
         self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
+
+    def _fused(self, layer, act: str | None, family: Family) -> FusedProjections:
+        if not self.fused:
+            return FusedProjections(None, None)
+        fused = fuse_projections(layer, act, family)
+        # the parts' own tensors were freed for views into the stacked ones: hand them back to
+        # the OS now, or glibc keeps a layer's worth per layer (a 7B model grew by 2.4 GB)
+        release_freed_memory()
+        return fused
 
     @staticmethod
     def _plan(layer, window: int | None, rope_key: str | None, family: Family) -> LayerPlan:
