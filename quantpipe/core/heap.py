@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig); None elsewhere."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
 
 def release_freed_memory() -> None:
     """Hand the load's freed temporaries back to the OS (glibc keeps them in its arenas).
 
     Reading a checkpoint allocates unpacked and re-packed copies of every layer that are
     freed by the time the model is built; without this the process keeps ~0.3 GB of free heap
-    for SmolLM2-135M in its resident size. No-op where glibc's malloc_trim does not exist.
+    for SmolLM2-135M in its resident size. Loaders call it once per layer. No-op where glibc's
+    malloc_trim does not exist.
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
