@@ -102,6 +102,8 @@ class GroupStats:
         self.tokens = tokens
         self.sample: list[torch.Tensor] = [] if sample is None else sample  # rows for clipping
         self.sample_rows = sample_rows
+        # GPTAQ: [in, in] fp64 sum of (x_fp - x)^T x over the tokens; None unless paired
+        self.dxxt_sum: torch.Tensor | None = None
         # [r1 - r0, in - r0] fp64 each, views of one buffer; None once taken
         self._strips: list[torch.Tensor] | None
         self._strips = self._new_strips()
@@ -182,13 +184,33 @@ class GroupStats:
     def x_sample(self) -> torch.Tensor:
         return torch.cat(self.sample) if self.sample else torch.zeros(0, self.in_features)
 
+    def add_dxxt(self, x_fp: torch.Tensor, x: torch.Tensor) -> None:
+        """GPTAQ: add (x_fp - x)^T x to the fp64 sum (x_fp: the FP model's inputs of the same
+        tokens, in the same order; x: [tokens, in] fp32 each)."""
+        if self.dxxt_sum is None:
+            self.dxxt_sum = torch.zeros(self.in_features, self.in_features, dtype=torch.float64)
+        # [in, tokens] @ [tokens, in] -> [in, in] fp32, not symmetric: rows index dX's feature
+        self.dxxt_sum.add_((x_fp - x).T @ x)
+
+    def take_dxxt(self) -> torch.Tensor:
+        """GPTAQ's dXXT = 2 (X_fp - X_q)^T X_q / tokens ([in, in] fp32), normalised as the
+        Hessian; the statistics keep no sum afterwards."""
+        if self.dxxt_sum is None:
+            raise ValueError("no FP inputs were paired with these statistics (GPTAQ only)")
+        out = self.dxxt_sum.mul_(2.0).div_(max(self.tokens, 1)).float()
+        self.dxxt_sum = None
+        return out
+
 
 class StatsCollector:
     """Forward pre-hooks on the first linear of each input group of one block."""
 
     def __init__(self, block, groups: tuple[InputGroup, ...], sample_rows: int = 4096,
-                 seed: int = 0):
+                 seed: int = 0, fp_inputs: dict[InputGroup, list[torch.Tensor]] | None = None):
         self.stats: dict[InputGroup, GroupStats] = {}
+        # GPTAQ: per group, the FP model's inputs of the same forward calls, in call order
+        # (GroupInputRecorder); each call's inputs are paired with the FP ones and consumed
+        self._fp_inputs = fp_inputs
         self._handles = []
         self._gen = torch.Generator().manual_seed(seed)
         self._sample_rows = sample_rows
@@ -205,12 +227,40 @@ class StatsCollector:
             st.add_xtx(x)  # [in, in] fp64 (upper strips) += [in, tokens] @ [tokens, in] fp32
             st.abs_sum += x.abs().sum(0).double()
             st.tokens += x.shape[0]
+            if self._fp_inputs is not None:
+                x_fp = self._fp_inputs[group].pop(0)  # [tokens, in] fp32, same tokens
+                assert x_fp.shape == x.shape, "FP and quantized forwards must see the same rows"
+                st.add_dxxt(x_fp, x)
             want = self._sample_rows - st.sample_rows
             if want > 0:
                 take = min(want, max(1, x.shape[0] // 8))
                 idx = torch.randperm(x.shape[0], generator=self._gen)[:take]
                 st.sample.append(x[idx].clone())
                 st.sample_rows += take
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class GroupInputRecorder:
+    """GPTAQ: every input of each group's first linear, per forward call, as [tokens, in]
+    fp32 (the FP model's side of the pairs StatsCollector forms with ``fp_inputs``). Holds
+    all calibration tokens of every group: a second copy of the block's activations."""
+
+    def __init__(self, block, groups: tuple[InputGroup, ...]):
+        self.inputs: dict[InputGroup, list[torch.Tensor]] = {g: [] for g in groups}
+        self._handles = [block.get_submodule(g.linears[0]).register_forward_pre_hook(
+            self._hook(g)) for g in groups]
+
+    def _hook(self, group: InputGroup):
+        def hook(_module, args):
+            # [..., in] -> [tokens, in] fp32 (a copy: the forward may reuse its buffers)
+            self.inputs[group].append(
+                args[0].detach().reshape(-1, args[0].shape[-1]).float().clone())
 
         return hook
 

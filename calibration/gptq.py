@@ -365,3 +365,74 @@ def _loss(W_in: torch.Tensor, W: torch.Tensor, W_hat: torch.Tensor, H: torch.Ten
                      damp_part / max(damped, 1e-300))
         return proxy_loss(W_in, W_hat, H)
     return damped - damp_part
+
+
+# GPTAQ's scaling of the asymmetric correction: the value of the authors' reference code
+# (GPTAQ, a.k.a. GPTQv2); alpha = 1 is the undamped closed form
+GPTAQ_ALPHA = 0.25
+
+
+def gptaq_correction(dXXT: torch.Tensor, factor: HessianFactor,
+                     alpha: float = GPTAQ_ALPHA) -> torch.Tensor:
+    """GPTAQ's asymmetric term as a right factor: the target GPTQ then quantizes is W + W @ M.
+
+    GPTAQ (Li et al. 2025, "GPTAQ: Efficient Finetuning-Free Quantization for Asymmetric
+    Calibration", ICML 2025, sec. 3) calibrates each linear on
+    ||W X_fp - Q X_q||^2: X_q are its inputs in the partly quantized model, X_fp those of the
+    FP model, dX = X_fp - X_q. With H = 2 X_q X_q^T / n and dXXT = 2 dX X_q^T / n
+    (both [in, in], same normalisation), the OBS step of column q gains, on every later
+    column j, + w_q P_qj with P = alpha * triu(dXXT_p U^T, 1) U, where U (upper) is the
+    Cholesky factor of (H_p + damp I)^-1 in GPTQ's column order p (sec. 3.3, "Cholesky
+    reformulation"; P is strictly upper triangular: column q's input mismatch is absorbed by
+    the columns quantized after it). Here w_q is column q of the *FP* weights (the mismatch
+    term of the objective is W dX); the authors' code reads the error-updated column instead.
+    With the FP weights every correction is known before the column loop, so they are added
+    up front: in p-order, W_p += W_p P, i.e. W += W M with M = Pi P Pi^T; the column loop is
+    GPTQ's unchanged.
+
+    dXXT: [in, in] (any float dtype; rows index dX's feature, columns X_q's), factor: the
+    :func:`hessian_factor` of H -> M [in, in] fp32, original column order. dXXT = 0 gives
+    M = 0 (GPTAQ is GPTQ when the two models' inputs agree).
+    """
+    n = factor.Hinv.shape[0]
+    if dXXT.shape != (n, n):
+        raise ValueError(f"dXXT must be [in, in] = [{n}, {n}], got {tuple(dXXT.shape)}")
+    if not torch.isfinite(dXXT).all():
+        raise ValueError("dXXT contains NaN/inf; check the calibration activations")
+    perm, U = factor.perm, factor.Hinv  # [in] int64, [in, in] fp32 upper (p-order)
+    D_p = dXXT[perm[:, None], perm].float()  # [in, in] fp32 in p-order
+    D_p[:, factor.dead[perm]] = 0.0  # dead X_q inputs carry nothing (their H_ii was set to 1)
+    # [in, in] @ [in, in]^T -> strictly upper part -> @ [in, in]: P [in, in] fp32, p-order
+    P = torch.triu(D_p @ U.t(), diagonal=1) @ U
+    P.mul_(alpha)
+    M = torch.empty_like(P)
+    M[perm[:, None], perm] = P  # back to the original column order: M = Pi P Pi^T
+    return M
+
+
+def gptaq(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, dXXT: torch.Tensor,
+          alpha: float = GPTAQ_ALPHA, percdamp: float = 0.01, max_damp_raises: int = 8,
+          corrections: dict | None = None, **gptq_kwargs) -> QuantResult:
+    """GPTQ on the asymmetric target W + W M (:func:`gptaq_correction`).
+
+    W: [out, in], H = 2 X_q X_q^T / n, dXXT = 2 (X_fp - X_q) X_q^T / n: [in, in] ->
+    QuantResult whose loss is tr((T - W_hat) H (T - W_hat)^T) for the target T = W + W M.
+    ``corrections``: a dict the caller keeps per (H, dXXT) pair, caching M per act_order and
+    damping (the linears sharing an input and both bit widths share it); other keyword
+    arguments go to :func:`gptq` (block_size, mse_clip, static_groups). Group parameters
+    (static or dynamic) come from the target.
+    """
+    W_in = check_weight(W)
+    if H.shape != (W_in.shape[1], W_in.shape[1]):
+        raise ValueError(f"H must be [in, in] = [{W_in.shape[1]}, {W_in.shape[1]}], got "
+                         f"{tuple(H.shape)}; accumulate it from the inputs of this linear")
+    factor = _shared_factor(H, spec.act_order, percdamp, max_damp_raises)
+    key = (spec.act_order, percdamp, max_damp_raises, alpha)
+    M = None if corrections is None else corrections.get(key)
+    if M is None:
+        M = gptaq_correction(dXXT, factor, alpha)  # [in, in] fp32
+        if corrections is not None:
+            corrections[key] = M
+    target = torch.addmm(W_in, W_in, M)  # [out, in] + [out, in] @ [in, in]
+    return gptq(target, H, spec, percdamp=percdamp, max_damp_raises=max_damp_raises,
+                factor=factor, **gptq_kwargs)

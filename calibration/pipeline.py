@@ -18,6 +18,10 @@ The stages, in order (``calibrate`` and ``_calibrate_block`` read as this list):
       algorithm's per-layer function; record losses and numerical fallbacks;
    d. the next block's inputs: through the INT4-quantized block for GPTQ (the original
       ``llama_sequential`` propagates quantized outputs), through the FP block otherwise;
+      GPTAQ carries both (the quantized model's and the FP model's), and replaces a-c by:
+      the FP block's pass recording every group's inputs, then per input group in execution
+      order a pass through the partly quantized block pairing its inputs with the FP ones
+      (H and dXXT), then that group's quantization;
    e. write the block's results and the next inputs, so a killed run resumes from here;
 5. write the manifest (it marks the artifact valid) and replace CALIB_DIR with the work folder.
 
@@ -27,6 +31,7 @@ What differs between algorithms is data: one :class:`Algorithm` per name in ``AL
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -48,13 +53,14 @@ from quantpipe.calibration.artifact import block_file, save_block, work_dir
 from quantpipe.calibration.awq import awq_quantize, scale_block, scale_shared_input
 from quantpipe.calibration.capture import (
     BlockContext,
+    GroupInputRecorder,
     GroupStats,
     InputRecorder,
     StatsCollector,
     embed_inputs,
     run_block,
 )
-from quantpipe.calibration.gptq import gptq
+from quantpipe.calibration.gptq import gptaq, gptq
 from quantpipe.calibration.moe import (
     FALLBACK,
     expert_linears_in,
@@ -115,7 +121,7 @@ class CalibrateSpec:
     out: Path  # CALIB_DIR
     prompts: str = "business-calib"  # prompt file, or a shipped set name
     column: str | None = None  # text column for CSV/TSV/parquet prompt files
-    algo: str = "gptq"  # gptq | awq | rtn
+    algo: str = "gptq"  # gptq | gptaq | awq | awq+gptq | rtn
     group_size: int = 128  # INT4 group size requested (falls back per layer, see below)
     sym: bool = True  # INT4 symmetric (mid-point zero) or asymmetric
     # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
@@ -309,6 +315,10 @@ def _check_inputs(spec: CalibrateSpec) -> _Inputs:
     manifest = read_manifest(spec.fp16_dir, "fp16")
     config = _read_config(spec.fp16_dir)
     family = family_for(config.get("model_type"))
+    if ALGORITHMS[spec.algo].asymmetric and family.moe:
+        raise ValueError(f"--algo {spec.algo} does not support mixture-of-experts models "
+                         "(an expert's routed tokens differ between the FP and the quantized "
+                         "model, so its inputs cannot be paired); use --algo gptq")
     verify_shard_hashes(spec.fp16_dir, manifest["shards"])  # reads every byte: logged at -v
     in_features, num_blocks = _linear_in_features(spec.fp16_dir, manifest, family)
     for name, in_f in in_features.items():
@@ -436,22 +446,40 @@ class Algorithm:
     act_order_default: bool | None
     mse_clip_default: bool | None
     takes_static_groups: bool  # --static-groups / --dynamic-groups apply
+    # 4a-4d GPTAQ: carry the FP model's block inputs beside the quantized model's; capture
+    # each input group in the partly quantized block, paired with the FP inputs (dXXT)
+    asymmetric: bool
 
 
 def _quantize_gptq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
-                   qspec: QuantSpec, x: torch.Tensor) -> QuantResult:
+                   qspec: QuantSpec, x: torch.Tensor, solve=gptq) -> QuantResult:
     if qspec.group_size == -1 and not qspec.act_order:
         # One group per row: act-order only changes the order in which GPTQ walks the
         # columns (decreasing Hessian diagonal, so errors go to the columns that matter
         # least); every column keeps group 0, so no g_idx is stored and kernels and
         # formats see a plain per-channel layer, with a lower proxy loss (docs/algorithms.md)
-        res = gptq(W, H, QuantSpec(qspec.bits, -1, qspec.sym, act_order=True),
-                   mse_clip=spec.mse_clip)
+        res = solve(W, H, QuantSpec(qspec.bits, -1, qspec.sym, act_order=True),
+                    mse_clip=spec.mse_clip)
         w = res.weight
         assert w.g_idx is None
         res.weight = QuantizedWeight(qspec, w.q, w.scales, w.zeros, None)
         return res
-    return gptq(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups)
+    return solve(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups)
+
+
+@dataclass
+class _AsymInputs:
+    """GPTAQ's pairing of one input group: dXXT, and its correction per act_order (shared by
+    the group's linears and both bit widths)."""
+
+    dXXT: torch.Tensor  # [in, in] fp32: 2 (X_fp - X_q)^T X_q / tokens
+    corrections: dict = field(default_factory=dict)  # calibration.gptq.gptaq's cache
+
+
+def _quantize_gptaq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
+                    qspec: QuantSpec, x: torch.Tensor, asym: _AsymInputs) -> QuantResult:
+    solve = functools.partial(gptaq, dXXT=asym.dXXT, corrections=asym.corrections)
+    return _quantize_gptq(spec, name, W, H, qspec, x, solve=solve)
 
 
 def _quantize_rtn(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
@@ -490,16 +518,34 @@ ALGORITHMS: dict[str, Algorithm] = {
                       block_step=None, quantize=_quantize_gptq,
                       one_thread=True, quantized_forward=True,
                       act_order_default=GPTQ_ACT_ORDER_DEFAULT,
-                      mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True),
+                      mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True,
+                      asymmetric=False),
+    # GPTQ on ||W X_fp - Q X_q||^2 (calibration.gptq.gptaq): dense families only
+    "gptaq": Algorithm(records_inputs=False, samples_rows=False,
+                       block_step=None, quantize=_quantize_gptaq,
+                       one_thread=True, quantized_forward=True,
+                       act_order_default=GPTQ_ACT_ORDER_DEFAULT,
+                       mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True,
+                       asymmetric=True),
     "awq": Algorithm(records_inputs=True, samples_rows=True,
                      block_step=_awq_step, quantize=_quantize_awq,
                      one_thread=False, quantized_forward=False,
-                     act_order_default=None, mse_clip_default=None, takes_static_groups=False),
+                     act_order_default=None, mse_clip_default=None, takes_static_groups=False,
+                     asymmetric=False),
+    # AWQ's scales searched and folded, then GPTQ on the scaled weights, with the Hessians of
+    # the scaled inputs (scale_block rescales the statistics it folds)
+    "awq+gptq": Algorithm(records_inputs=True, samples_rows=True,
+                          block_step=_awq_step, quantize=_quantize_gptq,
+                          one_thread=True, quantized_forward=True,
+                          act_order_default=GPTQ_ACT_ORDER_DEFAULT,
+                          mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True,
+                          asymmetric=False),
     # mse_clip off by default: RTN is the plain min-max baseline
     "rtn": Algorithm(records_inputs=False, samples_rows=False,
                      block_step=None, quantize=_quantize_rtn,
                      one_thread=False, quantized_forward=False,
-                     act_order_default=None, mse_clip_default=False, takes_static_groups=False),
+                     act_order_default=None, mse_clip_default=False, takes_static_groups=False,
+                     asymmetric=False),
 }
 ALGOS = tuple(ALGORITHMS)  # --algo choices
 
@@ -562,20 +608,25 @@ def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_secon
         if start == 0:
             input_ids = inputs.input_ids  # [n, L] int64
             hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d]
+            # the block inputs carried along: "hidden" (the quantized model's, for GPTQ) and,
+            # for GPTAQ, "hidden_fp" (the FP model's), each [n, L, d]
+            hiddens = {"hidden": hidden}
+            if ALGORITHMS[spec.algo].asymmetric:
+                hiddens["hidden_fp"] = hidden.clone()  # safetensors stores no shared tensors
         else:
-            saved = load_file(str(state_file))
-            hidden, input_ids = saved["hidden"], saved["input_ids"]
+            hiddens = load_file(str(state_file))
+            input_ids = hiddens.pop("input_ids")
             _, ctx = embed_inputs(model, input_ids[:1])  # the shared context only
     if start == 0:
         state_file.parent.mkdir(parents=True, exist_ok=True)
-        save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
+        save_safetensors_atomic({**hiddens, "input_ids": input_ids}, state_file)
         _save_progress(run, 0, {"data": data_summary})
     for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
                   initial=start, total=len(blocks)):
         with stream.load(f"{family.blocks}.{i}") as block:
-            hidden = _calibrate_block(run, block, i, family, model.config.model_type, hidden,
-                                      ctx.for_layer(i))
-        save_safetensors_atomic({"hidden": hidden, "input_ids": input_ids}, state_file)
+            hiddens = _calibrate_block(run, block, i, family, model.config.model_type, hiddens,
+                                       ctx.for_layer(i))
+        save_safetensors_atomic({**hiddens, "input_ids": input_ids}, state_file)
         _save_progress(run, i + 1, {"data": data_summary,
                                     "seconds": earlier_seconds + time.perf_counter() - t0})
 
@@ -586,21 +637,64 @@ def _embeddings_name(model: torch.nn.Module) -> str:
 
 
 def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
-                     hidden: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-    """Stages 4a-4e of the module docstring for block ``i``; returns the next block's inputs."""
+                     hiddens: dict[str, torch.Tensor], ctx: BlockContext
+                     ) -> dict[str, torch.Tensor]:
+    """Stages 4a-4e of the module docstring for block ``i``; returns the next block's inputs
+    (``hiddens``' keys: "hidden", and "hidden_fp" for GPTAQ; each [n, L, d])."""
     spec, algo = run.spec, ALGORITHMS[run.spec.algo]
     tb = time.perf_counter()
-    work = _capture(spec, algo, block, f"{family.blocks}.{i}", model_type, family, hidden, ctx,
-                    seed=spec.seed + i)  # 4a
-    step = algo.block_step(spec, work) if algo.block_step is not None else _NO_STEP  # 4b
-    results, raises, expert_info = _quantize_block(spec, algo, work)  # 4c
-    next_hidden = (run_block(block, hidden, ctx, spec.batch_size) if algo.quantized_forward
-                   else work.fp_out)  # 4d
-    save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves next_hidden)
+    name = f"{family.blocks}.{i}"
+    if algo.asymmetric:  # 4a-4d, group by group
+        results, raises, nxt = _asymmetric_block(spec, algo, block, name, model_type, family,
+                                                 hiddens, ctx, seed=spec.seed + i)
+        step, expert_info = _NO_STEP, {}
+    else:
+        hidden = hiddens["hidden"]
+        work = _capture(spec, algo, block, name, model_type, family, hidden, ctx,
+                        seed=spec.seed + i)  # 4a
+        step = algo.block_step(spec, work) if algo.block_step is not None else _NO_STEP  # 4b
+        results, raises, expert_info = _quantize_block(spec, algo, work)  # 4c
+        nxt = {"hidden": run_block(block, hidden, ctx, spec.batch_size)
+               if algo.quantized_forward else work.fp_out}  # 4d
+    save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves nxt)
         "seconds": time.perf_counter() - tb, "awq": step.info, "damp_raises": raises,
         **expert_info,
     })
-    return next_hidden
+    return nxt
+
+
+def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
+                      family: Family, hiddens: dict[str, torch.Tensor], ctx: BlockContext,
+                      seed: int) -> tuple[dict, int, dict[str, torch.Tensor]]:
+    """GPTAQ's stages 4a-4d: the FP block over the FP model's inputs records every group's
+    inputs (and gives the next FP inputs); then, per input group in execution order, the
+    block, its earlier groups already quantized, runs over the quantized model's inputs with
+    hooks that pair that group's inputs with the FP ones (H and dXXT), and the group is
+    quantized; finally the quantized block gives the next inputs. One block pass per group
+    beyond GPTQ's two."""
+    groups = block_groups(family, block)
+    recorder = GroupInputRecorder(block, groups)  # the FP inputs: [tokens, in] per call
+    try:
+        fp_out = run_block(block, hiddens["hidden_fp"], ctx, spec.batch_size)  # [n, L, d]
+    finally:
+        recorder.remove()
+    results: dict[str, dict[int, QuantResult]] = {}
+    raises = 0
+    for group in groups:
+        collector = StatsCollector(block, (group,), sample_rows=0, seed=seed,
+                                   fp_inputs=recorder.inputs)
+        try:
+            run_block(block, hiddens["hidden"], ctx, spec.batch_size)
+        finally:
+            collector.remove()
+        assert not recorder.inputs[group], "every FP input must be paired"
+        work = _BlockWork(block, name, model_type, family, (group,), ctx, collector.stats, {},
+                          fp_out)
+        group_results, group_raises, _ = _quantize_block(spec, algo, work)  # 4c
+        results.update(group_results)
+        raises += group_raises
+    nxt = run_block(block, hiddens["hidden"], ctx, spec.batch_size)  # 4d
+    return results, raises, {"hidden": nxt, "hidden_fp": fp_out}
 
 
 def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
@@ -638,6 +732,7 @@ def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
             stats = work.stats.pop(group)  # freed with H once the group is quantized
             H = stats.take_hessian()  # [in, in] fp32
             x = stats.x_sample()  # [rows, in] fp32 ([0, in] unless algo.samples_rows)
+            extra = {"asym": _AsymInputs(stats.take_dxxt())} if algo.asymmetric else {}
             quantize = algo.quantize
             if is_expert_group(work.family, group):
                 tokens.update({f"{work.name}.{n}": stats.tokens for n in group.linears})
@@ -649,8 +744,8 @@ def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
                 lin = work.block.get_submodule(lin_name)
                 W = lin.weight.data.float()  # [out, in]
                 q4 = _layer_spec(spec, full, lin.in_features)
-                r4 = quantize(spec, full, W, H, q4, x)
-                r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x)
+                r4 = quantize(spec, full, W, H, q4, x, **extra)
+                r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x, **extra)
                 results[full] = {4: r4, 8: r8}
                 raises += r4.damp_raises + r8.damp_raises
                 if algo.quantized_forward:  # the next block sees this block's quantized outputs

@@ -218,8 +218,10 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--prompts", default="business-calib", show_default=True,
               help="Prompt file (JSONL/CSV/TSV/TXT/parquet/dataset folder) or business-calib.")
 @click.option("--column", default=None, help="Text column of a CSV/TSV/parquet prompt file.")
-@click.option("--algo", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq",
-              show_default=True)
+@click.option("--algo", type=click.Choice(["gptq", "gptaq", "awq", "awq+gptq", "rtn"]),
+              default="gptq", show_default=True,
+              help="gptaq: GPTQ against the FP model's outputs (dense models); awq+gptq: "
+                   "AWQ's scales, then GPTQ (docs/algorithms.md).")
 @click.option("--group-size", default=128, show_default=True,
               help="INT4 group size: 16, 32, 64, 128, 256, 512, 1024 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")

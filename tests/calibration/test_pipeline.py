@@ -43,7 +43,7 @@ def _spec(fp16_dir, prompt_file, out, **kw):
     return CalibrateSpec(fp16_dir, out, str(prompt_file), **base)
 
 
-@pytest.mark.parametrize("algo", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("algo", ["rtn", "gptq", "awq", "gptaq", "awq+gptq"])
 def test_calibrate_export_eval(fp16_dir, prompt_file, tmp_path, algo):
     res = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "calib", algo=algo, group_size=32))
     calib = read_calibration(res.out)
@@ -188,8 +188,10 @@ def test_algorithm_table_resolves_the_documented_defaults():
 
     from quantpipe.calibration.pipeline import ALGORITHMS, ALGOS
 
-    assert ALGOS == ("gptq", "awq", "rtn")
-    want = {"gptq": (True, True, True), "awq": (False, None, False), "rtn": (False, None, False)}
+    assert ALGOS == ("gptq", "gptaq", "awq", "awq+gptq", "rtn")
+    want = {"gptq": (True, True, True), "gptaq": (True, True, True),
+            "awq": (False, None, False), "awq+gptq": (True, True, True),
+            "rtn": (False, None, False)}
     for algo, (act_order, static, mse) in want.items():
         r = CalibrateSpec(Path("f"), Path("o"), algo=algo).resolved()
         assert (r.act_order, r.static_groups, r.mse_clip) == (act_order, static, mse)
@@ -200,4 +202,54 @@ def test_algorithm_table_resolves_the_documented_defaults():
                       ("awq", dict(act_order=True))):
         with pytest.raises(ValueError, match="applies to|apply to"):
             CalibrateSpec(Path("f"), Path("o"), algo=algo, **bad)
-    assert [a.quantized_forward for a in ALGORITHMS.values()] == [True, False, False]
+    assert [a.quantized_forward for a in ALGORITHMS.values()] == [True, True, False, True, False]
+    assert [a.asymmetric for a in ALGORITHMS.values()] == [False, True, False, False, False]
+
+
+def test_gptaq_is_gptq_where_the_inputs_agree(fp16_dir, prompt_file, tmp_path):
+    """Block 0's q/k/v read the same inputs in the FP and the quantized model (dXXT = 0), so
+    GPTAQ gives GPTQ's codes there; every later input group sees quantized linears before
+    it, and GPTAQ's correction changes its codes."""
+    from safetensors.torch import load_file
+
+    from quantpipe.calibration.artifact import block_file
+
+    gptq_out = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "gptq", algo="gptq")).out
+    gptaq_out = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "gptaq", algo="gptaq")).out
+    for block in (0, 1):
+        a = load_file(str(block_file(gptq_out, block, "safetensors")))
+        b = load_file(str(block_file(gptaq_out, block, "safetensors")))
+        assert a.keys() == b.keys()
+        for key in a:
+            if not key.endswith(".qweight"):  # P.w4.qweight, P.w8.qweight: the codes
+                continue
+            same = torch.equal(a[key], b[key])
+            first_group = block == 0 and any(f".{p}_proj." in key for p in "qkv")
+            assert same == first_group, key
+
+
+def test_gptaq_resumes_with_both_inputs(fp16_dir, prompt_file, tmp_path):
+    """GPTAQ's resume state holds the FP model's block inputs too: a run stopped after block 0
+    and resumed gives the uninterrupted run's results."""
+    import quantpipe.calibration.pipeline as p
+
+    out = tmp_path / "calib"
+    spec = _spec(fp16_dir, prompt_file, out, algo="gptaq")
+    orig = p._save_progress
+
+    def stop_after_first(s, nxt, extra):
+        orig(s, nxt, extra)
+        if nxt == 1:
+            raise KeyboardInterrupt
+
+    p._save_progress = stop_after_first
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(spec)
+    finally:
+        p._save_progress = orig
+    assert calibrate(spec).resumed_from == 1
+    fresh = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "fresh", algo="gptaq")).out
+    resumed, full = read_calibration(out).layer_infos(), read_calibration(fresh).layer_infos()
+    for name in full:
+        assert resumed[name]["w4"]["loss"] == pytest.approx(full[name]["w4"]["loss"], rel=1e-5)
