@@ -16,6 +16,7 @@ from quantpipe.core.formats.native import read_native
 from quantpipe.reports.eval import EvalSpec, evaluate_models
 from quantpipe.stages.export import ExportSpec, export_quantized
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
+from tests.calibration.test_moe import mixtral_fp16  # noqa: F401 (a fixture)
 from tests.tiny_models import CORPUS
 
 PROMPTS = CORPUS[:8]  # eight distinct business sentences
@@ -253,3 +254,38 @@ def test_gptaq_resumes_with_both_inputs(fp16_dir, prompt_file, tmp_path):
     resumed, full = read_calibration(out).layer_infos(), read_calibration(fresh).layer_infos()
     for name in full:
         assert resumed[name]["w4"]["loss"] == pytest.approx(full[name]["w4"]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["gptaq", "awq+gptq"])
+def test_calibrate_command_takes_the_new_algorithms(tmp_path, monkeypatch, algo):
+    """`quantpipe calibrate --algo gptaq|awq+gptq` reaches CalibrateSpec with GPTQ's
+    defaults (the option plumbing only)."""
+    from click.testing import CliRunner
+
+    import quantpipe.calibration.pipeline as pipeline
+    from quantpipe.cli import main
+
+    seen = {}
+
+    def fake_calibrate(spec):
+        seen["spec"] = spec
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(pipeline, "calibrate", fake_calibrate)
+    r = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--out", str(tmp_path / "c"),
+                                  "--algo", algo, "--asym", "--no-act-order"])
+    assert r.exit_code == 1 and "stop here" in r.output
+    spec = seen["spec"].resolved()
+    assert (spec.algo, spec.sym, spec.act_order, spec.mse_clip) == (algo, False, False, True)
+
+
+def test_gptaq_refuses_moe_before_writing(mixtral_fp16, tmp_path):  # noqa: F811
+    """GPTAQ pairs each linear's inputs in the FP and the quantized model token by token; an
+    expert's routed tokens differ between the two, so MoE models are refused up front."""
+    from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+
+    fp16, prompts = mixtral_fp16
+    with pytest.raises(ValueError, match="mixture-of-experts.*--algo gptq"):
+        calibrate(CalibrateSpec(fp16, tmp_path / "c", str(prompts), algo="gptaq", samples=4,
+                                seq_len=24, min_tokens=4, group_size=32))
+    assert not (tmp_path / "c").exists()
