@@ -11,9 +11,11 @@ saves every number.
     python bench/quality.py --fp16 work/smollm2/fp16 --work work/bench-quality \
         --configs gptq-sym,awq-sym,rtn-sym --json bench/results/quality.json
 
-Configurations are ALGO-sym or ALGO-asym (ALGO in gptq, awq, rtn, or gptqrefine: GPTQ then
-``calibration.refine.refine_result`` on every linear, registered by this script only, to
-measure the refinement before the pipeline offers it). Calibrations and exports already
+Configurations are ALGO-sym or ALGO-asym (ALGO: any `calibrate --algo` — gptq, gptaq, awq,
+awq+gptq, rtn — or gptqrefine: GPTQ then ``calibration.refine.refine_result`` on every linear,
+registered by this script only, to measure the refinement before the pipeline offers it).
+Configurations calibrate one after the other in the order given, so their calibration times
+(``calibrate_seconds``) are comparable as ratios within one run on a quiet machine only. Calibrations and exports already
 finished in --work are reused (delete the folder to recompute).
 """
 
