@@ -104,6 +104,8 @@ class QuantLinear(nn.Module):
         for field, value in vars(self._w).items():
             if isinstance(value, torch.Tensor):
                 self.register_buffer(f"w_{field}", value, persistent=False)
+            else:  # e.g. a symmetric layer's absent mz: no stale buffer keeps old weights alive
+                self._buffers.pop(f"w_{field}", None)
 
     def use_weights(self, w) -> None:
         """Run from ``w``, the same weights in the same layout (e.g. views into a fused tensor

@@ -27,6 +27,7 @@ gain as a weight, so a (1 + w) norm passes (1 + w), computed once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,10 @@ from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
+
+# "0" runs a step layer by layer in Python (each op its own call) even where the whole-layer
+# C++ op (quantpipe_cpu::decoder_layer) could run it: side-by-side comparisons and tests
+LAYER_OP_ENV = "QUANTPIPE_CPU_LAYER_OP"
 
 # longest query chunk for the kernel attention path (its cost is O(q_len * ctx) per sequence;
 # a mixed step of 7 decodes and one 16-token prefill: 14 ms of SDPA + gathers -> ~1 ms)
@@ -218,26 +223,32 @@ class FusedProjections:
 
     qkv: CpuA8W4 | None  # [(H + 2 KV) * D, hidden]
     gate_up: CpuA8W4 | None  # [2 * intermediate, hidden]
+    qkv_bias: torch.Tensor | None = None  # fp32 [(H + 2 KV) * D]: q/k/v biases (Qwen2)
 
 
-def _a8_parts(mods) -> list[CpuA8W4] | None:
+def _a8_parts(mods, with_bias: bool = False) -> list[CpuA8W4] | None:
+    """The parts' W4A8 weights; None unless every part is W4A8 and bias-free (``with_bias``:
+    or every part has a bias)."""
     ws = [getattr(m, "_w", None) for m in mods]
-    if all(isinstance(w, CpuA8W4) for w in ws) and all(m.bias is None for m in mods):
+    biased = [m.bias is not None for m in mods]
+    if all(isinstance(w, CpuA8W4) for w in ws) and (
+            not any(biased) or (with_bias and all(biased))):
         return ws
     return None
 
 
-def _fuse(mods) -> CpuA8W4 | None:
+def _fuse(mods, with_bias: bool = False) -> CpuA8W4 | None:
     """The stacked layer, the parts rebound to views into it (the weights held once)."""
-    parts = _a8_parts(mods)
+    parts = _a8_parts(mods, with_bias)
     fused = parts and concat_a8w4(parts)
     if fused is None:
         return None
     start = 0
     for mod, w in zip(mods, parts):
         n = w.packed.shape[0]  # blocks of 16 output rows
+        mz = None if fused.mz is None else fused.mz[start:start + n]
         mod.use_weights(CpuA8W4(fused.packed[start:start + n], fused.scales[start:start + n],
-                                fused.mz[start:start + n], w.perm, w.group_size, w.op, w.vnni))
+                                mz, w.perm, w.group_size, w.op, w.vnni))
         start += n
     return fused
 
@@ -248,11 +259,16 @@ def fuse_projections(layer, hidden_act: str | None,
     has one qkv_proj / gate_up_proj linear (Phi-3) runs that linear as it is."""
     attn, mlp = layer.self_attn, layer.mlp
     family = family or FAMILIES["llama"]
-    qkv = None if family.qkv_proj else _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    qkv = bias = None
+    if not family.qkv_proj:
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv = _fuse(parts, with_bias=True)
+        if qkv is not None and parts[0].bias is not None:
+            bias = torch.cat([m.bias.float() for m in parts])
     gate_up = None
     if hidden_act == "silu" and not family.gate_up_proj and family.moe is None:
         gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-    return FusedProjections(qkv, gate_up)
+    return FusedProjections(qkv, gate_up, bias)
 
 
 def _norm_eps(norm: torch.nn.Module, family: Family) -> float | None:
@@ -331,6 +347,9 @@ class ModelRunner:
         self.gains = {id(n): self._gain(n) for n in self._residual_norms()} if self.fused else {}
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.projections = [self._fused(layer, act, family) for layer in self.layers]
+        # the layers a short step runs as one C++ call each (None: layer by layer)
+        self.layer_ops = [self._layer_op(layer, plan, proj) for layer, plan, proj
+                          in zip(self.layers, self.plans, self.projections)]
         self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                         for _ in self.layers]
         self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -344,6 +363,29 @@ class ModelRunner:
         # the OS now, or glibc keeps a layer's worth per layer (a 7B model grew by 2.4 GB)
         release_freed_memory()
         return fused
+
+    def _layer_op(self, layer, plan: LayerPlan, proj: FusedProjections) -> tuple | None:
+        """decoder_layer's per-layer arguments (weights, group sizes, vnni, eps), or None where
+        the layer needs anything that op does not do: a sliding window, score soft-capping,
+        q/k norms, norms around the sublayer outputs, a part that is not W4A8 (8-bit or FP
+        layers of a mixed plan), an MLP other than silu(gate) * up."""
+        if (not self.fused or os.environ.get(LAYER_OP_ENV, "1") == "0"
+                or plan.window is not None or self.attn_softcap is not None
+                or self.family.qk_norm or plan.attn_out_norm is not None
+                or plan.mlp_out_norm is not None or proj.qkv is None or proj.gate_up is None):
+            return None
+        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        if _a8_parts([o, down]) is None:
+            return None
+        linears = [proj.qkv, o._w, proj.gate_up, down._w]
+        if len({w.vnni for w in linears}) != 1 or len({w.op for w in linears}) != 1:
+            return None
+        (g_in, eps_in), (g_mlp, eps_mlp) = (self.gains[id(layer.input_layernorm)],
+                                            self.gains[id(plan.mlp_in_norm)])
+        weights = [g_in, g_mlp, proj.qkv_bias]
+        for w in linears:
+            weights += [w.packed, w.scales, w.mz, w.perm]
+        return (weights, [w.group_size for w in linears], linears[0].vnni, [eps_in, eps_mlp])
 
     @staticmethod
     def _plan(layer, window: int | None, rope_key: str | None, family: Family) -> LayerPlan:
@@ -391,6 +433,13 @@ class ModelRunner:
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             plan = self.plans[i]
+            op_args = self.layer_ops[i] if attn_kernel else None
+            cos, sin = rope[plan.rope_key]
+            if op_args is not None and cos.shape[-1] == self.head_dim:  # one C++ call
+                delta = self.ops.decoder_layer(
+                    h, delta, *op_args, self.scale, cos, sin, self.k_pools[i], self.v_pools[i],
+                    meta.write_slots, meta.gather_blocks, meta.ctx_lens, meta.q_lens)
+                continue
             x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
             o = self._attention(i, layer, x, meta, rope[plan.rope_key],
                                 None if attn_kernel and plan.window is None
@@ -415,6 +464,8 @@ class ModelRunner:
         fused = self.projections[i].qkv
         if fused is not None or self.family.qkv_proj:  # one matmul: [T, (H + 2 KV) * D]
             qkv = a8w4_matmul(x, fused) if fused is not None else attn.qkv_proj(x)
+            if self.projections[i].qkv_bias is not None:
+                qkv = qkv + self.projections[i].qkv_bias
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=1)
             # column slices of a [T, ...] tensor: contiguous copies unless T == 1
             return tuple(t.reshape(T, -1, D).contiguous() for t in (q, k, v))

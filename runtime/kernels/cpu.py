@@ -201,7 +201,7 @@ class CpuA8W4:
 
     packed: torch.Tensor  # uint8 [out / 16, in / 8, 64] (pack_a8w4)
     scales: torch.Tensor  # fp32 [out / 16, G, 16]
-    mz: torch.Tensor  # fp32 [out / 16, G, 16] = -z * scale
+    mz: torch.Tensor | None  # fp32 [out / 16, G, 16] = -z * scale; None: every z is 8
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
     op: Any  # int4_a8_mm of the ISA it was packed for (torch OpOverload)
@@ -222,10 +222,17 @@ def repack_a8w4(p: PackedLinear, isa: str | None = None) -> CpuA8W4:
     isa = isa or cpu_ext.active_isa()
     q, perm = _group_ordered_q(p)  # uint8 [out, in] in [0, 16)
     scales = p.scales.float()  # [out, G], exact
-    # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16)
-    mz = -p.zeros_u8().float() * scales  # [out, G]
-    return CpuA8W4(pack_a8w4(q.contiguous()), block_rows(scales), block_rows(mz), perm,
+    zeros = p.zeros_u8()
+    # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16); a symmetric
+    # layer (every z == 8) stores none: the kernel forms -8 * s itself, the same fp32 values
+    mz = None if bool((zeros == 8).all()) else block_rows(-zeros.float() * scales)
+    return CpuA8W4(pack_a8w4(q.contiguous()), block_rows(scales), mz, perm,
                    p.group_size, cpu_ext.ops(isa).int4_a8_mm.default, cpu_ext.a8_uses_vnni(isa))
+
+
+def a8w4_mz(w: CpuA8W4) -> torch.Tensor:
+    """w's fp32 [out / 16, G, 16] -z * scale, formed from the scales when w stores none."""
+    return w.mz if w.mz is not None else w.scales * -8.0
 
 
 def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:
@@ -247,10 +254,11 @@ def concat_a8w4(ws: list[CpuA8W4]) -> CpuA8W4 | None:
                 or (w.perm is None) != (first.perm is None)
                 or (w.perm is not None and not torch.equal(w.perm, first.perm))):
             return None
+    # symmetric parts only: no mz; else each part's, formed where a part stores none
+    mz = None if all(w.mz is None for w in ws) else torch.cat([a8w4_mz(w) for w in ws])
     return CpuA8W4(torch.cat([w.packed for w in ws]),  # [sum(out) / 16, in / 8, 64]
                    torch.cat([w.scales for w in ws]),  # [sum(out) / 16, G, 16]
-                   torch.cat([w.mz for w in ws]), first.perm, first.group_size, first.op,
-                   first.vnni)
+                   mz, first.perm, first.group_size, first.op, first.vnni)
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,10 @@ inline void check_group_tensors(const at::Tensor& scales, const c10::optional<at
 // 4r + e of chunk (b, c) holds q[16b + r][8c + e] (low nibble) and q[16b + r][8c + 4 + e]
 // (high nibble), r < 16, e < 4: the low nibbles of a chunk are 16 rows x 4 columns, as an int8
 // dot-product instruction (vpdpbusd, or pmaddubsw + pmaddwd) reads them, rows 0..7 in its
-// first 32 bytes. scales / mz fp32 [N/16, G, 16], w = q * scale + mz (mz = -z * scale).
+// first 32 bytes. scales / mz fp32 [N/16, G, 16], w = q * scale + mz (mz = -z * scale); mz
+// absent: every zero point is 8 (a symmetric layer), mz = -8 * scale computed in the kernel.
 inline void check_a8w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& mz, int64_t group_size) {
+                       const c10::optional<at::Tensor>& mz, int64_t group_size) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == 64,
               "packed must be contiguous uint8 [N/16, K/8, 64]");
@@ -151,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_quantize_a8(const at::Tensor&
 // chunks [K/8, 64], sc / mz its [G, 16], out row m at out + m * ldo.
 template <int MaxTile, typename QuantizeRow, typename Tile>
 at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          const at::Tensor& mz, int64_t group_size,
+                          const c10::optional<at::Tensor>& mz, int64_t group_size,
                           const QuantizeRow& quantize_row, const Tile& tile) {
   check_a8w4(x, packed, scales, mz, group_size);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
@@ -160,12 +161,12 @@ at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const a
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* scp = scales.data_ptr<float>();
-  const float* mzp = mz.data_ptr<float>();
+  const float* mzp = mz.has_value() ? mz->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t wblock = K / 8 * 64, sblock = G * kRows;
   for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
-    tile(mt, a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock, mzp + b * sblock,
-         yp + m0 * N + b * kRows, N);
+    tile(mt, a, m0, K, G, group_size, wp + b * wblock, scp + b * sblock,
+         mzp != nullptr ? mzp + b * sblock : nullptr, yp + m0 * N + b * kRows, N);
   }, kMinA8MacsPerThread);
   return y;
 }
@@ -499,7 +500,7 @@ inline uint16_t float_to_bf16(float f) {
 // them by these names in either namespace) ---------------------------------------------------
 inline void def_ops(torch::Library& m) {
   m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
-  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor mz, int group_size, "
+  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size, "
         "bool vnni) -> Tensor");
   m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
   m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
@@ -509,6 +510,10 @@ inline void def_ops(torch::Library& m) {
   m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("decoder_layer(Tensor(a!) h, Tensor? delta, Tensor?[] weights, int[] group_sizes, "
+        "bool vnni, float[] eps, float scale, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
+        "Tensor(c!) v_pool, Tensor slots, Tensor block_tables, Tensor ctx_lens, "
+        "Tensor q_lens) -> Tensor");
 }
 
 // the ISA's entry points of def_ops' ops (rope_ is common.h's own)
@@ -516,7 +521,7 @@ struct OpImpls {
   at::Tensor (*int8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const c10::optional<at::Tensor>&, int64_t);
   at::Tensor (*int4_a8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, int64_t, bool);
+                           const c10::optional<at::Tensor>&, int64_t, bool);
   std::tuple<at::Tensor, at::Tensor, at::Tensor> (*quantize_a8)(const at::Tensor&, int64_t);
   at::Tensor (*fp16_mm)(const at::Tensor&, const at::Tensor&);
   at::Tensor (*bf16_mm)(const at::Tensor&, const at::Tensor&);
@@ -527,7 +532,106 @@ struct OpImpls {
   at::Tensor (*silu_mul)(const at::Tensor&);
 };
 
+// --- decoder_layer: one whole pre-norm decoder layer of a short step ------------------------
+// What runtime/engine/model_runner.py does per layer for a decode step (or a prefill chunk the
+// paged kernel takes), in one call instead of about twenty torch ops and Python between them:
+//   x = add_rms_norm_(h, delta, gain_in)             h += delta (the last layer's MLP output)
+//   q, k, v = split(x @ Wqkv^T + bias)                the stacked q/k/v W4A8 layer
+//   rope_(q, k); k, v -> their paged slots            (rounded to bf16 for a bf16 cache)
+//   o = paged_attention(q, ...) @ Wo^T
+//   x = add_rms_norm_(h, o, gain_mlp)                 h += o
+//   returns down(silu(gate) * up)                     the new delta, [T, hidden]
+// Each step is the op of the same name (same arithmetic, same results bit for bit: tested).
+// weights (Tensor?[], 19): gain_in, gain_mlp, qkv bias or None, then for each of qkv, o,
+// gate_up, down: packed, scales, mz or None, perm or None (int4_a8_mm's operands and the
+// act-order column order). group_sizes: the four layers'; eps: the two norms'.
+constexpr int64_t kLayerWeights = 19;
+
+namespace {
+
+OpImpls g_ops{};  // this build's entry points (impl_ops fills them; one copy per library)
+
+inline at::Tensor layer_a8(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w,
+                           int64_t i, int64_t group_size, bool vnni) {
+  const int64_t base = 3 + 4 * i;
+  const c10::optional<at::Tensor> packed = w.get(base), scales = w.get(base + 1);
+  const c10::optional<at::Tensor> mz = w.get(base + 2), perm = w.get(base + 3);
+  TORCH_CHECK(packed.has_value() && scales.has_value(), "decoder_layer: linear ", i,
+              " needs packed weights and scales");
+  const at::Tensor xin = perm.has_value() ? x.index_select(1, *perm) : x.contiguous();
+  return g_ops.int4_a8_mm(xin, *packed, *scales, mz, group_size, vnni);
+}
+
+// rows of src [T, KV, D] fp32 -> pool [blocks, block_size, KV, D] (fp32 or bf16) at slots [T]
+inline void write_slots(const at::Tensor& src, at::Tensor& pool, const at::Tensor& slots) {
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.size(2) == src.size(1) &&
+                  pool.size(3) == src.size(2),
+              "k_pool / v_pool must be contiguous [blocks, block_size, KV, D]");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == src.size(0),
+              "slots must be contiguous int64 [T]");
+  const int64_t T = src.size(0), row = src.size(1) * src.size(2);
+  const int64_t n_slots = pool.size(0) * pool.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* sp = src.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < n_slots, "slot ", sl[t], " outside the pool");
+  if (pool.scalar_type() == at::kFloat) {
+    float* pp = pool.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(pp + sl[t] * row, sp + t * row, row * sizeof(float));
+  } else {
+    TORCH_CHECK(pool.scalar_type() == at::kBFloat16, "the KV pools must be fp32 or bf16");
+    uint16_t* pp = reinterpret_cast<uint16_t*>(pool.data_ptr<at::BFloat16>());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < row; ++i) pp[sl[t] * row + i] = float_to_bf16(sp[t * row + i]);
+  }
+}
+
+at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                         const c10::List<c10::optional<at::Tensor>>& w,
+                         at::IntArrayRef group_sizes, bool vnni, at::ArrayRef<double> eps,
+                         double scale, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
+                         const at::Tensor& block_tables, const at::Tensor& ctx_lens,
+                         const at::Tensor& q_lens) {
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == kLayerWeights && group_sizes.size() == 4 &&
+                  eps.size() == 2,
+              "decoder_layer takes 19 weights, 4 group sizes and 2 eps");
+  TORCH_CHECK(w.get(0).has_value() && w.get(1).has_value(), "decoder_layer needs both gains");
+  TORCH_CHECK(k_pool.dim() == 4, "k_pool must be [blocks, block_size, KV, D]");
+  const int64_t T = h.size(0), KV = k_pool.size(2), D = k_pool.size(3);
+  at::Tensor x = g_ops.add_rms_norm_(h, delta, *w.get(0), eps[0]);
+  at::Tensor qkv = layer_a8(x, w, 0, group_sizes[0], vnni);  // [T, (H + 2 KV) D]
+  if (w.get(2).has_value()) qkv.add_(*w.get(2));
+  const int64_t N = qkv.size(1), H = N / D - 2 * KV;
+  TORCH_CHECK(N % D == 0 && H >= KV, "qkv has ", N, " outputs: not (H + 2 * ", KV, ") * ", D);
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  at::Tensor k = at::empty({T, KV, D}, qkv.options());
+  at::Tensor v = at::empty({T, KV, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {  // the row's q | k | v parts
+    std::memcpy(q.data_ptr<float>() + t * H * D, src + t * N, H * D * sizeof(float));
+    std::memcpy(k.data_ptr<float>() + t * KV * D, src + t * N + H * D, KV * D * sizeof(float));
+    std::memcpy(v.data_ptr<float>() + t * KV * D, src + t * N + (H + KV) * D,
+                KV * D * sizeof(float));
+  }
+  rope_(q, k, cos, sin);
+  write_slots(k, k_pool, slots);
+  write_slots(v, v_pool, slots);
+  const at::Tensor o = g_ops.paged_attention(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
+                                             scale);
+  const at::Tensor attn = layer_a8(o.view({T, H * D}), w, 1, group_sizes[1], vnni);
+  x = g_ops.add_rms_norm_(h, attn, *w.get(1), eps[1]);
+  const at::Tensor gu = layer_a8(x, w, 2, group_sizes[2], vnni);
+  return layer_a8(g_ops.silu_mul(gu), w, 3, group_sizes[3], vnni);
+}
+
+}  // namespace
+
 inline void impl_ops(torch::Library& m, const OpImpls& ops) {
+  g_ops = ops;
+  m.impl("decoder_layer", &decoder_layer);
   m.impl("int8_mm", ops.int8_mm);
   m.impl("int4_a8_mm", ops.int4_a8_mm);
   m.impl("quantize_a8", ops.quantize_a8);

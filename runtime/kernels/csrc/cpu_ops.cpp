@@ -339,7 +339,7 @@ QP_TARGET __attribute__((flatten)) void a8_tile(const A8Acts& a, int64_t m0, int
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations. `vnni` is the AVX2 build's
 // choice of instruction; here it must be true (AVX-512 VNNI is part of this build's baseline).
 at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& mz, int64_t group_size, bool vnni) {
+                      const c10::optional<at::Tensor>& mz, int64_t group_size, bool vnni) {
   check_cpu();
   TORCH_CHECK(vnni, "the AVX-512 build always uses VNNI; pass vnni=True");
   return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size,

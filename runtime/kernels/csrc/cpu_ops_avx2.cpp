@@ -182,7 +182,7 @@ bool has_avxvnni() {
 
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations; vnni: use AVX-VNNI (checked)
 at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& mz, int64_t group_size, bool vnni) {
+                      const c10::optional<at::Tensor>& mz, int64_t group_size, bool vnni) {
   TORCH_CHECK(!vnni || has_avxvnni(), "vnni=True but the CPU lacks AVX-VNNI (avx_vnni)");
   return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
                                       &qp::simd::quantize_row<Simd>,

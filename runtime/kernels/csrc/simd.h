@@ -99,7 +99,8 @@ QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_
 // One block of 16 output rows for MT activation rows (the tile's first row at m0), in halves of
 // V::L rows. Dot::run<MT>(w, xb, iacc) is the ISA's exact integer dot of one block of 32 columns
 // (the half's chunk bytes at w, chunk stride 64; row m's 32 int8 at xb[m]) into iacc[m].
-//   w  the block's chunks [K/8, 64]; sc / mz the block's [G, 16]; out row m at out + m * ldo
+//   w  the block's chunks [K/8, 64]; sc / mz the block's [G, 16] (mz null: -8 * sc); out row
+//   m at out + m * ldo
 template <class V, class Dot, int MT>
 QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
                               int64_t group_size, const uint8_t* w, const float* sc,
@@ -120,7 +121,9 @@ QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
           total[m] = V::fmadd(V::to_float(iacc[m]), sd, total[m]);
         }
       }
-      const typename V::F z = V::load(mz + g * kRows + h * V::L);
+      // symmetric layers have no mz tensor: their zero point is 8, so mz = -8 * scale (exact)
+      const typename V::F z = mz != nullptr ? V::load(mz + g * kRows + h * V::L)
+                                            : V::mul(s, V::set1(-8.0f));
       for (int m = 0; m < MT; ++m)
         total[m] = V::fmadd(z, V::set1(a.qsum[(m0 + m) * G + g]), total[m]);
     }

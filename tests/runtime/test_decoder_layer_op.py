@@ -1,0 +1,190 @@
+"""quantpipe_cpu::decoder_layer, one C++ call per decoder layer of a short step, against the same
+step run op by op from Python (each op its own call), on each ISA build this CPU runs.
+
+The layer op calls the same kernels in the same order on the same tensors, so the logits must
+be *equal*, not close: the tests compare with torch.equal. Covered: asymmetric and symmetric
+layers (a symmetric layer stores no mz: the kernel forms -8 * scale), q/k/v biases (Qwen2),
+act-order column orders, fp32 and bf16 KV caches, prefill chunks and mixed decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.runtime.engine import load_model_for_serving
+from quantpipe.runtime.engine.model_runner import LAYER_OP_ENV, ModelRunner, SeqChunk
+from quantpipe.runtime.kernels import cpu as cpu_kernels
+from quantpipe.runtime.kernels import cpu_ext
+from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
+from tests.runtime._quant_helpers import quantize_folder, random_packed
+from tests.tiny_models import make_model, save_model
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ext.cpu_can_run(isa),
+                                                   reason=f"the CPU cannot run the {isa} build"))
+        for isa in cpu_ext.ISAS]
+
+
+@pytest.fixture
+def isa_env(request, monkeypatch):
+    isa = request.node.callspec.params["isa"]
+    for name in (cpu_ext.ENV, "QUANTPIPE_CPU_INT4_ACT", LAYER_OP_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(cpu_ext.ISA_ENV, isa)
+    cpu_ext.reset()
+    usable, why = cpu_ext.build_status(isa)
+    assert usable, why
+    yield isa
+    monkeypatch.undo()
+    cpu_ext.reset()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(family, symmetric) -> a quantized tiny model folder (every linear W4 g32)."""
+    out = {}
+    for family in ("llama", "qwen2"):
+        model, tok = make_model(family)
+        src = save_model(model, tok, tmp_path_factory.mktemp(f"src-{family}"))
+        fp16 = tmp_path_factory.mktemp(f"fp16-{family}") / "fp16"
+        export_fp16(Fp16ExportSpec(str(src), fp16))
+        for sym in (False, True):
+            q = tmp_path_factory.mktemp(f"q-{family}-{sym}") / "q"
+            quantize_folder(fp16, q, [QuantSpec(4, 32, sym)])
+            out[family, sym] = q
+        if family == "llama":  # q, k, v, o, gate, up, down: o_proj 8-bit in every layer
+            q = tmp_path_factory.mktemp("q-mixed") / "q"
+            w4 = QuantSpec(4, 32, False)
+            quantize_folder(fp16, q, [w4, w4, w4, QuantSpec(8, -1, True), w4, w4, w4])
+            out["mixed"] = q
+    return out
+
+
+class CountingOps:
+    """An op namespace that counts decoder_layer calls."""
+
+    def __init__(self, ops) -> None:
+        self._ops, self.calls = ops, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._ops, name)
+
+    def decoder_layer(self, *args):
+        self.calls += 1
+        return self._ops.decoder_layer(*args)
+
+
+def _steps(prompts):
+    """Prefill chunks (one longer than a block), a mixed step, then decode steps."""
+    a, b = prompts
+    return [
+        [SeqChunk(a, 0, [0, 1, 2])],
+        [SeqChunk(b[:5], 0, [3, 4]), SeqChunk([7], len(a), [0, 1, 2])],
+        [SeqChunk(b[5:], 5, [3, 4]), SeqChunk([9], len(a) + 1, [0, 1, 2])],
+        [SeqChunk([4], len(b), [3, 4]), SeqChunk([5], len(a) + 2, [0, 1, 2])],
+    ]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
+@pytest.mark.parametrize("family,sym", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_layer_op_logits_equal_the_op_by_op_run(isa, isa_env, folders, family, sym, kv_dtype,
+                                                monkeypatch):
+    model, tok = load_model_for_serving(folders[family, sym], "cpu", torch.float32)
+    whole = ModelRunner(model, 4, 16, kv_dtype)
+    assert whole.fused, whole.fused_reason
+    assert all(args is not None for args in whole.layer_ops)  # every layer is one call
+    qkv = whole.projections[0].qkv
+    assert (qkv.mz is None) == sym  # symmetric layers hold no mz tensor
+    assert (whole.projections[0].qkv_bias is not None) == (family == "qwen2")
+    monkeypatch.setenv(LAYER_OP_ENV, "0")
+    by_op = ModelRunner(model, 4, 16, kv_dtype)
+    assert all(args is None for args in by_op.layer_ops)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (9, 7)]
+    whole.ops = counting = CountingOps(whole.ops)
+    for chunks in _steps(prompts):
+        got, want = whole.forward(chunks), by_op.forward(chunks)
+        assert torch.equal(got, want), float((got - want).abs().max())
+    for i in range(len(whole.layers)):  # the caches hold the same keys and values
+        assert torch.equal(whole.k_pools[i], by_op.k_pools[i])
+        assert torch.equal(whole.v_pools[i], by_op.v_pools[i])
+    assert counting.calls == len(_steps(prompts)) * len(whole.layers)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_layers_with_an_8bit_part_run_op_by_op(isa, isa_env, folders):
+    """A mixed plan's 8-bit o_proj: the layer op does not take it; those layers run op by op
+    and give the same logits as with the layer op turned off."""
+    model, tok = load_model_for_serving(folders["mixed"], "cpu", torch.float32)
+    runner = ModelRunner(model, 4, 16)
+    assert runner.fused and all(args is None for args in runner.layer_ops)
+    ids = list(range(3, 12))
+    got = runner.forward([SeqChunk(ids, 0, [0, 1, 2])])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LAYER_OP_ENV, "0")
+        want = ModelRunner(model, 4, 16).forward([SeqChunk(ids, 0, [0, 1, 2])])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_sym_layer_without_mz_equals_explicit_mz(isa, isa_env):
+    """A symmetric layer's absent mz is -8 * scale formed in the kernel: the same fp32 values
+    as the stored tensor, so the outputs are equal; act-order column orders included."""
+    for act in (False, True):
+        p = random_packed(48, 256, QuantSpec(4, 64, True, act), seed=11)
+        w = cpu_kernels.repack_a8w4(p, isa)
+        assert w.mz is None
+        explicit = cpu_kernels.CpuA8W4(w.packed, w.scales, cpu_kernels.a8w4_mz(w), w.perm,
+                                       w.group_size, w.op, w.vnni)
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(cpu_kernels.a8w4_matmul(x, w), cpu_kernels.a8w4_matmul(x, explicit))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_layer_op_with_act_order_equals_its_ops(isa, isa_env):
+    """The op on random layers with act-order column orders and mixed mz / no mz, against the
+    same ops called one by one (the engine's checkpoints above have no column orders)."""
+    ops = cpu_ext.ops(isa)
+    hidden, inter, H, KV, D = 64, 96, 4, 2, 16
+    specs = [QuantSpec(4, 32, False, True), QuantSpec(4, 32, True, True),
+             QuantSpec(4, 32, False, False), QuantSpec(4, 32, True, True)]
+    shapes = [((H + 2 * KV) * D, hidden), (hidden, H * D), (2 * inter, hidden), (hidden, inter)]
+    ws = [cpu_kernels.repack_a8w4(random_packed(o, i, s, seed=20 + n), isa)
+          for n, ((o, i), s) in enumerate(zip(shapes, specs))]
+    g = torch.Generator().manual_seed(4)
+    gains = [torch.rand(hidden, generator=g) + 0.5 for _ in range(2)]
+    bias = torch.randn((H + 2 * KV) * D, generator=g)
+    weights = [gains[0], gains[1], bias]
+    for w in ws:
+        weights += [w.packed, w.scales, w.mz, w.perm]
+    T = 3
+    h0 = torch.randn(T, hidden, generator=g)
+    delta = torch.randn(T, hidden, generator=g)
+    cos, sin = torch.rand(T, D, generator=g), torch.rand(T, D, generator=g)
+    pools = [torch.randn(4, 4, KV, D, generator=g) for _ in range(2)]
+    slots = torch.tensor([5, 6, 7])
+    tables, ctx, qlen = torch.tensor([[0, 1]]), torch.tensor([8]), torch.tensor([3])
+
+    h1, kp1, vp1 = h0.clone(), pools[0].clone(), pools[1].clone()
+    got = ops.decoder_layer(h1, delta, weights, [32] * 4, ws[0].vnni, [1e-5, 1e-6], 0.25,
+                            cos, sin, kp1, vp1, slots, tables, ctx, qlen)
+
+    h2, kp2, vp2 = h0.clone(), pools[0].clone(), pools[1].clone()
+    x = ops.add_rms_norm_(h2, delta, gains[0], 1e-5)
+    qkv = cpu_kernels.a8w4_matmul(x, ws[0]) + bias
+    q, k, v = (t.reshape(T, -1, D).contiguous() for t in qkv.split([H * D, KV * D, KV * D], 1))
+    ops.rope_(q, k, cos, sin)
+    kp2.view(-1, KV, D)[slots] = k
+    vp2.view(-1, KV, D)[slots] = v
+    o = ops.paged_attention(q, kp2, vp2, tables, ctx, qlen, 0.25)
+    x = ops.add_rms_norm_(h2, cpu_kernels.a8w4_matmul(o.reshape(T, -1), ws[1]), gains[1], 1e-6)
+    want = cpu_kernels.a8w4_matmul(ops.silu_mul(cpu_kernels.a8w4_matmul(x, ws[2])), ws[3])
+    assert torch.equal(got, want) and torch.equal(h1, h2)
+    assert torch.equal(kp1, kp2) and torch.equal(vp1, vp2)
+    with pytest.raises(RuntimeError, match="19 weights"):
+        ops.decoder_layer(h1, None, weights[:-1], [32] * 4, ws[0].vnni, [1e-5, 1e-6], 0.25,
+                          cos, sin, kp1, vp1, slots, tables, ctx, qlen)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.decoder_layer(h1, None, weights, [32] * 4, ws[0].vnni, [1e-5, 1e-6], 0.25,
+                          cos, sin, kp1, vp1, torch.tensor([5, 6, 99]), tables, ctx, qlen)
