@@ -239,10 +239,6 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
     free = [n for n in names if n not in bits]
     damage_source = "none"
     predicted = 0.0
-    if spec.budget_bits is None:
-        for n in free:
-            bits[n] = spec.bits
-            reasons[n] = "default"
     validated, note = None, ""
     if spec.budget_bits is None:
         for n in free:
