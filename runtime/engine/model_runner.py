@@ -27,6 +27,7 @@ gain as a weight, so a (1 + w) norm passes (1 + w), computed once.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -73,11 +74,28 @@ class BatchMeta:
     write_slots: torch.Tensor  # [T] int64 flat slot (block * block_size + offset) per new token
     q_index: torch.Tensor  # [T] int64 row in the padded [B * q_max] query layout
     gather_blocks: torch.Tensor  # [B, blocks_max] int64 block table of each context (0 = pad)
-    attn_mask: torch.Tensor  # [B, 1, q_max, ctx_max] bool, ctx_max = blocks_max * block_size
     last_index: torch.Tensor  # [B] int64 index into T of each chunk's last token
     ctx_lens: torch.Tensor  # [B] int64 tokens in each context after this step
     q_lens: torch.Tensor  # [B] int64 new tokens of each sequence in this step
     q_max: int
+    ctx_max: int  # blocks_max * block_size
+
+    @functools.cached_property
+    def attn_mask(self) -> torch.Tensor:
+        """[B, 1, q_max, ctx_max] bool: the padded (SDPA) path's mask, made on first use (a
+        step the C++ paged kernel runs whole never needs it).
+
+        Query row i of sequence b sits at position start_b + i and may see keys j <= that
+        position (causal); that also hides the unused tail of its last block and the padding
+        blocks, all at j >= ctx_len_b. Padded query rows (i >= n_b) would see nothing and give
+        NaN from softmax over all -inf, so they see key 0; they are dropped later."""
+        device = self.ctx_lens.device
+        starts = (self.ctx_lens - self.q_lens).view(-1, 1, 1)  # [B, 1, 1]
+        rows = torch.arange(self.q_max, device=device).view(1, -1, 1)  # [1, q_max, 1]
+        kpos = torch.arange(self.ctx_max, device=device).view(1, 1, -1)  # [1, 1, ctx_max]
+        mask = kpos <= starts + rows  # [B, q_max, ctx_max]
+        mask |= (rows >= self.q_lens.view(-1, 1, 1)) & (kpos == 0)
+        return mask.unsqueeze(1)
 
 
 def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> BatchMeta:
@@ -86,9 +104,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
     q_max = max(len(c.token_ids) for c in chunks)
     ctx_lens = [c.start + len(c.token_ids) for c in chunks]
     blocks_max = max(-(-n // block_size) for n in ctx_lens)
-    ctx_max = blocks_max * block_size
-    ids, pos, slots, q_index, last = [], [], [], [], []
-    gather = torch.zeros(len(chunks), blocks_max, dtype=torch.int64)
+    ids, pos, slots, q_index, last, gather = [], [], [], [], [], []
     for b, c in enumerate(chunks):
         n = len(c.token_ids)
         ids += c.token_ids
@@ -97,28 +113,16 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         q_index += range(b * q_max, b * q_max + n)
         last.append(len(ids) - 1)
         used = -(-ctx_lens[b] // block_size)
-        gather[b, :used] = torch.tensor(c.block_table[:used])
-    # Mask: query row i of sequence b sits at position start_b + i and may see keys j <= that
-    # position (causal); that also hides the unused tail of its last block and the padding
-    # blocks, all at j >= ctx_len_b. Padded query rows (i >= n_b) would see nothing and give
-    # NaN from softmax over all -inf, so they see key 0; they are dropped later.
-    starts = torch.tensor([c.start for c in chunks]).view(-1, 1, 1)  # [B, 1, 1]
-    qpos = starts + torch.arange(q_max).view(1, -1, 1)  # [B, q_max, 1]
-    kpos = torch.arange(ctx_max).view(1, 1, -1)  # [1, 1, ctx_max]
-    mask = kpos <= qpos  # [B, q_max, ctx_max]
-    n_q = torch.tensor([len(c.token_ids) for c in chunks]).view(-1, 1, 1)
-    mask |= (torch.arange(q_max).view(1, -1, 1) >= n_q) & (kpos == 0)
+        gather.append(list(c.block_table[:used]) + [0] * (blocks_max - used))
+
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     return BatchMeta(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(pos, dtype=torch.int64, device=device),
-        write_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-        q_index=torch.tensor(q_index, dtype=torch.int64, device=device),
-        gather_blocks=gather.to(device),
-        attn_mask=mask.unsqueeze(1).to(device),
-        last_index=torch.tensor(last, dtype=torch.int64, device=device),
-        ctx_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=device),
-        q_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64, device=device),
-        q_max=q_max,
+        input_ids=tensor(ids), positions=tensor(pos), write_slots=tensor(slots),
+        q_index=tensor(q_index), gather_blocks=tensor(gather), last_index=tensor(last),
+        ctx_lens=tensor(ctx_lens), q_lens=tensor([len(c.token_ids) for c in chunks]),
+        q_max=q_max, ctx_max=blocks_max * block_size,
     )
 
 
@@ -426,10 +430,7 @@ class ModelRunner:
         rope = self._rope_tables(h, meta.positions)
         # short chunks only (decode, small prefills): the kernel's work is O(q_len * ctx)
         attn_kernel = self.fused and meta.q_max <= KERNEL_ATTENTION_MAX_Q
-        # the padded path's masks, one per window size: built once, shared by the layers
-        G = self.num_heads // self.num_kv_heads
-        masks = {w: group_mask(meta.attn_mask if w is None else window_mask(meta, w), G)
-                 for w in {p.window for p in self.plans}}
+        masks: dict[int | None, torch.Tensor] = {}  # the padded path's, one per window size
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             plan = self.plans[i]
@@ -441,9 +442,9 @@ class ModelRunner:
                     meta.write_slots, meta.gather_blocks, meta.ctx_lens, meta.q_lens)
                 continue
             x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
+            kernel = attn_kernel and plan.window is None and self.attn_softcap is None
             o = self._attention(i, layer, x, meta, rope[plan.rope_key],
-                                None if attn_kernel and plan.window is None
-                                and self.attn_softcap is None else masks[plan.window])
+                                None if kernel else self._mask(masks, meta, plan.window))
             if plan.attn_out_norm is not None:
                 o = plan.attn_out_norm(o)
             x = self._add_norm(h, o, plan.mlp_in_norm)
@@ -456,6 +457,14 @@ class ModelRunner:
         if self.final_softcap is not None:
             logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
         return logits
+
+    def _mask(self, masks: dict, meta: BatchMeta, window: int | None) -> torch.Tensor:
+        """The padded path's grouped mask for ``window``: made once per step, shared by the
+        layers."""
+        if window not in masks:
+            base = meta.attn_mask if window is None else window_mask(meta, window)
+            masks[window] = group_mask(base, self.num_heads // self.num_kv_heads)
+        return masks[window]
 
     def _qkv(self, i: int, attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KV, D]."""
