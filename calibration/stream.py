@@ -60,6 +60,12 @@ class ModelStream:
         with safe_open(str(self.folder / fname), framework="pt") as f:
             return f.get_tensor(name)
 
+    def _module_tensors(self, module_name: str, names: list[str]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(parameter name, tensor as stored) for each of ``module_name``'s ``names``."""
+        for name in names:
+            yield name, self._tensor(f"{module_name}.{name}")
+
     @contextlib.contextmanager
     def load(self, module_name: str) -> Iterator[torch.nn.Module]:
         """Materialise ``module_name``'s parameters (cast to ``dtype``) for the ``with`` body;
@@ -67,9 +73,9 @@ class ModelStream:
         module = self.model.get_submodule(module_name)
         names = [name for name, _ in module.named_parameters()]
         try:
-            for name in names:
+            for name, tensor in self._module_tensors(module_name, names):
                 # as stored ([out, in] for linears, [d] for norms) -> a real parameter
-                _set(module, name, self._tensor(f"{module_name}.{name}").to(self.dtype))
+                _set(module, name, tensor.to(self.dtype))
             yield module
         finally:
             for name, p in list(module.named_parameters()):

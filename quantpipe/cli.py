@@ -345,8 +345,11 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write results here.")
 @click.option("--allow-other-source", is_flag=True,
               help="Compare even if the manifests say CANDIDATE was made from other FP16 weights.")
+@click.option("--stream/--no-stream", default=None,
+              help="Run both models block by block (one block in memory at a time) or whole "
+                   "[default: block by block when both whole fp32 models would not fit].")
 def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out,
-             allow_other_source):
+             allow_other_source, stream):
     """KL divergence, top-token agreement and perplexity of CANDIDATE vs REFERENCE."""
     from quantpipe.core.io import write_json_atomic
     from quantpipe.reports.eval import (
@@ -362,7 +365,8 @@ def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out
         check_output_file(json_out, "--json")
     ctx = eval_context(reference, ctx)
     texts = load_texts(reference, text_file, prompts)
-    res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx, allow_other_source))
+    res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx, allow_other_source,
+                            stream))
     click.echo(format_result(res))
     if json_out:
         write_json_atomic(json_out, res.to_dict())

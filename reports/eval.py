@@ -45,6 +45,9 @@ class EvalSpec:
     max_tokens: int = 0  # stop after this many scored tokens (0 = all)
     ctx: int = DEFAULT_CTX  # window length in tokens
     allow_other_source: bool = False  # compare a candidate quantized from another FP16 folder
+    # run both models block by block (reports.stream_eval) instead of whole; None: when the
+    # two whole models in fp32 would not fit in the available memory (:func:`use_streaming`)
+    stream: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.texts or not any(t.strip() for t in self.texts):
@@ -169,10 +172,7 @@ def evaluate_many(ref_model, cand_models: list, tokenizer, spec: EvalSpec,
                   names: list[str] | None = None) -> list[EvalResult]:
     """Score several candidates against one reference forward per window."""
     t0 = time.perf_counter()
-    docs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in spec.texts if t.strip()]
-    wins = windows(docs, spec.ctx)
-    if not wins:
-        raise ValueError("the text tokenizes to fewer than 2 tokens; give a longer text")
+    wins = eval_windows(tokenizer, spec)
     accs = [_Accumulator() for _ in cand_models]
     used = 0
     for w in tqdm(wins, desc="eval", unit="window", leave=False):
@@ -192,8 +192,37 @@ def evaluate_many(ref_model, cand_models: list, tokenizer, spec: EvalSpec,
                        seconds=seconds, **summarize(acc)) for name, acc in zip(names, accs)]
 
 
+def eval_windows(tokenizer, spec: EvalSpec) -> list[list[int]]:
+    """The texts' token windows (before ``max_tokens`` truncation)."""
+    docs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in spec.texts if t.strip()]
+    wins = windows(docs, spec.ctx)
+    if not wins:
+        raise ValueError("the text tokenizes to fewer than 2 tokens; give a longer text")
+    return wins
+
+
 def evaluate_models(ref_model, cand_model, tokenizer, spec: EvalSpec) -> EvalResult:
     return evaluate_many(ref_model, [cand_model], tokenizer, spec)[0]
+
+
+# the two whole fp32 models may take at most this fraction of the available memory
+WHOLE_MODELS_MEMORY_FRACTION = 0.6
+
+
+def use_streaming(spec: EvalSpec) -> tuple[bool, str]:
+    """(run block by block, why): as asked, else when the reference and the candidate in fp32
+    (twice the reference's fp16 shards each) would take more than
+    ``WHOLE_MODELS_MEMORY_FRACTION`` of the available memory."""
+    if spec.stream is not None:
+        return spec.stream, "as asked"
+    import psutil
+
+    need = 4 * sum(p.stat().st_size for p in Path(spec.reference).glob("*.safetensors"))
+    have = psutil.virtual_memory().available
+    if need > WHOLE_MODELS_MEMORY_FRACTION * have:
+        return True, (f"both models in fp32 need ~{need / 2**30:.1f} GiB, "
+                      f"{have / 2**30:.1f} GiB available")
+    return False, "both models fit in memory"
 
 
 def run_eval(spec: EvalSpec) -> EvalResult:
@@ -201,6 +230,10 @@ def run_eval(spec: EvalSpec) -> EvalResult:
 
     check_candidate(spec.reference, spec.candidate, spec.allow_other_source)
     tokenizer = AutoTokenizer.from_pretrained(spec.reference)
+    stream, why = use_streaming(spec)
+    if stream:
+        log.info("eval: running both models block by block (%s)", why)
+        return _run_streamed(spec, tokenizer, why)
     ref = load_eval_model(spec.reference)
     cand = load_eval_model(spec.candidate)
     if ref.config.vocab_size != cand.config.vocab_size:
@@ -209,6 +242,21 @@ def run_eval(spec: EvalSpec) -> EvalResult:
             "the candidate must be a quantization of the reference"
         )
     return evaluate_models(ref, cand, tokenizer, spec)
+
+
+def _run_streamed(spec: EvalSpec, tokenizer, why: str) -> EvalResult:
+    from quantpipe.reports.stream_eval import stream_evaluate
+
+    if model_config(spec.reference).get("vocab_size") != model_config(spec.candidate).get(
+            "vocab_size"):
+        raise ValueError("vocabularies differ: the candidate must be a quantization of the "
+                         "reference")
+    acc = _Accumulator()
+    used, seconds = stream_evaluate(spec.reference, spec.candidate,
+                                    eval_windows(tokenizer, spec), spec.max_tokens, acc)
+    return EvalResult(reference=str(spec.reference), candidate=str(spec.candidate),
+                      windows=used, seconds=seconds, **summarize(acc),
+                      notes=[f"both models run block by block ({why})"])
 
 
 # ---- input checks: cheap, before any model is loaded ----------------------------------------

@@ -9,11 +9,12 @@ the suite the day the cause is fixed, so that the table there is updated.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from quantpipe.core.families import FAMILIES, block_linear_names, family_for
+from quantpipe.core.families import FAMILIES, block_linear_names, family_for, get_path
 from tests.tiny_models import CORPUS, FAMILY_CONFIGS, hf_greedy, make_family_model, save_model
 
 # (family, algo) -> (reason, the exception expected) for a stage a family cannot pass yet;
@@ -352,3 +353,46 @@ def test_moe_runtime_matches_the_dequantized_hf_model(family, prompt_file, tmp_p
     prompts = [[5, 9, 23], list(range(40, 50))]
     want = [hf_greedy(ref, p, 6) for p in prompts]
     assert eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True)) == want
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_streamed_eval_equals_whole_model_eval(family, prompt_file, tmp_path_factory):
+    """`quantpipe eval` run block by block (both models streamed) gives the whole-model path's
+    numbers: same tokens and top-token agreement, KLD and perplexities to fp32 summation order.
+    And at most one module's weights of a model are materialised at any time."""
+    import contextlib
+
+    from quantpipe.calibration.stream import ModelStream
+    from quantpipe.reports.eval import EvalSpec, run_eval
+
+    native = _native_dir(family, prompt_file, tmp_path_factory)
+    fp16 = _fp16_dir(family, tmp_path_factory)
+    texts = (" ".join(CORPUS[:6]), " ".join(CORPUS[2:8]))
+    spec = dict(reference=fp16, candidate=native, texts=texts, max_tokens=150, ctx=40)
+    whole = run_eval(EvalSpec(**spec, stream=False))
+    largest = {"n": 0}
+    real_load = ModelStream.load
+
+    @contextlib.contextmanager
+    def counting(self, name):
+        with real_load(self, name) as module:
+            largest["n"] = max(largest["n"], self.materialised_parameters())
+            yield module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelStream, "load", counting)
+        streamed = run_eval(EvalSpec(**spec, stream=True))
+    assert streamed.tokens == whole.tokens == 150 and streamed.windows == whole.windows
+    assert streamed.same_top_rate == whole.same_top_rate
+    for key in ("mean", "median", "max"):
+        assert math.isclose(streamed.kld[key], whole.kld[key], rel_tol=1e-4, abs_tol=1e-7), key
+    assert math.isclose(streamed.ppl_reference, whole.ppl_reference, rel_tol=1e-5)
+    assert math.isclose(streamed.ppl_candidate, whole.ppl_candidate, rel_tol=1e-5)
+    assert streamed.notes and "block by block" in streamed.notes[0]
+    # one module at a time: never more than the largest of a block, the table, norm + head
+    model = make_family_model(family)[0]
+    blocks = [sum(p.numel() for p in b.parameters())
+              for b in get_path(model, family_for(family).blocks)]
+    table = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    assert 0 < largest["n"] <= max(max(blocks), table, head) + model.config.hidden_size

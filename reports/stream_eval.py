@@ -1,0 +1,166 @@
+"""`quantpipe eval` for models that do not fit in memory twice: both models run block by block.
+
+The whole-model path (:func:`quantpipe.reports.eval.evaluate_many`) holds the FP reference
+and the dequantized candidate in fp32 at once: 54 GB for a 7B model. Here each model is a
+meta-device skeleton (:class:`quantpipe.calibration.stream.ModelStream`) whose weights are
+read one decoder block at a time, and every evaluation window goes through block ``i`` before
+block ``i + 1`` is read (the pattern of layer-wise calibration):
+
+1. the windows to score are cut exactly as the whole-model path cuts them (same ``ctx``, same
+   ``max_tokens`` truncation), and each window's positions and masks are built once;
+2. the reference: embeddings, then each block over every window, keeping only the final
+   hidden states ([window tokens, hidden] fp32 per window);
+3. the candidate the same way, its blocks dequantized from the verified checkpoint one at a
+   time (``QuantizedCheckpoint.layers[name].dequantize``; a MoE block's experts are stacked
+   as transformers holds them by ``model_tensors``), on the reference's skeleton (the same
+   architecture: ``check_candidate`` has compared their sources);
+4. the final norm and output head of both (the tied embedding table where the head is tied,
+   the family's logit soft-cap) turn each window's hidden states into logits, scored by the
+   same accumulator as the whole-model path.
+
+Peak memory: one block of one model in fp32, both output heads, and the final hidden states of
+the scored windows (tokens x hidden x 4 bytes per model), instead of both whole models. The
+results are the whole-model path's up to floating-point summation order (tested on tiny
+models of every family).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
+from quantpipe.calibration.stream import ModelStream
+from quantpipe.core.families import config_value, family_for, get_path
+from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized, model_tensors
+
+
+class CheckpointStream(ModelStream):
+    """The reference's skeleton with a quantized checkpoint's weights: FP tensors as stored,
+    quantized linears dequantized to ``dtype`` when their module is loaded."""
+
+    def __init__(self, reference: str | Path, ckpt: QuantizedCheckpoint,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.ckpt = ckpt
+        super().__init__(reference, dtype)
+
+    def _weight_map(self) -> dict[str, str]:
+        return {}  # tensors come from the checkpoint, not from shards
+
+    def _hub_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for k in self.ckpt.fp_tensors:
+            if k.startswith(prefix):
+                yield k, self.ckpt.fp_tensors[k]
+        for name in self.ckpt.layers:
+            if name.startswith(prefix):
+                yield f"{name}.weight", self.ckpt.layers[name].dequantize(self.dtype)
+
+    def _module_tensors(self, module_name: str, names: list[str]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        prefix = f"{module_name}."
+        want = set(names)
+        # hub names -> transformers' (a MoE block's experts stacked into 3-D tensors)
+        for full, t in model_tensors(self.ckpt.config, self._hub_tensors(prefix)):
+            name = full[len(prefix):] if full.startswith(prefix) else None
+            if name in want:
+                want.discard(name)
+                yield name, t
+        if want:
+            raise ValueError(f"{self.ckpt.folder}: no tensors for {module_name}: "
+                             f"{', '.join(sorted(want))}")
+
+
+def scored_windows(wins: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The windows the whole-model path scores, truncated as it truncates them."""
+    out, scored = [], 0
+    for w in wins:
+        if max_tokens and scored >= max_tokens:
+            break
+        if max_tokens:
+            w = w[: max_tokens - scored + 1]
+        out.append(w)
+        scored += len(w) - 1
+    return out
+
+
+def _contexts(stream: ModelStream, wins: list[list[int]]) -> list[BlockContext]:
+    """Each window's positions and masks (the same for every model of this architecture)."""
+    emb = _embeddings_name(stream.model)
+    with stream.load(emb):
+        return [embed_inputs(stream.model, torch.tensor([w]))[1] for w in wins]
+
+
+def _embeddings_name(model: torch.nn.Module) -> str:
+    emb = model.get_input_embeddings()
+    return next(name for name, m in model.named_modules() if m is emb)
+
+
+@torch.no_grad()
+def final_hidden(stream: ModelStream, wins: list[list[int]], ctxs: list[BlockContext],
+                 desc: str) -> list[torch.Tensor]:
+    """Each window's last block output [T, hidden] fp32, the model read one block at a time."""
+    model = stream.model
+    family = family_for(model.config.model_type)
+    with stream.load(_embeddings_name(model)):
+        hidden = [embed_inputs(model, torch.tensor([w]))[0] for w in wins]  # [1, T, d] each
+    blocks = get_path(model, family.blocks)
+    for i in tqdm(range(len(blocks)), desc=desc, unit="block", leave=False):
+        with stream.load(f"{family.blocks}.{i}") as block:
+            hidden = [run_block(block, h, c.for_layer(i), 1) for h, c in zip(hidden, ctxs)]
+    return [h[0] for h in hidden]
+
+
+@contextlib.contextmanager
+def output_head(stream: ModelStream):
+    """A function hidden [T, d] -> logits [T, vocab] fp32 (final norm, head, soft-cap), with
+    the norm and head weights read for the ``with`` body."""
+    model = stream.model
+    family = family_for(model.config.model_type)
+    norm_name = f"{family.decoder}.{family.final_norm}"
+    head = model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    head_name = _embeddings_name(model) if tied else next(
+        name for name, m in model.named_modules() if m is head)
+    softcap = config_value(model.config, family.final_softcap)
+    with stream.load(norm_name), stream.load(head_name) as head_mod:
+        norm = get_path(model, norm_name)
+        bias = None if tied else getattr(head_mod, "bias", None)
+
+        def logits(h: torch.Tensor) -> torch.Tensor:
+            out = torch.nn.functional.linear(norm(h), head_mod.weight, bias).float()
+            return out if softcap is None else softcap * torch.tanh(out / softcap)
+
+        yield logits
+
+
+def stream_evaluate(reference: Path, candidate: Path, wins: list[list[int]], max_tokens: int,
+                    accumulator) -> tuple[int, float]:
+    """Score ``candidate`` against ``reference`` on ``wins`` into ``accumulator`` (the
+    whole-model path's ``_Accumulator``): (windows used, seconds)."""
+    t0 = time.perf_counter()
+    wins = scored_windows(wins, max_tokens)
+    ref = ModelStream(reference)
+    ctxs = _contexts(ref, wins)
+    ref_hidden = final_hidden(ref, wins, ctxs, "eval: reference")
+    if (Path(candidate) / "config.json").is_file() and _is_quantized(candidate):
+        cand = CheckpointStream(reference, load_quantized(candidate))
+    else:
+        cand = ModelStream(candidate)
+    cand_hidden = final_hidden(cand, wins, ctxs, "eval: candidate")
+    with output_head(ref) as ref_logits, output_head(cand) as cand_logits:
+        for w, hr, hc in zip(wins, ref_hidden, cand_hidden):
+            ids = torch.tensor(w)
+            accumulator.add(ref_logits(hr[:-1]), cand_logits(hc[:-1]), ids[1:])
+    return len(wins), time.perf_counter() - t0
+
+
+def _is_quantized(folder: Path) -> bool:
+    import json
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return (cfg.get("quantization_config") or {}).get("quant_method") is not None
