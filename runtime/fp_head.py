@@ -40,12 +40,18 @@ Without the kernels, torch's matmul runs with the inputs cast to the weight dtyp
 matmul is fast only for M = 1). Logits come back in the model's activation dtype. The
 embedding table is kept in fp16 too (exact) and its rows are cast to the activation dtype, so
 the residual stream keeps its precision; a tied fp16 head shares that tensor (blocked or not:
-:class:`CastEmbedding` reads either).
+:class:`CastEmbedding` reads either). An untied table loaded by ``runtime.loader`` may be a
+read-only memory map of the checkpoint file (``map_embeddings``): it is used as it is (no
+copy), so only the rows looked up are read, and nothing here writes into it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import mmap
+import sys
 
 import torch
 from torch import nn
@@ -68,6 +74,100 @@ def block_row_pairs(w: torch.Tensor) -> torch.Tensor:
     """[N, K] (K even) -> [ceil(N / 16), K / 2, 16, 2]: bf16_mm's (w[k], w[k + 1]) pairs."""
     b = block_rows(w)  # [N / 16, K, 16]
     return b.view(b.shape[0], -1, 2, BLOCK).transpose(2, 3).contiguous()  # [N/16, K/2, 16, 2]
+
+
+# rows of the head re-laid out at a time (a multiple of BLOCK): the copy is made one chunk at
+# a time, and a source read from a file mapping is handed back after each chunk
+HEAD_CHUNK_ROWS = 4096
+_MADV_PAGEOUT = 21  # linux/mman.h (Linux 5.4+)
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise (Linux), looked up once; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+def _file_backed(t: torch.Tensor) -> bool:
+    """Whether t's bytes lie in a mapping of a file (/proc/self/maps), e.g. a tensor that
+    safetensors returns: a view of the shard mapped copy-on-write."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    addr = t.data_ptr()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= addr < hi:
+                    return len(fields) > 5 and fields[5].startswith("/")
+    except OSError:
+        pass
+    return False
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the whole pages of t's bytes now (MADV_PAGEOUT). Only for a
+    file-backed source that is about to be dropped: its clean pages are released (read again
+    from the file if touched), so they are not resident beside the copy made from them. A
+    hint that changes no value; ignored where it is not supported."""
+    madvise = _madvise()
+    if madvise is None or not t.is_contiguous():
+        return
+    page = mmap.PAGESIZE
+    lo = -(-t.data_ptr() // page) * page  # inward: never a page of another tensor
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if hi > lo:
+        madvise(lo, hi - lo, _MADV_PAGEOUT)
+
+
+def _blocked(src: torch.Tensor) -> torch.Tensor:
+    """[16 n, K] -> a [n, K, 16] view: block_rows' layout, without its copy."""
+    return src.view(-1, BLOCK, src.shape[1]).transpose(1, 2)
+
+
+def _blocked_pairs(src: torch.Tensor) -> torch.Tensor:
+    """[16 n, K] -> a [n, K / 2, 16, 2] view: block_row_pairs' layout, without its copy."""
+    return src.view(-1, BLOCK, src.shape[1] // 2, 2).permute(0, 2, 1, 3)
+
+
+def _rows(src: torch.Tensor) -> torch.Tensor:
+    return src
+
+
+def relayout_rows(w: torch.Tensor, layouts: list, release: bool = True) -> list[torch.Tensor]:
+    """A copy of the [N, K] weight ``w`` per ``(arrange, rows, dtype)`` of ``layouts``: rows of
+    ``w`` per output row (16 for the blocked layouts, zero-padded, 1 for a plain cast) and
+    ``arrange(w[16 i: 16 j])`` the view of those rows in the output's layout (``_blocked``,
+    ``_blocked_pairs``, ``_rows``), copied in (and cast to ``dtype``) HEAD_CHUNK_ROWS rows at a
+    time: no temporary of the whole weight. With ``release`` (the caller drops ``w`` once it
+    has its copies), where ``w`` is a view of a file mapping (the checkpoint's head) each
+    chunk's pages are released once read: the peak is the copies plus one chunk, not the
+    copies plus ``w``.
+    """
+    n, k = w.shape
+    release = release and w.is_contiguous() and _file_backed(w)
+    pad = torch.zeros(BLOCK, k, dtype=w.dtype, device=w.device)
+    outs = [torch.empty((-(-n // rows), *arrange(pad[:rows]).shape[1:]), dtype=dtype,
+                        device=w.device) for arrange, rows, dtype in layouts]
+    for r0 in range(0, n, HEAD_CHUNK_ROWS):
+        src = w[r0:r0 + HEAD_CHUNK_ROWS]
+        for out, (arrange, rows, _) in zip(outs, layouts):
+            full = src.shape[0] // rows * rows
+            out[r0 // rows:(r0 + full) // rows].copy_(arrange(src[:full]))
+            if full < src.shape[0]:  # the last block's rows, zero-padded to 16
+                pad[:src.shape[0] - full] = src[full:]
+                out[-1:].copy_(arrange(pad))
+        if release:
+            _page_out(src)
+    return outs
 
 
 class CastEmbedding(nn.Module):
@@ -129,12 +229,17 @@ class HalfHead(nn.Module):
         self._bf16_mm = ops.bf16_mm.default if ops is not None else None
         # fp16 for rows <= this, bf16 above
         self.fp16_rows = {"fp16": float("inf"), "bf16": 0, "auto": limit}[mode]
-        w16 = w_bf16 = None
-        if mode != "bf16":  # fp16 [out, in], or blocked [out / 16, in, 16] for fp16_mm
-            w16 = block_rows(weight_fp16) if self.kernel else weight_fp16
+        layouts = []  # (arrange, rows of the weight per output row, dtype) of each copy
+        if mode != "bf16" and self.kernel:  # fp16 blocked [out / 16, in, 16] for fp16_mm
+            layouts.append((_blocked, BLOCK, torch.float16))
         if mode != "fp16":  # bf16 [out, in], or blocked [out / 16, in / 2, 16, 2] for bf16_mm
-            w_bf16 = weight_fp16.to(torch.bfloat16)
-            w_bf16 = block_row_pairs(w_bf16) if self.kernel else w_bf16
+            layouts.append((_blocked_pairs, BLOCK, torch.bfloat16) if self.kernel
+                           else (_rows, 1, torch.bfloat16))
+        # one pass over the fp16 weight for every copy (the source released as it goes)
+        keeps_source = mode != "bf16" and not self.kernel  # w16 is weight_fp16 itself
+        copies = relayout_rows(weight_fp16, layouts, release=not keeps_source) if layouts else []
+        w16 = None if mode == "bf16" else (copies.pop(0) if self.kernel else weight_fp16)
+        w_bf16 = copies.pop(0) if mode != "fp16" else None
         # Non-persistent buffers: they follow .to(device) and count in memory accounting, but
         # are not state_dict keys.
         self.register_buffer("w16", w16, persistent=False)

@@ -9,7 +9,9 @@
    one layer at a time: each is read from the mmapped files, unpacked, repacked and dropped
    before the next, so the peak is the packed model plus one layer;
 4. and assigns the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``, tying
-   embeddings.
+   embeddings. With the CPU half head (``keep_fp16_embeddings``) an untied fp16 input table is
+   not read at all: it is a read-only memory map of its shard (``map_embeddings``), of which
+   decoding touches only the rows it looks up.
 
 MoE families (Mixtral, Qwen MoE): the checkpoint names each expert's linears
 (``...experts.E.w1``); transformers' model holds 3-D expert parameters instead.
@@ -69,12 +71,36 @@ class PackedCheckpoint:
                 in_features=qw.shape[1],
             )
 
-    def fp_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor that is not part of a quantized linear (biases belong to the linear)."""
+    def fp_tensors(self, mapped: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor that is not part of a quantized linear (biases belong to the linear).
+
+        ``mapped``: a tensor given as a read-only memory map of its file where it is stored
+        in fp16 (:meth:`quantpipe.core.io.LazyTensors.mapped`), read into memory otherwise."""
+        fp = self.source.fp_tensors
         biases = {f"{name}.bias" for name in self.source.layers}
-        for k in self.source.fp_tensors:
-            if k not in biases:
-                yield k, self.source.fp_tensors[k]
+        for k in fp:
+            if k in biases:
+                continue
+            t = _mapped_fp16(fp, k) if k == mapped else None
+            yield k, fp[k] if t is None else t
+
+
+def _mapped_fp16(tensors, key: str) -> torch.Tensor | None:
+    """``tensors[key]`` mapped from its file if it is stored in fp16, else None (read it)."""
+    mapped = getattr(tensors, "mapped", None)  # LazyTensors; other mappings are read
+    t = mapped(key) if mapped is not None else None
+    return t if t is not None and t.dtype == torch.float16 else None
+
+
+def _untied_input_table(config: dict, family: Family | None) -> str | None:
+    """The checkpoint name of the input embedding table when it is not the output head's
+    (a tied table is read whole by the head every token), else None."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.for_model(**config)
+    if family is None or getattr(hf_config, "tie_word_embeddings", False):
+        return None
+    return f"{family.decoder}.embed_tokens.weight"  # the engine's decoder.embed_tokens
 
 
 def read_packed(qdir: str | Path) -> PackedCheckpoint:
@@ -97,11 +123,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
                          dtype: torch.dtype | None = None, backend: str | None = None,
-                         keep_fp16_embeddings: bool = False):
+                         keep_fp16_embeddings: bool = False, map_embeddings: bool = True):
     """A transformers causal LM running from the packed weights of ``qdir`` (eval mode).
 
     ``keep_fp16_embeddings``: an fp16 embedding table and head stay fp16 (for
-    ``runtime.fp_head.set_half_head``, which then never needs an fp32 copy of them)."""
+    ``runtime.fp_head.set_half_head``, which then never needs an fp32 copy of them).
+    ``map_embeddings`` (with ``keep_fp16_embeddings`` on CPU): an fp16 input embedding table
+    that is not tied to the head is not read into memory but viewed through a read-only
+    memory map of its shard, so only the rows the prompts and generated tokens look up become
+    resident (the same fp16 values: the same logits). A tied table, the CUDA path and
+    non-fp16 tables load as before."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch.cuda.is_available() is False; "
@@ -113,7 +144,9 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
                      for name, packed in ckpt.packed_layers())
     family = FAMILIES.get(ckpt.config.get("model_type"))
     experts = _Experts(family, ckpt, dtype, device) if family and family.moe else None
-    tensors = ckpt.fp_tensors()
+    mapped = (_untied_input_table(ckpt.config, family)
+              if map_embeddings and keep_fp16_embeddings and device.type == "cpu" else None)
+    tensors = ckpt.fp_tensors(mapped)
     if experts is not None:
         quant_linears, tensors = experts.take(quant_linears), experts.placeholders(tensors)
     model = build_causal_lm(ckpt.config, tensors, dtype, device=device,

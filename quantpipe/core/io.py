@@ -526,6 +526,82 @@ class LazyTensors(Mapping):
         stored = {self._prefix + k: f for k, f in self._where.items()}
         return LazyTensors(self._folder, stored, self._keys - drop, self._prefix)
 
+    def mapped(self, key: str) -> torch.Tensor | None:
+        """``key`` as a read-only memory map of its file (:func:`map_safetensors_tensor`):
+        no copy is made, and only the pages read become resident. None where the bytes cannot
+        be viewed in place (unaligned, empty)."""
+        if key not in self._keys:
+            raise KeyError(key)
+        return map_safetensors_tensor(self._folder / self._where[key], self._prefix + key)
+
+
+# safetensors header dtype -> torch dtype (the inverse of _ST_DTYPES)
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+def _tensor_entry(path: Path, name: str) -> tuple[torch.dtype | None, list[int], int, int]:
+    """(dtype, shape, first byte, end byte) of ``name`` in the file, from its header (dtype
+    None: one torch has no name for here); a ValueError naming the file when the header is
+    unreadable or does not fit the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or n > min(size - 8, _MAX_HEADER):
+            raise ValueError(f"{path}: not a safetensors file or truncated ({size} bytes; "
+                             f"header length field {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: unreadable safetensors header ({exc})") from None
+    entry = header.get(name) if isinstance(header, dict) else None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: no tensor {name!r} in its header")
+    try:
+        shape = [int(d) for d in entry["shape"]]
+        begin, end = (int(o) for o in entry["data_offsets"])
+        itemsize = _DTYPE_BYTES[entry["dtype"]]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: {name}: malformed header entry {entry}") from None
+    need = math.prod(shape) * itemsize
+    if begin < 0 or end - begin != need or min(shape, default=1) < 0:
+        raise ValueError(f"{path}: {name}: data_offsets [{begin}, {end}] do not hold its "
+                         f"{entry['dtype']} shape {shape} ({need} bytes)")
+    first = 8 + n + begin
+    if first + need > size:
+        raise ValueError(f"{path}: {name} ends at byte {first + need} but the file has "
+                         f"{size} bytes (truncated)")
+    return _ST_TORCH.get(entry["dtype"]), shape, first, first + need
+
+
+def map_safetensors_tensor(path: str | os.PathLike, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of a safetensors file, viewing the file's bytes through a read-only
+    memory map (no copy): a page becomes resident when it is read, as a clean file page the
+    kernel may drop again. For tables of which each step reads a few rows.
+
+    The header is checked against the file first (a truncated or malformed file is a
+    ValueError naming it). The mapping is read-only: writing into the tensor is a crash, not
+    a change of the file. The file must not be truncated in place while it is mapped (stages
+    replace files by rename, which keeps the mapped one). None where the bytes cannot be
+    viewed in place: an empty tensor, data not aligned to its element size, or a dtype
+    without a torch counterpart here.
+    """
+    import warnings
+
+    import numpy as np
+
+    path = Path(path)
+    dtype, shape, first, end = _tensor_entry(path, name)
+    if dtype is None or first == end or first % dtype.itemsize:
+        return None
+    words = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    mm = np.memmap(path, dtype=words, mode="r", offset=first, shape=tuple(shape))
+    with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(mm)  # shares the mapping; keeps it alive
+    return raw.view(dtype)
+
 
 class KeyedView(Mapping):
     """A read-on-access Mapping whose keys, order and length are those of ``self._keys_of``

@@ -213,3 +213,43 @@ def test_tables_loaded_in_fp16_give_the_fp32_models_logits(tie, mode):
     assert got.dtype == torch.float32
     rel = (got.double() - want).norm() / want.norm()
     assert rel < (2e-3 if mode == "fp16" else 1e-6), float(rel)
+
+
+@pytest.mark.parametrize("n", [96, 90, 37, 5])
+def test_relayout_in_chunks_is_bitwise_the_whole_layouts(n, monkeypatch):
+    """The head's copies made a chunk of rows at a time (zero-padded last block included) are
+    exactly block_rows / block_row_pairs / the bf16 cast of the whole weight."""
+    monkeypatch.setattr(fp_head, "HEAD_CHUNK_ROWS", 32)
+    w = (torch.randn(n, 40, generator=torch.Generator().manual_seed(n)) * 3).half()
+    blocked, pairs, cast = fp_head.relayout_rows(w, [
+        (fp_head._blocked, 16, torch.float16), (fp_head._blocked_pairs, 16, torch.bfloat16),
+        (fp_head._rows, 1, torch.bfloat16)])
+    assert torch.equal(blocked, fp_head.block_rows(w))
+    assert torch.equal(pairs, fp_head.block_row_pairs(w.to(torch.bfloat16)))
+    assert torch.equal(cast, w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_head_read_from_the_checkpoint_file_is_not_kept_resident(kernel, tmp_path, monkeypatch):
+    """A head read from its shard (safetensors returns a view of the file mapped
+    copy-on-write) is released chunk by chunk while its copy is made: the copy is exact and
+    the source's pages are not resident beside it afterwards."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tests.runtime.test_mapped_embeddings import _mapping, _resident_kb
+
+    if kernel and not KERNEL:
+        pytest.skip("quantpipe's CPU kernels are not usable here")
+    if not kernel:
+        monkeypatch.setattr(fp_head.cpu_ext, "kernel_status", lambda: (False, "test"))
+    w_ref = (torch.randn(8192, 1024, generator=torch.Generator().manual_seed(1)) * 0.1).half()
+    save_file({"lm_head.weight": w_ref}, str(tmp_path / "h.safetensors"))
+    with safe_open(str(tmp_path / "h.safetensors"), framework="pt") as f:
+        w = f.get_tensor("lm_head.weight")  # 16 MiB, a view of the file mapping
+    assert _mapping(w)[1].endswith("h.safetensors")
+    mode = "fp16" if kernel else "bf16"  # the modes that copy the weight
+    head = HalfHead(w, None, mode, torch.float32)
+    got = _unblock(head.w16, 8192) if kernel else head.w_bf16
+    assert torch.equal(got, w_ref if kernel else w_ref.to(torch.bfloat16))
+    assert _resident_kb(w) <= 16 * 1024 // 4  # released as it was copied (all 16 MiB read)
