@@ -150,19 +150,42 @@ runpy.run_module("quantpipe.cli", run_name="__main__")
 """
 
 
-def run_stage(args: list[str], log_path: Path) -> dict:
-    """One `quantpipe` command in a child process: seconds, peak RSS (MB), exit code."""
+def _vmhwm_kb(pid: int) -> int:
+    """A live process's peak RSS so far (VmHWM, kB); 0 once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def run_stage(args: list[str], log_path: Path, poll_s: float = 5.0) -> dict:
+    """One `quantpipe` command in a child process: seconds, peak RSS (MB), exit code.
+
+    The child writes its VmHWM at exit; the parent also reads it every ``poll_s`` seconds, so a
+    stage that is killed (SIGKILL, the OOM killer) still reports the peak it had reached."""
     peak_file = log_path.with_suffix(".peak")
     peak_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-c", _PEAK_WRAPPER, str(peak_file), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
+    sampled_kb = 0
     with open(log_path, "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=log_path.parent).returncode
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=log_path.parent)
+        while proc.poll() is None:
+            sampled_kb = max(sampled_kb, _vmhwm_kb(proc.pid))
+            try:
+                proc.wait(timeout=poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+        rc = proc.returncode
     seconds = time.perf_counter() - t0
     lines = log_path.read_text(errors="replace").strip().splitlines()
-    peak_kb = int(peak_file.read_text()) if peak_file.is_file() else 0
+    peak_kb = int(peak_file.read_text()) if peak_file.is_file() else sampled_kb
     rec = {"cmd": " ".join(["quantpipe", *args]), "rc": rc,
            "seconds": round(seconds, 2), "peak_rss_mb": round(peak_kb / 1024, 1)}
     if rc != 0:
@@ -180,10 +203,14 @@ def block_seconds(calib_dir: Path) -> list[float]:
     return out
 
 
-def _fp16_folder(shape: str, base: Path, reuse: bool) -> tuple[dict, Path]:
-    """(result record, FP16 folder): the random source exported, or a finished one reused."""
-    fp16 = base / "fp16"
-    if reuse and (fp16 / "quantpipe.json").is_file():
+def _fp16_folder(shape: str, base: Path, reuse: bool,
+                 fp16_dir: Path | None = None) -> tuple[dict, Path]:
+    """(result record, FP16 folder): the random source exported, or a finished one reused
+    (``fp16_dir``, or a --keep run's under ``base``)."""
+    fp16 = fp16_dir or base / "fp16"
+    if fp16_dir is not None and not (fp16 / "quantpipe.json").is_file():
+        raise SystemExit(f"--fp16 {fp16}: not a finished export-fp16 folder")
+    if (reuse or fp16_dir is not None) and (fp16 / "quantpipe.json").is_file():
         # a previous run's export (its numbers are in that run's JSON)
         weight_bytes = sum(p.stat().st_size for p in fp16.glob("*.safetensors"))
         return {"shape": SHAPES[shape], "weight_bytes_fp16": weight_bytes,
@@ -200,10 +227,11 @@ def _fp16_folder(shape: str, base: Path, reuse: bool) -> tuple[dict, Path]:
 
 
 def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: int,
-              keep: bool, reuse: bool = False, stages: str = "all") -> dict:
+              keep: bool, reuse: bool = False, stages: str = "all",
+              fp16_dir: Path | None = None) -> dict:
     base = work / shape
     base.mkdir(parents=True, exist_ok=True)
-    res, fp16 = _fp16_folder(shape, base, reuse)
+    res, fp16 = _fp16_folder(shape, base, reuse, fp16_dir)
     st = res["stages"]
     if st["export-fp16"]["rc"] != 0:
         return res
@@ -256,6 +284,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the model folders")
     ap.add_argument("--reuse-fp16", action="store_true",
                     help="start from a finished FP16 folder of a --keep run under --work")
+    ap.add_argument("--fp16", type=Path, default=None,
+                    help="a finished export-fp16 folder of the (single) shape to start from, "
+                         "anywhere (it is never deleted)")
     ap.add_argument("--layers", type=int, default=0,
                     help="override the depth: a slice of N layers of each shape at its real "
                          "widths (peak RSS is reached within one block; named SHAPE-N)")
@@ -269,6 +300,8 @@ def main() -> None:
         ap.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
     if args.stages not in ("all", "calibrate"):
         ap.error("--stages is all or calibrate")
+    if args.fp16 is not None and len(shapes) != 1:
+        ap.error("--fp16 is the FP16 folder of one shape: pass one --shapes")
     if args.layers:
         for s in list(shapes):
             SHAPES[f"{s}-{args.layers}"] = dict(SHAPES[s], num_hidden_layers=args.layers)
@@ -280,7 +313,7 @@ def main() -> None:
            "results": {}}
     for shape in shapes:
         out["results"][shape] = run_shape(shape, algos, args.work, args.samples, args.seq_len,
-                                          args.keep, args.reuse_fp16, args.stages)
+                                          args.keep, args.reuse_fp16, args.stages, args.fp16)
         out["loadavg_after"] = os.getloadavg()
         write_json_atomic(args.json, out)  # after every shape: a long run keeps what it has
     print(f"wrote {args.json}")
