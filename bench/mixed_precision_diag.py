@@ -11,10 +11,11 @@ the FP model with some linears replaced by their dequantized calibrated weights 
 - ``sotu``: the first ``--sotu-docs`` State of the Union windows of bench/corpora.py.
 
 Scored configurations:
-- ``group:TYPE`` (q_proj, ..., down_proj) and ``group:blocks A-B``: only those linears INT4,
-  everything else FP (where the damage sits, per corpus; the per-layer measurement predicts
-  the same groups as the sum of its layers' KLDs);
-- ``all-int4``; ``plan:NAME``: the plans of an existing mixed_precision JSON (``--plans``);
+- ``group:TYPE`` (q_proj, ..., down_proj) and ``group:blocks A-B``: only those linears INT4
+  (INT8 with ``--group-bits 8``, suffixed ``@int8``), everything else FP: where the damage
+  sits, per corpus (the per-layer measurement predicts a group as the sum of its layers');
+- ``all-int4`` (``all-int8``); ``int8:TYPE+TYPE`` (``--type-plans``): all INT4 but those
+  types INT8; ``plan:NAME``: the plans of an existing mixed_precision JSON (``--plans``);
 - ``template`` split: all-INT4's KLD on calib-val tokens that predict the constant chat
   template (system prompt, role markers) vs the prompts' own tokens.
 
@@ -141,14 +142,15 @@ def _predicted(layers: dict, state: dict[str, int | None]) -> float | None:
 def configurations(calib, args) -> dict[str, dict[str, int | None]]:
     """Every scored model as layer -> precision (see the module docstring)."""
     names = list(calib.layer_infos())
-    configs: dict[str, dict[str, int | None]] = {"all-int4": dict.fromkeys(names, 4)}
+    b = args.group_bits
+    configs: dict[str, dict[str, int | None]] = {f"all-int{b}": dict.fromkeys(names, b)}
     for spec in args.type_plans.split(",") if args.type_plans else []:
         state = dict.fromkeys(names, 4)
         state.update({n: 8 for n in names if any(n.endswith(t) for t in spec.split("+"))})
         configs[f"int8:{spec}"] = state
     if not args.no_groups:
         for g, members in groups(names, calib.num_blocks, args.block_width).items():
-            configs[g] = dict.fromkeys(members, 4)
+            configs[g if b == 4 else f"{g}@int{b}"] = dict.fromkeys(members, b)
     if args.plans:
         for name, r in json.loads(args.plans.read_text())["results"].items():
             state = dict.fromkeys(names, 4)
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--block-width", type=int, default=0,
                     help="Also score runs of this many blocks (0: types only).")
     ap.add_argument("--no-groups", action="store_true")
+    ap.add_argument("--group-bits", type=int, choices=(4, 8), default=4,
+                    help="Precision of the groups and of the all-layers baseline.")
     ap.add_argument("--sens-tokens", type=int, default=256,
                     help="Without sensitivity.json: the split's settings (as measured).")
     ap.add_argument("--sens-seq-len", type=int, default=128)

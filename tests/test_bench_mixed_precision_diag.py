@@ -29,7 +29,7 @@ def test_groups_partition_by_type_and_by_blocks():
 def test_type_plans_upgrade_exactly_those_types():
     calib = SimpleNamespace(layer_infos=lambda: dict.fromkeys(NAMES), num_blocks=4)
     args = SimpleNamespace(no_groups=True, type_plans="v_proj+k_proj,v_proj", plans=None,
-                           block_width=0)
+                           block_width=0, group_bits=4)
     configs = diag.configurations(calib, args)
     assert list(configs) == ["all-int4", "int8:v_proj+k_proj", "int8:v_proj"]
     assert set(configs["all-int4"].values()) == {4}
@@ -52,3 +52,14 @@ def test_template_mask_marks_the_positions_predicting_template_tokens():
     # token, so positions 0..1 (predicting 8, 9) and 4..5 (predicting 5, 6) are marked
     assert mask[0].tolist() == [True, True, False, False, True, True, False, False]
     assert mask[1].tolist() == [True, True, True, False, False, False, False, False]
+
+
+def test_group_bits_8_scores_int8_groups_against_an_int8_baseline():
+    calib = SimpleNamespace(layer_infos=lambda: dict.fromkeys(NAMES), num_blocks=4)
+    args = SimpleNamespace(no_groups=False, type_plans="", plans=None, block_width=0,
+                           group_bits=8)
+    configs = diag.configurations(calib, args)
+    assert list(configs) == ["all-int8"] + [f"group:{t}@int8" for t in diag.TYPES]
+    assert set(configs["all-int8"].values()) == {8}
+    assert configs["group:down_proj@int8"] == {
+        f"model.layers.{b}.mlp.down_proj": 8 for b in range(4)}
