@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantpipe.calibration.activations import Activations
 from quantpipe.core.families import InputGroup, layer_types
 
 
@@ -68,13 +69,28 @@ def embed_inputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockCon
 
 
 @torch.no_grad()
-def run_block(block, hidden: torch.Tensor, ctx: BlockContext, batch_size: int) -> torch.Tensor:
-    """hidden [n, L, d] -> block output [n, L, d], ``batch_size`` samples at a time."""
+def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batch_size: int,
+              out: Activations | None = None, keep: bool = True
+              ) -> torch.Tensor | Activations | None:
+    """hidden [n, L, d] -> block output [n, L, d], ``batch_size`` samples at a time.
+
+    ``hidden`` may be a tensor or an :class:`Activations` set (read a batch at a time). The
+    output is a tensor, or written into ``out`` batch by batch (committed and returned), or,
+    with ``keep=False``, dropped (a pass run only for its hooks)."""
+    read = hidden.read if isinstance(hidden, Activations) else (
+        lambda a, b: hidden[a:b])
     outs = []
     for start in range(0, hidden.shape[0], batch_size):
-        out = block(hidden[start : start + batch_size], **ctx.kwargs())
-        outs.append(out[0] if isinstance(out, tuple) else out)
-    return torch.cat(outs)
+        y = block(read(start, start + batch_size), **ctx.kwargs())
+        y = y[0] if isinstance(y, tuple) else y
+        if out is not None:
+            out.write(start, y)
+        elif keep:
+            outs.append(y)
+    if out is not None:
+        out.commit()
+        return out
+    return torch.cat(outs) if keep else None
 
 
 # rows per stored strip of the X^T X sum (see GroupStats): the strips hold the upper triangle

@@ -46,9 +46,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from quantpipe.calibration.activations import (
+    Activations,
+    ActivationSpace,
+    activation_budget,
+    spills,
+)
 from quantpipe.calibration.artifact import block_file, save_block, work_dir
 from quantpipe.calibration.awq import awq_quantize, scale_block, scale_shared_input
 from quantpipe.calibration.capture import (
@@ -89,7 +94,6 @@ from quantpipe.core.io import (
     output_lock,
     read_manifest,
     replace_dir,
-    save_safetensors_atomic,
     verify_shard_hashes,
     write_json_atomic,
     write_manifest,
@@ -149,6 +153,10 @@ class CalibrateSpec:
     # MoE: an expert routed fewer calibration tokens than this is quantized with plain RTN
     # (recorded per linear as an expert fallback); dense models ignore it
     min_expert_tokens: int = 64
+    # bytes the block activations may hold in RAM; beyond it they are spilled to files in the
+    # work folder (calibration.activations). None: a fraction of the memory available at start.
+    # Changes where activations live, not the results: not part of the resume settings.
+    max_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -164,6 +172,8 @@ class CalibrateSpec:
                              "use --algo gptq")
         lowest = {"samples": 1, "seq_len": 2, "min_tokens": 1, "seed": 0, "batch_size": 1,
                   "awq_samples": 1, "min_expert_tokens": 1}
+        if self.max_memory is not None and self.max_memory < 0:
+            raise ValueError(f"--max-memory must be >= 0 bytes (got {self.max_memory})")
         for name, low in lowest.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low} "
@@ -191,7 +201,7 @@ class CalibrateSpec:
     def resume_settings(self) -> dict[str, str]:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
-                if k not in ("out", "force")}
+                if k not in ("out", "force", "max_memory")}
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
@@ -360,7 +370,7 @@ def _prepare_work(run: _Run, num_blocks: int) -> int:
         state = json.loads(progress.read_text())
         diffs = _differences(state.get("spec", {}), run.settings)
         nxt = int(state["next_block"])
-        has_state = (run.work / "state" / "hidden.safetensors").is_file()
+        has_state = ActivationSpace.saved(run.work / "state")
         if not diffs and (has_state or nxt >= num_blocks):
             log.info("resuming %s at block %d (work folder %s)", run.spec.out, nxt, run.work)
             return nxt
@@ -407,7 +417,7 @@ class _BlockWork:
     ctx: BlockContext  # positions and mask shared by every sample
     stats: dict[InputGroup, GroupStats]  # per input group: X^T X, mean |x|, a token sample
     recorded: dict[str, list[torch.Tensor]]  # inspected module -> its inputs [n, L, d] each
-    fp_out: torch.Tensor  # [n, L, d] the FP block's outputs
+    fp_out: Activations | None  # [n, L, d] the FP block's outputs (None: not kept)
 
 
 @dataclass(frozen=True)
@@ -602,33 +612,55 @@ def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_secon
     if len(blocks) != inputs.num_blocks:
         raise ValueError(f"{spec.fp16_dir}: config.json describes {len(blocks)} blocks, the "
                          f"shards hold {inputs.num_blocks}; re-run export-fp16")
-    state_file = run.work / "state" / "hidden.safetensors"
+    keys = ("hidden", "hidden_fp") if ALGORITHMS[spec.algo].asymmetric else ("hidden",)
     embed_name = _embeddings_name(model)
+    n, L = inputs.input_ids.shape
+    shape = (n, L, model.config.hidden_size)
+    # the block inputs and outputs of every key are alive at once
+    space = ActivationSpace(run.work / "state", shape,
+                            spills(shape, 2 * len(keys), activation_budget(spec.max_memory)))
+    if space.spill:
+        log.info("calibration activations (%d x %.0f MiB) spill to %s", 2 * len(keys),
+                 n * L * shape[2] * 4 / 2**20, space.folder)
     with stream.load(embed_name):
         if start == 0:
             input_ids = inputs.input_ids  # [n, L] int64
-            hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d]
             # the block inputs carried along: "hidden" (the quantized model's, for GPTQ) and,
             # for GPTAQ, "hidden_fp" (the FP model's), each [n, L, d]
-            hiddens = {"hidden": hidden}
-            if ALGORITHMS[spec.algo].asymmetric:
-                hiddens["hidden_fp"] = hidden.clone()  # safetensors stores no shared tensors
+            hiddens, ctx = _first_inputs(model, input_ids, space, keys, spec.batch_size)
         else:
-            hiddens = load_file(str(state_file))
-            input_ids = hiddens.pop("input_ids")
+            hiddens, input_ids = space.load(start, keys)
             _, ctx = embed_inputs(model, input_ids[:1])  # the shared context only
     if start == 0:
-        state_file.parent.mkdir(parents=True, exist_ok=True)
-        save_safetensors_atomic({**hiddens, "input_ids": input_ids}, state_file)
+        space.save(0, hiddens, input_ids)
         _save_progress(run, 0, {"data": data_summary})
     for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
                   initial=start, total=len(blocks)):
         with stream.load(f"{family.blocks}.{i}") as block:
             hiddens = _calibrate_block(run, block, i, family, model.config.model_type, hiddens,
-                                       ctx.for_layer(i))
-        save_safetensors_atomic({**hiddens, "input_ids": input_ids}, state_file)
+                                       ctx.for_layer(i), space)
+        space.save(i + 1, hiddens, input_ids)
         _save_progress(run, i + 1, {"data": data_summary,
                                     "seconds": earlier_seconds + time.perf_counter() - t0})
+
+
+def _first_inputs(model, input_ids: torch.Tensor, space: ActivationSpace, keys: tuple[str, ...],
+                  batch_size: int) -> tuple[dict[str, Activations], BlockContext]:
+    """Block 0's inputs of every key (the embeddings, a batch of samples at a time when
+    spilled) and the shared context."""
+    if not space.spill:
+        hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d]
+        return {k: Activations.of(hidden.clone() if j else hidden)
+                for j, k in enumerate(keys)}, ctx
+    sets = {k: space.new(k, 0) for k in keys}
+    ctx = None
+    for a in range(0, input_ids.shape[0], batch_size):
+        hidden, ctx = embed_inputs(model, input_ids[a:a + batch_size])
+        for acts in sets.values():
+            acts.write(a, hidden)
+    for acts in sets.values():
+        acts.commit()
+    return sets, ctx
 
 
 def _embeddings_name(model: torch.nn.Module) -> str:
@@ -637,8 +669,8 @@ def _embeddings_name(model: torch.nn.Module) -> str:
 
 
 def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
-                     hiddens: dict[str, torch.Tensor], ctx: BlockContext
-                     ) -> dict[str, torch.Tensor]:
+                     hiddens: dict[str, Activations], ctx: BlockContext, space: ActivationSpace
+                     ) -> dict[str, Activations]:
     """Stages 4a-4e of the module docstring for block ``i``; returns the next block's inputs
     (``hiddens``' keys: "hidden", and "hidden_fp" for GPTAQ; each [n, L, d])."""
     spec, algo = run.spec, ALGORITHMS[run.spec.algo]
@@ -646,15 +678,19 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
     name = f"{family.blocks}.{i}"
     if algo.asymmetric:  # 4a-4d, group by group
         results, raises, nxt = _asymmetric_block(spec, algo, block, name, model_type, family,
-                                                 hiddens, ctx, seed=spec.seed + i)
+                                                 hiddens, ctx, seed=spec.seed + i,
+                                                 out=lambda key: space.new(key, i + 1))
         step, expert_info = _NO_STEP, {}
     else:
         hidden = hiddens["hidden"]
+        # the FP outputs are the next inputs unless the quantized block makes them (4d)
+        fp_out = None if algo.quantized_forward else space.new("hidden", i + 1)
         work = _capture(spec, algo, block, name, model_type, family, hidden, ctx,
-                        seed=spec.seed + i)  # 4a
+                        seed=spec.seed + i, out=fp_out)  # 4a
         step = algo.block_step(spec, work) if algo.block_step is not None else _NO_STEP  # 4b
         results, raises, expert_info = _quantize_block(spec, algo, work)  # 4c
-        nxt = {"hidden": run_block(block, hidden, ctx, spec.batch_size)
+        nxt = {"hidden": run_block(block, hidden, ctx, spec.batch_size,
+                                   out=space.new("hidden", i + 1))
                if algo.quantized_forward else work.fp_out}  # 4d
     save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves nxt)
         "seconds": time.perf_counter() - tb, "awq": step.info, "damp_raises": raises,
@@ -664,8 +700,9 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
 
 
 def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
-                      family: Family, hiddens: dict[str, torch.Tensor], ctx: BlockContext,
-                      seed: int) -> tuple[dict, int, dict[str, torch.Tensor]]:
+                      family: Family, hiddens: dict[str, Activations], ctx: BlockContext,
+                      seed: int, out: Callable[[str], Activations]
+                      ) -> tuple[dict, int, dict[str, Activations]]:
     """GPTAQ's stages 4a-4d: the FP block over the FP model's inputs records every group's
     inputs (and gives the next FP inputs); then, per input group in execution order, the
     block, its earlier groups already quantized, runs over the quantized model's inputs with
@@ -675,7 +712,8 @@ def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, mo
     groups = block_groups(family, block)
     recorder = GroupInputRecorder(block, groups)  # the FP inputs: [tokens, in] per call
     try:
-        fp_out = run_block(block, hiddens["hidden_fp"], ctx, spec.batch_size)  # [n, L, d]
+        fp_out = run_block(block, hiddens["hidden_fp"], ctx, spec.batch_size,
+                           out=out("hidden_fp"))  # [n, L, d]
     finally:
         recorder.remove()
     results: dict[str, dict[int, QuantResult]] = {}
@@ -684,7 +722,7 @@ def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, mo
         collector = StatsCollector(block, (group,), sample_rows=0, seed=seed,
                                    fp_inputs=recorder.inputs)
         try:
-            run_block(block, hiddens["hidden"], ctx, spec.batch_size)
+            run_block(block, hiddens["hidden"], ctx, spec.batch_size, keep=False)
         finally:
             collector.remove()
         assert not recorder.inputs[group], "every FP input must be paired"
@@ -693,13 +731,15 @@ def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, mo
         group_results, group_raises, _ = _quantize_block(spec, algo, work)  # 4c
         results.update(group_results)
         raises += group_raises
-    nxt = run_block(block, hiddens["hidden"], ctx, spec.batch_size)  # 4d
+    nxt = run_block(block, hiddens["hidden"], ctx, spec.batch_size, out=out("hidden"))  # 4d
     return results, raises, {"hidden": nxt, "hidden_fp": fp_out}
 
 
 def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
-             family: Family, hidden: torch.Tensor, ctx: BlockContext, seed: int) -> _BlockWork:
-    """Run the FP block over its inputs hidden [n, L, d] with the capture hooks."""
+             family: Family, hidden: Activations, ctx: BlockContext, seed: int,
+             out: Activations | None) -> _BlockWork:
+    """Run the FP block over its inputs hidden [n, L, d] with the capture hooks; its outputs
+    go to ``out`` (None: not kept)."""
     groups = block_groups(family, block)  # MoE: splits the experts (hooks see routed rows)
     collector = StatsCollector(block, groups, seed=seed,
                                **({} if algo.samples_rows else {"sample_rows": 0}))
@@ -708,7 +748,8 @@ def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type:
         inspect_names = list(dict.fromkeys(g.inspect for g in groups if g.inspect))
         recorder = InputRecorder(block, inspect_names, spec.awq_samples)
     try:
-        fp_out = run_block(block, hidden, ctx, spec.batch_size)  # [n, L, d]
+        fp_out = run_block(block, hidden, ctx, spec.batch_size, out=out,
+                           keep=out is not None)  # [n, L, d]
     finally:
         collector.remove()
         if recorder is not None:

@@ -46,9 +46,9 @@ def test_one_block_materialised_at_a_time(deep_fp16, tmp_path, monkeypatch, algo
     seen: list[int] = []
     real_run_block = pipeline.run_block
 
-    def counting_run_block(block, hidden, ctx, batch_size):
+    def counting_run_block(block, hidden, ctx, batch_size, **kw):
         seen.append(streams[-1].materialised_parameters())  # every forward of a block
-        return real_run_block(block, hidden, ctx, batch_size)
+        return real_run_block(block, hidden, ctx, batch_size, **kw)
 
     monkeypatch.setattr(ModelStream, "__init__", init)
     monkeypatch.setattr(pipeline, "run_block", counting_run_block)

@@ -1,0 +1,107 @@
+"""calibrate --max-memory: block activations spilled to files in the work folder give the
+results of the in-RAM run bit for bit, and a run stopped in either layout resumes in either."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import quantpipe.calibration.pipeline as p
+from quantpipe.calibration.activations import IDS_FILE, STATE_FILE
+from quantpipe.calibration.pipeline import calibrate
+from tests.calibration.test_pipeline import _spec, fp16_dir, prompt_file  # noqa: F401
+
+SPILL, RAM = 0, 2**40  # --max-memory in bytes: everything spills / nothing does
+
+
+def _blocks(out) -> dict[str, torch.Tensor]:
+    """Every tensor of a finished calibration's block files."""
+    tensors = {}
+    for f in sorted((out / "blocks").glob("*.safetensors")):
+        tensors.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
+    assert tensors
+    return tensors
+
+
+def _same(a, b) -> None:
+    ta, tb = _blocks(a), _blocks(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
+@pytest.mark.parametrize("algo", ["rtn", "gptq", "gptaq", "awq"])
+def test_spilled_run_equals_the_in_memory_run(fp16_dir, prompt_file, tmp_path,  # noqa: F811
+                                              algo, monkeypatch):
+    seen = []
+    orig = p._save_progress
+
+    def watch(run, nxt, extra):  # what the state folder holds after each block
+        seen.append(sorted(f.name for f in (run.work / "state").iterdir()))
+        orig(run, nxt, extra)
+
+    monkeypatch.setattr(p, "_save_progress", watch)
+    spilled = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "spill", algo=algo,
+                              max_memory=SPILL)).out
+    keys = ["hidden", "hidden_fp"] if algo == "gptaq" else ["hidden"]
+    # after block i: the inputs of block i + 1 as files (no other block's), the token ids
+    for i, names in enumerate(seen):
+        assert names == sorted([IDS_FILE] + [f"{k}-{i}.f32" for k in keys]), names
+    monkeypatch.setattr(p, "_save_progress", orig)
+    in_ram = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "ram", algo=algo,
+                             max_memory=RAM)).out
+    _same(spilled, in_ram)
+    assert not (spilled / "state").exists()  # the resume state goes with the finished run
+
+
+@pytest.mark.parametrize("first,second", [(SPILL, RAM), (RAM, SPILL)])
+def test_a_stopped_run_resumes_in_the_other_layout(fp16_dir, prompt_file, tmp_path,  # noqa: F811
+                                                   first, second, monkeypatch):
+    """--max-memory is not a resume setting: a run stopped after block 0 resumes with another
+    budget (the saved inputs are read from either layout) and gives the uninterrupted result."""
+    out = tmp_path / "calib"
+    orig = p._save_progress
+
+    def stop_after_first(run, nxt, extra):
+        orig(run, nxt, extra)
+        if nxt == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(p, "_save_progress", stop_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(_spec(fp16_dir, prompt_file, out, algo="gptaq", max_memory=first))
+    work = p.work_dir(out)
+    saved = {f.name for f in (work / "state").iterdir()}
+    assert (STATE_FILE in saved) == (first == RAM)
+    monkeypatch.setattr(p, "_save_progress", orig)
+    assert calibrate(_spec(fp16_dir, prompt_file, out, algo="gptaq",
+                           max_memory=second)).resumed_from == 1
+    fresh = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "fresh", algo="gptaq")).out
+    _same(out, fresh)
+
+
+def test_max_memory_is_checked(fp16_dir, prompt_file, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match="--max-memory"):
+        _spec(fp16_dir, prompt_file, tmp_path / "c", max_memory=-1)
+
+
+def test_calibrate_command_takes_max_memory(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    seen = {}
+
+    def fake_calibrate(spec):
+        seen["spec"] = spec
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(p, "calibrate", fake_calibrate)
+    args = ["calibrate", str(tmp_path), "--out", str(tmp_path / "c")]
+    r = CliRunner().invoke(main, [*args, "--max-memory", "1.5GiB"])
+    assert r.exit_code == 1 and "stop here" in r.output
+    assert seen["spec"].max_memory == int(1.5 * 2**30)
+    assert "max_memory" not in seen["spec"].resume_settings()
+    r = CliRunner().invoke(main, [*args, "--max-memory", "lots"])
+    assert r.exit_code == 1 and "lots" in r.output and "stop here" not in r.output
