@@ -35,7 +35,10 @@ class RuntimeDefaults:
     completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     chat_max_tokens: int = 256  # /v1/chat/completions without max_tokens
     # --- generate (GenerateSpec) --------------------------------------------------------------
-    generate_head_dtype: str = "fp16"  # CPU head precision for one request (M = 1)
+    # CPU head precision for one request (M = 1): int8 per 32 columns (llama.cpp's Q8_0), half
+    # the bytes per token of fp16 at a KLD change too small to measure (docs/runtime.md);
+    # fp16 where quantpipe's kernels are not usable
+    generate_head_dtype: str = "int8"
     max_new_tokens: int = 64  # tokens generated after the prompt
     # --- plan-memory (MemoryPlanSpec) ---------------------------------------------------------
     plan_context: int = 8192  # tokens per sequence (prompt + output)

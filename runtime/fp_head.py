@@ -276,14 +276,31 @@ def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     The scale is rounded to fp16 *before* rounding q, so ``q * scale`` (fp16 scale exact in
     fp32) is the weight the kernel multiplies: |w - q * s| <= s / 2 + the fp16 rounding of s
-    times 127 / 2**11 (q is clamped to [-127, 127]).
+    times 127 / 2**11 (q is clamped to [-127, 127]). Rows are quantized ``HEAD_CHUNK_ROWS`` at
+    a time: the fp32 temporaries are a chunk's, not the whole head's (a 7B model's head would
+    need three 0.5 GB ones).
     """
     n, k = weight_fp16.shape
-    wb = weight_fp16.float().view(n, k // INT8_HEAD_GROUP, INT8_HEAD_GROUP)  # [N, K/32, 32]
-    scales = (wb.abs().amax(-1) / 127).half()  # [N, K/32] fp16
-    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]  # no 0 division
-    q = torch.round(wb / s).clamp(-127, 127).to(torch.int8).view(n, k)  # [N, K]
+    q = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // INT8_HEAD_GROUP, dtype=torch.float16)
+    for r0 in range(0, n, HEAD_CHUNK_ROWS):
+        r1 = min(n, r0 + HEAD_CHUNK_ROWS)
+        wb = weight_fp16[r0:r1].float().view(r1 - r0, -1, INT8_HEAD_GROUP)  # [rows, K/32, 32]
+        scales[r0:r1] = (wb.abs().amax(-1) / 127).half()
+        s = scales[r0:r1].float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+        q[r0:r1] = torch.round(wb / s).clamp(-127, 127).to(torch.int8).view(r1 - r0, k)
     return q, scales
+
+
+def _blocked_by_chunks(t: torch.Tensor) -> torch.Tensor:
+    """``block_rows(t)`` made ``HEAD_CHUNK_ROWS`` rows at a time (no second whole-size copy
+    beside the result while it is made)."""
+    n, k = t.shape
+    out = t.new_empty(-(-n // BLOCK), k, BLOCK)
+    for r0 in range(0, n, HEAD_CHUNK_ROWS):
+        r1 = min(n, r0 + HEAD_CHUNK_ROWS)
+        out[r0 // BLOCK:-(-r1 // BLOCK)] = block_rows(t[r0:r1])
+    return out
 
 
 class Int8Head(nn.Module):
@@ -301,7 +318,8 @@ class Int8Head(nn.Module):
         self.out_dtype = out_dtype
         q, scales = quantize_head_int8(weight_fp16)
         # [N, K] -> [N / 16, K, 16] and [N, K / 32] -> [N / 16, K / 32, 16] (int8_mm's layout)
-        self.register_buffer("q8", block_rows(q), persistent=False)
+        self.register_buffer("q8", _blocked_by_chunks(q), persistent=False)
+        del q
         self.register_buffer("scales", block_rows(scales), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(),
                              persistent=False)
