@@ -15,8 +15,9 @@ Configurations are ALGO-sym or ALGO-asym (ALGO: any `calibrate --algo` — gptq,
 awq+gptq, rtn — or gptqrefine: GPTQ then ``calibration.refine.refine_result`` on every linear,
 registered by this script only, to measure the refinement before the pipeline offers it).
 Configurations calibrate one after the other in the order given, so their calibration times
-(``calibrate_seconds``) are comparable as ratios within one run on a quiet machine only. Calibrations and exports already
-finished in --work are reused (delete the folder to recompute).
+(``calibrate_seconds``) are comparable as ratios within one run on a quiet machine only.
+Calibrations and exports already finished in --work are reused (delete the folder to
+recompute).
 """
 
 from __future__ import annotations
