@@ -689,6 +689,8 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
                         seed=spec.seed + i, out=fp_out)  # 4a
         step = algo.block_step(spec, work) if algo.block_step is not None else _NO_STEP  # 4b
         results, raises, expert_info = _quantize_block(spec, algo, work)  # 4c
+        if algo.quantized_forward:
+            _set_quantized_weights(block, name, results)
         nxt = {"hidden": run_block(block, hidden, ctx, spec.batch_size,
                                    out=space.new("hidden", i + 1))
                if algo.quantized_forward else work.fp_out}  # 4d
@@ -697,6 +699,16 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
         **expert_info,
     })
     return nxt
+
+
+def _set_quantized_weights(block, name: str, results: dict[str, dict[int, QuantResult]]
+                           ) -> None:
+    """Every quantized linear of ``block`` gets its dequantized INT4 weight back for the
+    quantized forward (4d): _quantize_block freed each fp32 weight once quantized, so a 7B
+    block does not hold all its linears in fp32 while GPTQ factors the largest Hessian."""
+    for full, by_bits in results.items():
+        lin = block.get_submodule(full[len(name) + 1:])
+        lin.weight.data = by_bits[4].weight.dequantize(lin.weight.dtype)
 
 
 def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
@@ -789,8 +801,11 @@ def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
                 r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x, **extra)
                 results[full] = {4: r4, 8: r8}
                 raises += r4.damp_raises + r8.damp_raises
-                if algo.quantized_forward:  # the next block sees this block's quantized outputs
+                del W
+                if algo.asymmetric:  # GPTAQ's next groups run the block with it quantized
                     lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
+                elif algo.quantized_forward:  # not needed again until the quantized forward
+                    lin.weight.data = lin.weight.data.new_empty(0)  # (4d): its fp32 freed
     finally:
         torch.set_num_threads(threads)
     if fallbacks:

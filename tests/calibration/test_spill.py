@@ -105,3 +105,30 @@ def test_calibrate_command_takes_max_memory(tmp_path, monkeypatch):
     assert "max_memory" not in seen["spec"].resume_settings()
     r = CliRunner().invoke(main, [*args, "--max-memory", "lots"])
     assert r.exit_code == 1 and "lots" in r.output and "stop here" not in r.output
+
+
+def test_gptq_frees_each_quantized_weight_until_the_quantized_forward(
+        fp16_dir, prompt_file, tmp_path, monkeypatch):  # noqa: F811
+    """When a block's linears are quantized, none of them holds its fp32 weight any more (the
+    largest Hessian is factored without the rest of the block in fp32 beside it); the
+    dequantized weights are back for the quantized forward, whose outputs feed the next
+    block exactly as before (test_resume_after_kill and the spill tests compare runs)."""
+    sizes, forward_sizes = [], []
+    orig_quantize_block, orig_set = p._quantize_block, p._set_quantized_weights
+
+    def spy(spec, algo, work):
+        out = orig_quantize_block(spec, algo, work)
+        sizes.append([m.weight.numel() for m in work.block.modules()
+                      if isinstance(m, torch.nn.Linear)])
+        return out
+
+    def spy_set(block, name, results):
+        orig_set(block, name, results)
+        forward_sizes.append([m.weight.numel() == m.in_features * m.out_features
+                              for m in block.modules() if isinstance(m, torch.nn.Linear)])
+
+    monkeypatch.setattr(p, "_quantize_block", spy)
+    monkeypatch.setattr(p, "_set_quantized_weights", spy_set)
+    calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="gptq"))
+    assert sizes and all(n == 0 for block in sizes for n in block)
+    assert forward_sizes and all(all(block) for block in forward_sizes)
