@@ -173,6 +173,11 @@ class _Group(click.Group):
     command_class = _Command
 
 
+# calibration.pipeline.ALGOS, written here so --help does not import torch
+# (tests/calibration/test_pipeline.py checks they are equal)
+CALIBRATE_ALGOS = ("gptq", "gptaq", "awq", "awq+gptq", "rtn")
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="quantpipe")
 @click.option("-v", "--verbose", count=True,
@@ -218,7 +223,7 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--prompts", default="business-calib", show_default=True,
               help="Prompt file (JSONL/CSV/TSV/TXT/parquet/dataset folder) or business-calib.")
 @click.option("--column", default=None, help="Text column of a CSV/TSV/parquet prompt file.")
-@click.option("--algo", type=click.Choice(["gptq", "gptaq", "awq", "awq+gptq", "rtn"]),
+@click.option("--algo", type=click.Choice(CALIBRATE_ALGOS),
               default="gptq", show_default=True,
               help="gptaq: GPTQ against the FP model's outputs (dense models); awq+gptq: "
                    "AWQ's scales, then GPTQ (docs/algorithms.md).")
@@ -626,8 +631,7 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--budget-bits", type=float, default=None,
               help="Mixed precision: average bits per weight (measures sensitivity first).")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
-@click.option("--algo", type=click.Choice(["gptq", "awq", "rtn"]), default="gptq",
-              show_default=True)
+@click.option("--algo", type=click.Choice(CALIBRATE_ALGOS), default="gptq", show_default=True)
 @click.option("--group-size", default=128, show_default=True)
 @click.option("--sym/--asym", default=True, show_default=True)
 @click.option("--samples", default=32, show_default=True,

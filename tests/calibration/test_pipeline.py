@@ -289,3 +289,11 @@ def test_gptaq_refuses_moe_before_writing(mixtral_fp16, tmp_path):  # noqa: F811
         calibrate(CalibrateSpec(fp16, tmp_path / "c", str(prompts), algo="gptaq", samples=4,
                                 seq_len=24, min_tokens=4, group_size=32))
     assert not (tmp_path / "c").exists()
+
+
+def test_cli_algo_choices_are_the_algorithm_table():
+    """`calibrate --algo` and `run --algo` offer exactly the pipeline's algorithms."""
+    from quantpipe.calibration.pipeline import ALGOS
+    from quantpipe.cli import CALIBRATE_ALGOS
+
+    assert tuple(CALIBRATE_ALGOS) == tuple(ALGOS)
