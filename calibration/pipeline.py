@@ -523,20 +523,14 @@ def _awq_step(spec: CalibrateSpec, work: _BlockWork) -> _StepResult:
     return _StepResult(info, changed)
 
 
+_GPTQ = Algorithm(records_inputs=False, samples_rows=False, block_step=None,
+                  quantize=_quantize_gptq, one_thread=True, quantized_forward=True,
+                  act_order_default=GPTQ_ACT_ORDER_DEFAULT, mse_clip_default=GPTQ_MSE_CLIP_DEFAULT,
+                  takes_static_groups=True, asymmetric=False)
 ALGORITHMS: dict[str, Algorithm] = {
-    "gptq": Algorithm(records_inputs=False, samples_rows=False,
-                      block_step=None, quantize=_quantize_gptq,
-                      one_thread=True, quantized_forward=True,
-                      act_order_default=GPTQ_ACT_ORDER_DEFAULT,
-                      mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True,
-                      asymmetric=False),
+    "gptq": _GPTQ,
     # GPTQ on ||W X_fp - Q X_q||^2 (calibration.gptq.gptaq): dense families only
-    "gptaq": Algorithm(records_inputs=False, samples_rows=False,
-                       block_step=None, quantize=_quantize_gptaq,
-                       one_thread=True, quantized_forward=True,
-                       act_order_default=GPTQ_ACT_ORDER_DEFAULT,
-                       mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True,
-                       asymmetric=True),
+    "gptaq": replace(_GPTQ, quantize=_quantize_gptaq, asymmetric=True),
     "awq": Algorithm(records_inputs=True, samples_rows=True,
                      block_step=_awq_step, quantize=_quantize_awq,
                      one_thread=False, quantized_forward=False,
@@ -544,12 +538,7 @@ ALGORITHMS: dict[str, Algorithm] = {
                      asymmetric=False),
     # AWQ's scales searched and folded, then GPTQ on the scaled weights, with the Hessians of
     # the scaled inputs (scale_block rescales the statistics it folds)
-    "awq+gptq": Algorithm(records_inputs=True, samples_rows=True,
-                          block_step=_awq_step, quantize=_quantize_gptq,
-                          one_thread=True, quantized_forward=True,
-                          act_order_default=GPTQ_ACT_ORDER_DEFAULT,
-                          mse_clip_default=GPTQ_MSE_CLIP_DEFAULT, takes_static_groups=True,
-                          asymmetric=False),
+    "awq+gptq": replace(_GPTQ, records_inputs=True, samples_rows=True, block_step=_awq_step),
     # mse_clip off by default: RTN is the plain min-max baseline
     "rtn": Algorithm(records_inputs=False, samples_rows=False,
                      block_step=None, quantize=_quantize_rtn,
