@@ -292,15 +292,28 @@ def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return q, scales
 
 
-def _blocked_by_chunks(t: torch.Tensor) -> torch.Tensor:
-    """``block_rows(t)`` made ``HEAD_CHUNK_ROWS`` rows at a time (no second whole-size copy
-    beside the result while it is made)."""
-    n, k = t.shape
-    out = t.new_empty(-(-n // BLOCK), k, BLOCK)
+def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 [N, K] -> int8_mm's operands: q8 int8 [N / 16, K, 16] and scales fp16
+    [N / 16, K / 32, 16] (:func:`quantize_head_int8`'s values, rows zero-padded to 16), made
+    ``HEAD_CHUNK_ROWS`` rows at a time. With ``release``, where the weight is a view of a file
+    mapping (the checkpoint's head), each chunk's pages are handed back once read (as
+    :func:`relayout_rows` does): the peak is the int8 copy plus one chunk, not the copy plus
+    the fp16 head and a second, unblocked int8 copy."""
+    n, k = weight_fp16.shape
+    release = release and weight_fp16.is_contiguous() and _file_backed(weight_fp16)
+    nb = -(-n // BLOCK)
+    q8 = torch.empty(nb, k, BLOCK, dtype=torch.int8)
+    scales = torch.empty(nb, k // INT8_HEAD_GROUP, BLOCK, dtype=torch.float16)
     for r0 in range(0, n, HEAD_CHUNK_ROWS):
-        r1 = min(n, r0 + HEAD_CHUNK_ROWS)
-        out[r0 // BLOCK:-(-r1 // BLOCK)] = block_rows(t[r0:r1])
-    return out
+        src = weight_fp16[r0:r0 + HEAD_CHUNK_ROWS]
+        q, s = quantize_head_int8(src)  # [rows, K], [rows, K / 32]
+        b0, b1 = r0 // BLOCK, -(-(r0 + src.shape[0]) // BLOCK)
+        q8[b0:b1] = block_rows(q)
+        scales[b0:b1] = block_rows(s)
+        if release:
+            _page_out(src)
+    return q8, scales
 
 
 class Int8Head(nn.Module):
@@ -316,11 +329,10 @@ class Int8Head(nn.Module):
             raise ValueError(f"head dtype int8 needs hidden size % {INT8_HEAD_GROUP} == 0, "
                              f"not {self.in_features}; use fp16")
         self.out_dtype = out_dtype
-        q, scales = quantize_head_int8(weight_fp16)
-        # [N, K] -> [N / 16, K, 16] and [N, K / 32] -> [N / 16, K / 32, 16] (int8_mm's layout)
-        self.register_buffer("q8", _blocked_by_chunks(q), persistent=False)
-        del q
-        self.register_buffer("scales", block_rows(scales), persistent=False)
+        # [N / 16, K, 16] and [N / 16, K / 32, 16] (int8_mm's layout)
+        q8, scales = int8_head_blocked(weight_fp16)
+        self.register_buffer("q8", q8, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(),
                              persistent=False)
         self._int8_mm = cpu_ext.ops().int8_mm.default

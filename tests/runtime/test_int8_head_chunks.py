@@ -23,4 +23,5 @@ def test_chunked_quantization_and_layout_equal_the_whole_head(monkeypatch):
         monkeypatch.setattr(fp_head, "HEAD_CHUNK_ROWS", rows)
         q, s = fp_head.quantize_head_int8(w)
         assert torch.equal(q, want_q) and torch.equal(s, want_s)
-        assert torch.equal(fp_head._blocked_by_chunks(q), block_rows(want_q))
+        q8, s8 = fp_head.int8_head_blocked(w)
+        assert torch.equal(q8, block_rows(want_q)) and torch.equal(s8, block_rows(want_s))
