@@ -79,6 +79,8 @@ def block_row_pairs(w: torch.Tensor) -> torch.Tensor:
 # rows of the head re-laid out at a time (a multiple of BLOCK): the copy is made one chunk at
 # a time, and a source read from a file mapping is handed back after each chunk
 HEAD_CHUNK_ROWS = 4096
+# the int8 head's chunk: quantizing makes several fp32 temporaries of a chunk (a multiple of 16)
+INT8_HEAD_CHUNK_ROWS = 512
 _MADV_PAGEOUT = 21  # linux/mman.h (Linux 5.4+)
 
 
@@ -296,7 +298,7 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 [N, K] -> int8_mm's operands: q8 int8 [N / 16, K, 16] and scales fp16
     [N / 16, K / 32, 16] (:func:`quantize_head_int8`'s values, rows zero-padded to 16), made
-    ``HEAD_CHUNK_ROWS`` rows at a time. With ``release``, where the weight is a view of a file
+    ``INT8_HEAD_CHUNK_ROWS`` rows at a time. With ``release``, where the weight is a view of a file
     mapping (the checkpoint's head), each chunk's pages are handed back once read (as
     :func:`relayout_rows` does): the peak is the int8 copy plus one chunk, not the copy plus
     the fp16 head and a second, unblocked int8 copy."""
@@ -305,8 +307,8 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
     nb = -(-n // BLOCK)
     q8 = torch.empty(nb, k, BLOCK, dtype=torch.int8)
     scales = torch.empty(nb, k // INT8_HEAD_GROUP, BLOCK, dtype=torch.float16)
-    for r0 in range(0, n, HEAD_CHUNK_ROWS):
-        src = weight_fp16[r0:r0 + HEAD_CHUNK_ROWS]
+    for r0 in range(0, n, INT8_HEAD_CHUNK_ROWS):
+        src = weight_fp16[r0:r0 + INT8_HEAD_CHUNK_ROWS]
         q, s = quantize_head_int8(src)  # [rows, K], [rows, K / 32]
         b0, b1 = r0 // BLOCK, -(-(r0 + src.shape[0]) // BLOCK)
         q8[b0:b1] = block_rows(q)

@@ -21,6 +21,7 @@ def test_chunked_quantization_and_layout_equal_the_whole_head(monkeypatch):
     want_q, want_s = _whole(w)
     for rows in (32, 48, 4096):
         monkeypatch.setattr(fp_head, "HEAD_CHUNK_ROWS", rows)
+        monkeypatch.setattr(fp_head, "INT8_HEAD_CHUNK_ROWS", rows)
         q, s = fp_head.quantize_head_int8(w)
         assert torch.equal(q, want_q) and torch.equal(s, want_s)
         q8, s8 = fp_head.int8_head_blocked(w)
