@@ -23,6 +23,12 @@ blocks (no gather, no padding, no mask): the same formulas in fp32 (:func:`fused
 says whether and why not). Longer prefill chunks, and layers with a sliding window or score
 soft-capping (the kernel has neither), keep the gather + SDPA path. The C++ norm takes the
 gain as a weight, so a (1 + w) norm passes (1 + w), computed once.
+
+Where a layer's parts are all W4A8 (q/k/v and gate/up stacked, o and down) with a silu MLP, no
+sliding window, soft-capping, q/k norms or sublayer-output norms, a step the paged kernel takes
+runs that whole layer as one C++ call (``decoder_layer``: the same kernels in the same order,
+bit-identical results), so no Python runs between its ops (``ModelRunner.layer_ops``;
+``QUANTPIPE_CPU_LAYER_OP=0`` turns it off).
 """
 
 from __future__ import annotations
