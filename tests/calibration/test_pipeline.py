@@ -37,6 +37,26 @@ def prompt_file(tmp_path_factory):
     return path
 
 
+def stop_after_block_0(spec) -> None:
+    """Run ``calibrate(spec)`` until block 0's results and the next inputs are saved, then
+    interrupt it (KeyboardInterrupt right after that progress is written)."""
+    import quantpipe.calibration.pipeline as p
+
+    orig = p._save_progress
+
+    def stop_after_first(run, nxt, extra):
+        orig(run, nxt, extra)
+        if nxt == 1:
+            raise KeyboardInterrupt  # the run dies after block 0 is saved
+
+    p._save_progress = stop_after_first
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(spec)
+    finally:
+        p._save_progress = orig
+
+
 def _spec(fp16_dir, prompt_file, out, **kw):
     # group size 32: the tiny models' layers are 64 and 128 wide
     base = dict(samples=8, seq_len=32, min_tokens=4, batch_size=4, awq_samples=4, group_size=32)
@@ -147,27 +167,12 @@ def test_errors(fp16_dir, prompt_file, tmp_path):
 
 def test_resumed_manifest_counts_every_block(fp16_dir, prompt_file, tmp_path):
     """Group-size fallbacks and timings of blocks computed before a kill are kept."""
-    import quantpipe.calibration.pipeline as p
 
     out = tmp_path / "calib"
     # 64-wide layers: per-channel fallback
     spec = _spec(fp16_dir, prompt_file, out, algo="rtn", group_size=128,
                  per_channel_if_larger=True)
-    calls = []
-    orig = p._save_progress
-
-    def stop_after_first(s, nxt, extra):
-        orig(s, nxt, extra)
-        calls.append(nxt)
-        if nxt == 1:
-            raise KeyboardInterrupt  # the run dies after block 0 is saved
-
-    p._save_progress = stop_after_first
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            calibrate(spec)
-    finally:
-        p._save_progress = orig
+    stop_after_block_0(spec)
     res = calibrate(spec)
     assert res.resumed_from == 1
     manifest = read_calibration(out).manifest
@@ -232,23 +237,10 @@ def test_gptaq_is_gptq_where_the_inputs_agree(fp16_dir, prompt_file, tmp_path):
 def test_gptaq_resumes_with_both_inputs(fp16_dir, prompt_file, tmp_path):
     """GPTAQ's resume state holds the FP model's block inputs too: a run stopped after block 0
     and resumed gives the uninterrupted run's results."""
-    import quantpipe.calibration.pipeline as p
 
     out = tmp_path / "calib"
     spec = _spec(fp16_dir, prompt_file, out, algo="gptaq")
-    orig = p._save_progress
-
-    def stop_after_first(s, nxt, extra):
-        orig(s, nxt, extra)
-        if nxt == 1:
-            raise KeyboardInterrupt
-
-    p._save_progress = stop_after_first
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            calibrate(spec)
-    finally:
-        p._save_progress = orig
+    stop_after_block_0(spec)
     assert calibrate(spec).resumed_from == 1
     fresh = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "fresh", algo="gptaq")).out
     resumed, full = read_calibration(out).layer_infos(), read_calibration(fresh).layer_infos()

@@ -10,7 +10,12 @@ from safetensors.torch import load_file
 import quantpipe.calibration.pipeline as p
 from quantpipe.calibration.activations import IDS_FILE, STATE_FILE
 from quantpipe.calibration.pipeline import calibrate
-from tests.calibration.test_pipeline import _spec, fp16_dir, prompt_file  # noqa: F401
+from tests.calibration.test_pipeline import (  # noqa: F401 (fixtures)
+    _spec,
+    fp16_dir,
+    prompt_file,
+    stop_after_block_0,
+)
 
 SPILL, RAM = 0, 2**40  # --max-memory in bytes: everything spills / nothing does
 
@@ -57,24 +62,13 @@ def test_spilled_run_equals_the_in_memory_run(fp16_dir, prompt_file, tmp_path,  
 
 @pytest.mark.parametrize("first,second", [(SPILL, RAM), (RAM, SPILL)])
 def test_a_stopped_run_resumes_in_the_other_layout(fp16_dir, prompt_file, tmp_path,  # noqa: F811
-                                                   first, second, monkeypatch):
+                                                   first, second):
     """--max-memory is not a resume setting: a run stopped after block 0 resumes with another
     budget (the saved inputs are read from either layout) and gives the uninterrupted result."""
     out = tmp_path / "calib"
-    orig = p._save_progress
-
-    def stop_after_first(run, nxt, extra):
-        orig(run, nxt, extra)
-        if nxt == 1:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(p, "_save_progress", stop_after_first)
-    with pytest.raises(KeyboardInterrupt):
-        calibrate(_spec(fp16_dir, prompt_file, out, algo="gptaq", max_memory=first))
-    work = p.work_dir(out)
-    saved = {f.name for f in (work / "state").iterdir()}
+    stop_after_block_0(_spec(fp16_dir, prompt_file, out, algo="gptaq", max_memory=first))
+    saved = {f.name for f in (p.work_dir(out) / "state").iterdir()}
     assert (STATE_FILE in saved) == (first == RAM)
-    monkeypatch.setattr(p, "_save_progress", orig)
     assert calibrate(_spec(fp16_dir, prompt_file, out, algo="gptaq",
                            max_memory=second)).resumed_from == 1
     fresh = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "fresh", algo="gptaq")).out
