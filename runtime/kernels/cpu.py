@@ -29,7 +29,8 @@ int8 (d = amax / 127, xq = round-half-even(x * 127 / amax)); the integer dots of
 with xq are exact; each block's dot is scaled by ``d * scale`` in fp32 and the zero point adds
 ``-z * scale * sum_blocks(d * sum(xq))`` per group (the same quantized activations, so their
 rounding errors cancel with the dots'). Layout: ``packed`` uint8 ``[out / 16, in / 8, 64]``
-(:func:`pack_a8w4`), ``scales`` and ``mz = -z * scale`` fp32 ``[out / 16, G, 16]``.
+(:func:`pack_a8w4`), ``scales`` fp16 (the checkpoint's) and ``mz = -z * scale`` fp32
+``[out / 16, G, 16]`` (no ``mz`` for a symmetric layer: the kernel forms ``-8 * scale``).
 
 Numerics of the bf16-activation paths (torch's kernels are fast only for bf16 inputs; fp32
 inputs are 15-40x slower there):
@@ -200,7 +201,7 @@ class CpuA8W4:
     """The W4A8 layout: w = q * scale + mz, activations quantized to int8 per 32 columns."""
 
     packed: torch.Tensor  # uint8 [out / 16, in / 8, 64] (pack_a8w4)
-    scales: torch.Tensor  # fp32 [out / 16, G, 16]
+    scales: torch.Tensor  # fp16 [out / 16, G, 16] (the checkpoint's)
     mz: torch.Tensor | None  # fp32 [out / 16, G, 16] = -z * scale; None: every z is 8
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
@@ -221,18 +222,18 @@ def repack_a8w4(p: PackedLinear, isa: str | None = None) -> CpuA8W4:
     """``isa``: the build whose ``int4_a8_mm`` runs it (default: the active one)."""
     isa = isa or cpu_ext.active_isa()
     q, perm = _group_ordered_q(p)  # uint8 [out, in] in [0, 16)
-    scales = p.scales.float()  # [out, G], exact
+    scales = p.scales  # [out, G] fp16, the checkpoint's (exact in fp32; half the bytes)
     zeros = p.zeros_u8()
     # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16); a symmetric
     # layer (every z == 8) stores none: the kernel forms -8 * s itself, the same fp32 values
-    mz = None if bool((zeros == 8).all()) else block_rows(-zeros.float() * scales)
+    mz = None if bool((zeros == 8).all()) else block_rows(-zeros.float() * scales.float())
     return CpuA8W4(pack_a8w4(q.contiguous()), block_rows(scales), mz, perm,
                    p.group_size, cpu_ext.ops(isa).int4_a8_mm.default, cpu_ext.a8_uses_vnni(isa))
 
 
 def a8w4_mz(w: CpuA8W4) -> torch.Tensor:
     """w's fp32 [out / 16, G, 16] -z * scale, formed from the scales when w stores none."""
-    return w.mz if w.mz is not None else w.scales * -8.0
+    return w.mz if w.mz is not None else w.scales.float() * -8.0
 
 
 def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:

@@ -190,7 +190,7 @@ def test_a8w4_kernel_rejects_bad_inputs_with_a_message(isa, ops):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(torch.randn(2, 128), w.packed, w.scales, w.mz, 16, vnni)
     with pytest.raises(RuntimeError, match="scales"):
-        op(torch.randn(2, 128), w.packed, w.scales.half(), w.mz, 32, vnni)
+        op(torch.randn(2, 128), w.packed, w.scales.float(), w.mz, 32, vnni)
     with pytest.raises(RuntimeError, match="fp32"):
         op(torch.randn(2, 128).bfloat16(), w.packed, w.scales, w.mz, 32, vnni)
     assert op(torch.empty(0, 128), w.packed, w.scales, w.mz, 32, vnni).shape == (0, 32)

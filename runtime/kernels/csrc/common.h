@@ -80,15 +80,16 @@ inline void check_group_tensors(const at::Tensor& scales, const c10::optional<at
 // 4r + e of chunk (b, c) holds q[16b + r][8c + e] (low nibble) and q[16b + r][8c + 4 + e]
 // (high nibble), r < 16, e < 4: the low nibbles of a chunk are 16 rows x 4 columns, as an int8
 // dot-product instruction (vpdpbusd, or pmaddubsw + pmaddwd) reads them, rows 0..7 in its
-// first 32 bytes. scales / mz fp32 [N/16, G, 16], w = q * scale + mz (mz = -z * scale); mz
-// absent: every zero point is 8 (a symmetric layer), mz = -8 * scale computed in the kernel.
+// first 32 bytes. scales fp16 (the checkpoint's, exact) and mz fp32 [N/16, G, 16],
+// w = q * scale + mz (mz = -z * scale); mz absent: every zero point is 8 (a symmetric layer),
+// mz = -8 * scale computed in the kernel.
 inline void check_a8w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mz, int64_t group_size) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == 64,
               "packed must be contiguous uint8 [N/16, K/8, 64]");
   const int64_t K = packed.size(1) * 8;
-  check_group_tensors(scales, mz, packed.size(0), K, group_size, at::kFloat, kA8Block);
+  check_group_tensors(scales, mz, packed.size(0), K, group_size, at::kHalf, kA8Block);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "x must be contiguous fp32 [M, K]");
   TORCH_CHECK(x.size(1) == K, "packed holds K = ", K, ", x has ", x.size(1));
@@ -160,7 +161,7 @@ at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const a
   const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size, quantize_row);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* scp = scales.data_ptr<float>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const float* mzp = mz.has_value() ? mz->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t wblock = K / 8 * 64, sblock = G * kRows;

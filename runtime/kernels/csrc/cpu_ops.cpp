@@ -331,7 +331,7 @@ struct DotVnni512 {
 template <int MT>
 QP_TARGET __attribute__((flatten)) void a8_tile(const A8Acts& a, int64_t m0, int64_t K,
                                                 int64_t G, int64_t group_size, const uint8_t* w,
-                                                const float* sc, const float* mz, float* out,
+                                                const uint16_t* sc, const float* mz, float* out,
                                                 int64_t ldo) {
   qp::simd::a8_tile<Simd, DotVnni512, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
 }

@@ -161,7 +161,7 @@ struct DotAvxVnni {
 // has them.
 #define QP_A8_ARGS                                                                          \
   const A8Acts &a, int64_t m0, int64_t K, int64_t G, int64_t group_size, const uint8_t *w, \
-      const float *sc, const float *mz, float *out, int64_t ldo
+      const uint16_t *sc, const float *mz, float *out, int64_t ldo
 template <int MT>
 __attribute__((flatten)) void a8_tile(QP_A8_ARGS) {
   qp::simd::a8_tile<Simd, DotMaddubs, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);

@@ -99,18 +99,18 @@ QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_
 // One block of 16 output rows for MT activation rows (the tile's first row at m0), in halves of
 // V::L rows. Dot::run<MT>(w, xb, iacc) is the ISA's exact integer dot of one block of 32 columns
 // (the half's chunk bytes at w, chunk stride 64; row m's 32 int8 at xb[m]) into iacc[m].
-//   w  the block's chunks [K/8, 64]; sc / mz the block's [G, 16] (mz null: -8 * sc); out row
-//   m at out + m * ldo
+//   w  the block's chunks [K/8, 64]; sc (fp16 bits) / mz (fp32) the block's [G, 16] (mz null:
+//   -8 * sc); out row m at out + m * ldo
 template <class V, class Dot, int MT>
 QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
-                              int64_t group_size, const uint8_t* w, const float* sc,
+                              int64_t group_size, const uint8_t* w, const uint16_t* sc,
                               const float* mz, float* out, int64_t ldo) {
   const int64_t nb = K / kA8Block, per_group = group_size / kA8Block;
   for (int64_t h = 0; h < kRows / V::L; ++h) {
     typename V::F total[MT];
     for (int m = 0; m < MT; ++m) total[m] = V::zero();
     for (int64_t g = 0; g < G; ++g) {
-      const typename V::F s = V::load(sc + g * kRows + h * V::L);
+      const typename V::F s = V::load_f16(sc + g * kRows + h * V::L);  // exact in fp32
       for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
         const int8_t* xb[MT];
         for (int m = 0; m < MT; ++m) xb[m] = a.xq.data() + (m0 + m) * K + blk * kA8Block;
