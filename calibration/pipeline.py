@@ -602,7 +602,7 @@ def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_secon
         raise ValueError(f"{spec.fp16_dir}: config.json describes {len(blocks)} blocks, the "
                          f"shards hold {inputs.num_blocks}; re-run export-fp16")
     keys = ("hidden", "hidden_fp") if ALGORITHMS[spec.algo].asymmetric else ("hidden",)
-    embed_name = _embeddings_name(model)
+    embed_name = stream.embeddings_name
     n, L = inputs.input_ids.shape
     shape = (n, L, model.config.hidden_size)
     # the block inputs and outputs of every key are alive at once
@@ -650,11 +650,6 @@ def _first_inputs(model, input_ids: torch.Tensor, space: ActivationSpace, keys: 
     for acts in sets.values():
         acts.commit()
     return sets, ctx
-
-
-def _embeddings_name(model: torch.nn.Module) -> str:
-    emb = model.get_input_embeddings()
-    return next(name for name, m in model.named_modules() if m is emb)
 
 
 def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,

@@ -84,6 +84,12 @@ class ModelStream:
             # glibc keeps freed blocks in its arenas: without this, RSS creeps up block by block
             release_freed_memory()
 
+    @property
+    def embeddings_name(self) -> str:
+        """The input embedding module's name (what :meth:`load` takes to read the table)."""
+        emb = self.model.get_input_embeddings()
+        return next(name for name, m in self.model.named_modules() if m is emb)
+
     def materialised_parameters(self) -> int:
         """Parameters currently holding real memory (the rest are on the meta device)."""
         return sum(p.numel() for p in self.model.parameters() if not p.is_meta)

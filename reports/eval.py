@@ -151,16 +151,33 @@ def windows(token_ids: list[list[int]], ctx: int) -> list[list[int]]:
     return out
 
 
+def scored_windows(wins: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The windows scored, in order: all of them, or (``max_tokens``) until that many tokens
+    are scored, the last one cut to fit (a window scores one token fewer than its length)."""
+    out, scored = [], 0
+    for w in wins:
+        if max_tokens and scored >= max_tokens:
+            break
+        if max_tokens:
+            w = w[: max_tokens - scored + 1]
+        out.append(w)
+        scored += len(w) - 1
+    return out
+
+
+def is_quantized(folder: str | Path) -> bool:
+    """Whether the folder's config.json names a quantization method (native, GPTQ,
+    compressed-tensors): such folders are verified, then dequantized, to be evaluated."""
+    cfg = model_config(folder)
+    return (cfg.get("quantization_config") or {}).get("quant_method") is not None
+
+
 def load_eval_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     """Load any folder quantpipe can evaluate: FP16 export, native quantized, or HF folder."""
-    import json
-
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    method = (cfg.get("quantization_config") or {}).get("quant_method")
-    if method is not None:  # native, GPTQ or compressed-tensors: verified, then dequantized
+    if is_quantized(folder):  # native, GPTQ or compressed-tensors: verified, then dequantized
         from quantpipe.core.formats.loader import load_dequantized_model
 
         return load_dequantized_model(folder, dtype)
@@ -175,12 +192,8 @@ def evaluate_many(ref_model, cand_models: list, tokenizer, spec: EvalSpec,
     wins = eval_windows(tokenizer, spec)
     accs = [_Accumulator() for _ in cand_models]
     used = 0
-    for w in tqdm(wins, desc="eval", unit="window", leave=False):
-        scored = accs[0].tokens
-        if spec.max_tokens and scored >= spec.max_tokens:
-            break
-        if spec.max_tokens:
-            w = w[: spec.max_tokens - scored + 1]
+    for w in tqdm(scored_windows(wins, spec.max_tokens), desc="eval", unit="window",
+                  leave=False):
         ids = torch.tensor([w])  # [1, T]
         logits_ref = ref_model(ids).logits[0, :-1]  # [T-1, V]
         for acc, cand in zip(accs, cand_models):

@@ -7,9 +7,10 @@ read one decoder block at a time, and every evaluation window goes through block
 block ``i + 1`` is read (the pattern of layer-wise calibration):
 
 1. the windows to score are cut exactly as the whole-model path cuts them (same ``ctx``, same
-   ``max_tokens`` truncation), and each window's positions and masks are built once;
-2. the reference: embeddings, then each block over every window, keeping only the final
-   hidden states ([window tokens, hidden] fp32 per window);
+   ``max_tokens`` truncation: ``reports.eval.scored_windows``);
+2. the reference: embeddings (and each window's positions and masks), then each block over
+   every window, keeping only the final hidden states ([window tokens, hidden] fp32 per
+   window);
 3. the candidate the same way, its blocks dequantized from the verified checkpoint one at a
    time (``QuantizedCheckpoint.layers[name].dequantize``; a MoE block's experts are stacked
    as transformers holds them by ``model_tensors``), on the reference's skeleton (the same
@@ -34,10 +35,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
+from quantpipe.calibration.capture import embed_inputs, run_block
 from quantpipe.calibration.stream import ModelStream
 from quantpipe.core.families import config_value, family_for, get_path
 from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized, model_tensors
+from quantpipe.reports.eval import is_quantized, scored_windows
 
 
 class CheckpointStream(ModelStream):
@@ -75,39 +77,14 @@ class CheckpointStream(ModelStream):
                              f"{', '.join(sorted(want))}")
 
 
-def scored_windows(wins: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The windows the whole-model path scores, truncated as it truncates them."""
-    out, scored = [], 0
-    for w in wins:
-        if max_tokens and scored >= max_tokens:
-            break
-        if max_tokens:
-            w = w[: max_tokens - scored + 1]
-        out.append(w)
-        scored += len(w) - 1
-    return out
-
-
-def _contexts(stream: ModelStream, wins: list[list[int]]) -> list[BlockContext]:
-    """Each window's positions and masks (the same for every model of this architecture)."""
-    emb = _embeddings_name(stream.model)
-    with stream.load(emb):
-        return [embed_inputs(stream.model, torch.tensor([w]))[1] for w in wins]
-
-
-def _embeddings_name(model: torch.nn.Module) -> str:
-    emb = model.get_input_embeddings()
-    return next(name for name, m in model.named_modules() if m is emb)
-
-
 @torch.no_grad()
-def final_hidden(stream: ModelStream, wins: list[list[int]], ctxs: list[BlockContext],
-                 desc: str) -> list[torch.Tensor]:
+def final_hidden(stream: ModelStream, wins: list[list[int]], desc: str) -> list[torch.Tensor]:
     """Each window's last block output [T, hidden] fp32, the model read one block at a time."""
     model = stream.model
     family = family_for(model.config.model_type)
-    with stream.load(_embeddings_name(model)):
-        hidden = [embed_inputs(model, torch.tensor([w]))[0] for w in wins]  # [1, T, d] each
+    with stream.load(stream.embeddings_name):
+        # [1, T, d] each, and the window's positions and masks
+        hidden, ctxs = zip(*(embed_inputs(model, torch.tensor([w])) for w in wins))
     blocks = get_path(model, family.blocks)
     for i in tqdm(range(len(blocks)), desc=desc, unit="block", leave=False):
         with stream.load(f"{family.blocks}.{i}") as block:
@@ -124,7 +101,7 @@ def output_head(stream: ModelStream):
     norm_name = f"{family.decoder}.{family.final_norm}"
     head = model.get_output_embeddings()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    head_name = _embeddings_name(model) if tied else next(
+    head_name = stream.embeddings_name if tied else next(
         name for name, m in model.named_modules() if m is head)
     softcap = config_value(model.config, family.final_softcap)
     with stream.load(norm_name), stream.load(head_name) as head_mod:
@@ -145,22 +122,12 @@ def stream_evaluate(reference: Path, candidate: Path, wins: list[list[int]], max
     t0 = time.perf_counter()
     wins = scored_windows(wins, max_tokens)
     ref = ModelStream(reference)
-    ctxs = _contexts(ref, wins)
-    ref_hidden = final_hidden(ref, wins, ctxs, "eval: reference")
-    if (Path(candidate) / "config.json").is_file() and _is_quantized(candidate):
-        cand = CheckpointStream(reference, load_quantized(candidate))
-    else:
-        cand = ModelStream(candidate)
-    cand_hidden = final_hidden(cand, wins, ctxs, "eval: candidate")
+    ref_hidden = final_hidden(ref, wins, "eval: reference")
+    cand = (CheckpointStream(reference, load_quantized(candidate)) if is_quantized(candidate)
+            else ModelStream(candidate))
+    cand_hidden = final_hidden(cand, wins, "eval: candidate")
     with output_head(ref) as ref_logits, output_head(cand) as cand_logits:
         for w, hr, hc in zip(wins, ref_hidden, cand_hidden):
             ids = torch.tensor(w)
             accumulator.add(ref_logits(hr[:-1]), cand_logits(hc[:-1]), ids[1:])
     return len(wins), time.perf_counter() - t0
-
-
-def _is_quantized(folder: Path) -> bool:
-    import json
-
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    return (cfg.get("quantization_config") or {}).get("quant_method") is not None

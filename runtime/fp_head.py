@@ -278,19 +278,14 @@ def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     The scale is rounded to fp16 *before* rounding q, so ``q * scale`` (fp16 scale exact in
     fp32) is the weight the kernel multiplies: |w - q * s| <= s / 2 + the fp16 rounding of s
-    times 127 / 2**11 (q is clamped to [-127, 127]). Rows are quantized ``HEAD_CHUNK_ROWS`` at
-    a time: the fp32 temporaries are a chunk's, not the whole head's (a 7B model's head would
-    need three 0.5 GB ones).
+    times 127 / 2**11 (q is clamped to [-127, 127]). Whole-input fp32 temporaries:
+    :func:`int8_head_blocked` calls it on ``INT8_HEAD_CHUNK_ROWS`` rows at a time.
     """
     n, k = weight_fp16.shape
-    q = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, k // INT8_HEAD_GROUP, dtype=torch.float16)
-    for r0 in range(0, n, HEAD_CHUNK_ROWS):
-        r1 = min(n, r0 + HEAD_CHUNK_ROWS)
-        wb = weight_fp16[r0:r1].float().view(r1 - r0, -1, INT8_HEAD_GROUP)  # [rows, K/32, 32]
-        scales[r0:r1] = (wb.abs().amax(-1) / 127).half()
-        s = scales[r0:r1].float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
-        q[r0:r1] = torch.round(wb / s).clamp(-127, 127).to(torch.int8).view(r1 - r0, k)
+    wb = weight_fp16.float().view(n, k // INT8_HEAD_GROUP, INT8_HEAD_GROUP)  # [N, K/32, 32]
+    scales = (wb.abs().amax(-1) / 127).half()  # [N, K/32] fp16
+    s = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]  # no 0 division
+    q = torch.round(wb / s).clamp(-127, 127).to(torch.int8).view(n, k)  # [N, K]
     return q, scales
 
 
