@@ -13,6 +13,7 @@ factor of the H object it was last given (see :func:`_shared_factor`).
 from __future__ import annotations
 
 import logging
+import mmap
 import weakref
 from dataclasses import dataclass
 
@@ -31,25 +32,79 @@ from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 logger = logging.getLogger(__name__)
 
 
-def lower_triangular_inverse_(L: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+# Rows (or columns) per step of the factor's passes over [in, in] float64 matrices: the
+# temporaries stay a few [in, 256] panels while the matrix itself is the size of a 7B MLP's
+# Hessian in float64.
+FACTOR_PANEL = 256
+
+
+def lower_triangular_inverse_(L: torch.Tensor, panel: int = FACTOR_PANEL) -> torch.Tensor:
     """L: [n, n] lower-triangular, non-singular (zero upper triangle) -> L^-1, in place.
 
-    Recursive on 2 x 2 blocks: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]. The
-    off-diagonal block is made first, by two triangular solves with A and C (no general
-    matmul: LAPACK trtri's n^3 / 3 flops; torch has no trtri, and a solve against the identity
-    costs n^3), then A and C are inverted in place; the largest temporaries are two of B's size.
+    LAPACK trtri's blocked backward sweep (torch has no trtri): the trailing part T is already
+    its inverse when the panel [[D, 0], [P, T]] is reached, and the panel becomes
+    -T^-1 P D^-1, so every matrix product reads the trailing inverse as it is (n^3 / 3 flops in
+    all: the products skip T^-1's zero upper part a row block at a time). The temporaries are
+    an [n, panel] block, not triangular copies of half the matrix.
     """
     n = L.shape[0]
-    if n <= leaf:
-        return L.copy_(torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype), upper=False))
-    k = n // 2
-    A, B, C = L[:k, :k], L[k:, :k], L[k:, k:]
-    BAinv = torch.linalg.solve_triangular(A, B, upper=False, left=False)  # [n - k, k]
-    B.copy_(torch.linalg.solve_triangular(C, BAinv, upper=False).neg_())
-    del BAinv
-    lower_triangular_inverse_(A, leaf)
-    lower_triangular_inverse_(C, leaf)
+    for j in reversed(range(0, n, panel)):
+        e = min(j + panel, n)
+        D = L[j:e, j:e]  # [b, b] diagonal block
+        Dinv = torch.linalg.solve_triangular(
+            D, torch.eye(e - j, dtype=L.dtype, device=L.device), upper=False)
+        if e < n:
+            P = L[e:, j:e]  # [m, b] panel below D
+            TP = torch.empty_like(P)  # [m, b] T^-1 P: row block r reads T^-1's columns < r1
+            for r0 in range(0, n - e, panel):
+                r1 = min(r0 + panel, n - e)
+                torch.mm(L[e + r0:e + r1, e:e + r1], P[:r1], out=TP[r0:r1])
+            torch.mm(TP, Dinv, out=P).neg_()
+        D.copy_(Dinv)
     return L
+
+
+def _float64_workspace(n: int, device: torch.device) -> tuple[torch.Tensor, object]:
+    """[n, n] float64 for the factor. On the CPU it is an anonymous memory map, so that the
+    half the fp32 factor does not use can be handed back to the OS (:func:`_release_tail`)
+    while the factor lives in the other half; -> (tensor, the map or None)."""
+    if device.type != "cpu":
+        return torch.empty(n, n, dtype=torch.float64, device=device), None
+    buf = mmap.mmap(-1, max(8 * n * n, 1))
+    return torch.frombuffer(buf, dtype=torch.float64, count=n * n).view(n, n), buf
+
+
+def _release_tail(buf, used_bytes: int) -> None:
+    """Hand back the workspace's pages past ``used_bytes`` (they are never read again)."""
+    start = -(-used_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if buf is not None and start < len(buf):
+        buf.madvise(mmap.MADV_DONTNEED, start, len(buf) - start)
+
+
+def _reversed_float32_(A: torch.Tensor, panel: int = FACTOR_PANEL) -> torch.Tensor | None:
+    """A: [n, n] float64, C-contiguous -> J A J in float32, written over the first half of
+    A's own memory (no second matrix); None if any entry is not finite.
+
+    Row r's fp32 copy lands in bytes that held rows r / 2 .. (r + 1) / 2, which are read
+    before (rows are converted in increasing order, a panel at a time); then the flat array
+    is reversed in place, which reverses both the rows and the columns.
+    """
+    n = A.shape[0]
+    flat = A.view(-1).view(torch.float32)[:n * n]  # [n * n] fp32 view of the first half
+    for r0 in range(0, n, panel):
+        r1 = min(r0 + panel, n)
+        rows = A[r0:r1].float()  # [rows, n]: read before the write below covers them
+        if not bool(torch.isfinite(rows).all()):
+            return None
+        flat[r0 * n:r1 * n] = rows.view(-1)
+    half, step = (n * n) // 2, panel * n
+    for a in range(0, half, step):
+        e = min(a + step, half)
+        front, back = flat[a:e], flat[n * n - e:n * n - a]  # disjoint: e <= half
+        keep = front.flip(0)
+        front.copy_(back.flip(0))
+        back.copy_(keep)
+    return flat.view(n, n)
 
 
 def damped_inverse_cholesky(
@@ -68,23 +123,35 @@ def damped_inverse_cholesky(
     permutation, if J (H_p + damp I) J = L L^T then (H_p + damp I)^-1 = U^T U with
     U = J L^-1 J, upper-triangular with a positive diagonal, i.e. the Cholesky factor of the
     inverse (the reference code forms the inverse and factors it again: twice the work).
+
+    Memory: one [in, in] float64 matrix besides H, a few panels, and nothing else: the matrix
+    is gathered a panel of rows at a time, factored in place (as a column-major matrix, which
+    LAPACK factors without a copy: the upper factor of a column-major symmetric matrix is
+    the lower one, L, of the row-major memory), inverted in place, and the fp32 factor is
+    written over its first half, the second half handed back to the OS.
     """
+    n = H.shape[0]
     diag_p = torch.diagonal(H)[order].double()  # [in] f64
     diag_p[diag_p == 0] = 1.0  # dead inputs (see hessian_factor)
     mean_diag = float(diag_p.mean())
     rev = order.flip(0)  # [in] J applied to the order
-    info = torch.empty((), dtype=torch.int32)
+    info = torch.empty((), dtype=torch.int32, device=H.device)
     raises = 0
     while True:
         damp = percdamp * mean_diag
-        A = H[rev[:, None], rev].double()  # [in, in] f64: J H_p J (one gather, then f64)
+        A, buf = _float64_workspace(n, H.device)  # [in, in] f64
+        for r0 in range(0, n, FACTOR_PANEL):  # J H_p J, a panel of rows at a time
+            r1 = min(r0 + FACTOR_PANEL, n)
+            A[r0:r1] = H[rev[r0:r1, None], rev]
         A.diagonal().copy_(diag_p.flip(0)).add_(damp)
-        L, info = torch.linalg.cholesky_ex(A, out=(A, info))  # [in, in] f64 lower, in place
+        At = A.t()  # column-major view of the symmetric matrix: factored in place
+        _, info = torch.linalg.cholesky_ex(At, upper=True, out=(At, info))
         if int(info) == 0:
-            Linv = lower_triangular_inverse_(L).float()  # [in, in] fp32 lower
-            del A, L  # the float64 buffer
-            if bool(torch.isfinite(Linv).all()):
-                return Linv.flip(0, 1), percdamp, raises  # J L^-1 J: [in, in] upper
+            Hinv = _reversed_float32_(lower_triangular_inverse_(A))  # J L^-1 J, upper
+            if Hinv is not None:
+                _release_tail(buf, 4 * n * n)
+                return (Hinv if buf is not None else Hinv.clone()), percdamp, raises
+        del A, At, buf
         if raises >= max_damp_raises:
             raise ValueError(
                 f"GPTQ: Cholesky of H + damp*I failed even with percdamp={percdamp:.3g} "
@@ -138,7 +205,7 @@ def hessian_factor(
     if act_order:
         perm = torch.argsort(diag, descending=True)  # [in] int64
     else:
-        perm = torch.arange(H.shape[0])
+        perm = torch.arange(H.shape[0], device=H.device)
     diag_H = diag.float()  # [in] weights for the mse_clip search
     # [in, in] fp32 upper, permuted; the updates run in fp32 like the reference code
     Hinv, percdamp_used, raises = damped_inverse_cholesky(H, perm, percdamp, max_damp_raises)
@@ -194,8 +261,9 @@ def gptq_columns(
     """
     n_cols, out_f = W_t.shape
     Q_t = torch.empty_like(W_t)  # [in, out] dequantized, permuted order
-    q_t = torch.empty(n_cols, out_f, dtype=torch.uint8)  # [in, out] permuted order
-    Losses = torch.zeros(out_f, dtype=torch.float64)  # [out] per-row OBS loss (as IST code)
+    q_t = torch.empty(n_cols, out_f, dtype=torch.uint8, device=W_t.device)  # [in, out] permuted
+    # [out] per-row OBS loss (as IST code)
+    Losses = torch.zeros(out_f, dtype=torch.float64, device=W_t.device)
     # sec. 3, "Step 2: lazy batch-updates": quantize a block of columns with rank-1 updates
     # inside the block, then apply the block's accumulated error to the rest of W at once.
     for i1 in range(0, n_cols, block_size):
@@ -277,9 +345,10 @@ def gptq(
     W = W_in.clone()  # [out, in] fp32, updated in place by the error feedback
     W[:, factor.dead] = 0.0  # dead inputs are quantized to 0
 
-    scales = torch.zeros(out_f, n_groups)  # [out, G] fp32 (fp16-representable)
-    zeros = torch.zeros(out_f, n_groups)  # [out, G] fp32 integers
-    col_group = torch.empty(n_cols, dtype=torch.long)  # group of each *permuted* column
+    scales = W.new_zeros(out_f, n_groups)  # [out, G] fp32 (fp16-representable)
+    zeros = W.new_zeros(out_f, n_groups)  # [out, G] fp32 integers
+    # group of each *permuted* column
+    col_group = torch.empty(n_cols, dtype=torch.long, device=W.device)
     # Up-front params: per output channel, or static groups on the original (un-permuted)
     # groups, which keeps g_idx = i // group_size (GPTQModel static_groups).
     if static_groups is None:
@@ -320,7 +389,7 @@ def gptq(
     invperm = torch.argsort(perm)
     g_idx = col_group[invperm].to(torch.int32)  # [in] group of every original column
     stored = spec
-    if torch.equal(g_idx.long(), torch.arange(n_cols) // gs):
+    if torch.equal(g_idx.long(), torch.arange(n_cols, device=g_idx.device) // gs):
         # trivial: sequential groups. No g_idx is stored and the layer is recorded without
         # act-order (the spec describes the stored layout), so every format and kernel takes
         # its plain path (GPTQ desc_act false: vLLM's Marlin needs no g_idx sort)

@@ -3,6 +3,8 @@ MSE clip search against an unchunked float64 search."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,6 +40,68 @@ def test_factor_is_the_damped_inverse_cholesky_in_float64():
     # the factor is stored in fp32: relative error of fp32 rounding, amplified by cond(H)
     assert torch.allclose(U.T @ U, ref, rtol=1e-4, atol=1e-6 * ref.abs().max())
     assert f.percdamp == 0.01 and f.damp_raises == 0
+
+
+@pytest.mark.parametrize("n,panel", [(1, 4), (7, 4), (8, 4), (9, 4), (70, 16), (300, 256)])
+def test_blocked_triangular_inverse_matches_float64_inv(n, panel):
+    """The panel sweep inverts in place; against torch.linalg.inv of the same float64 L."""
+    g = torch.Generator().manual_seed(n)
+    X = torch.randn(n + 5, n, generator=g, dtype=torch.float64)
+    L = torch.linalg.cholesky(X.T @ X / n + 0.1 * torch.eye(n, dtype=torch.float64))
+    ref = torch.linalg.inv(L)
+    out = L.clone()
+    assert gptq_mod.lower_triangular_inverse_(out, panel=panel) is out
+    assert torch.equal(out, out.tril())
+    # float64 rounding of two solve orders, relative to the largest entry
+    assert (out - ref).abs().max() <= 1e-12 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n,panel", [(1, 2), (5, 2), (6, 2), (33, 8), (64, 256)])
+def test_reversed_float32_over_its_own_memory_is_the_flipped_cast(n, panel):
+    """Row r's fp32 copy is written over rows < r only after they are read: the result is
+    exactly J A J cast to fp32, in the first half of A's memory."""
+    A = torch.randn(n, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    ref = A.float().flip(0, 1)
+    out = gptq_mod._reversed_float32_(A, panel=panel)
+    assert out.data_ptr() == A.data_ptr() and out.is_contiguous()
+    assert torch.equal(out, ref)
+    B = torch.ones(n, n, dtype=torch.float64)
+    B[n - 1, 0] = float("inf")
+    assert gptq_mod._reversed_float32_(B, panel=panel) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc smaps")
+def test_factor_keeps_only_its_fp32_half_of_the_float64_workspace():
+    """The float64 workspace is a memory map; the factor lives in its first half and the
+    second half's pages are handed back (the mapping's resident size is the fp32 matrix)."""
+    n = 1024  # 8 MiB float64, 4 MiB fp32
+    H = correlated_hessian(31, n=n)
+    U, _, _ = gptq_mod.damped_inverse_cholesky(H, torch.arange(n), 0.01, 8)
+    start = end = rss_kb = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start, end = lo, hi
+        elif head == "Rss:" and start is not None and start <= U.data_ptr() < end:
+            rss_kb = int(line.split()[1])
+            break
+    assert rss_kb is not None, "the factor's mapping was not found"
+    assert end - start >= 8 * n * n  # the workspace
+    assert rss_kb * 1024 <= 4 * n * n + 4096  # only the fp32 half (plus its last page)
+
+
+def test_factor_retries_with_more_damping():
+    """A failed Cholesky (indefinite H) raises the damping; the factor is then still exact."""
+    H = correlated_hessian(32)
+    H[3, 3] = -50.0 * H.diagonal().mean()  # not positive definite at 1% damping
+    f = hessian_factor(H, act_order=False, percdamp=0.01)
+    assert f.damp_raises > 0
+    Hp = H.double().clone()
+    Hp.diagonal().add_(f.damp)
+    U = f.Hinv.double()
+    ref = torch.linalg.inv(Hp)
+    assert torch.allclose(U.T @ U, ref, rtol=1e-4, atol=1e-6 * ref.abs().max())
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(4, 32, True, True), QuantSpec(8, -1, True, True),
