@@ -1,8 +1,9 @@
 r"""quantpipe GPTQ vs llm-compressor GPTQ on the same model, tokens and held-out prompts.
 
 For each scheme (sym, asym), INT4 with group size 64 on every linear but lm_head:
-(a) quantpipe: ``calibrate --algo gptq`` (its defaults: act-order, static groups, clip
-    search) then ``export --bits 4`` (native format);
+(a) quantpipe: ``calibrate --algo ALGO`` for each algorithm of ``--qp-algos`` (``gptq``, its
+    default; ``gptaq``: GPTQ with asymmetric calibration; each with calibrate's defaults:
+    act-order, static groups, clip search) then ``export --bits 4`` (native format);
 (b) llm-compressor: ``GPTQModifier`` oneshot (sequential pipeline, its default
     ``actorder="static"``, default dampening and block size), run by ``bench/llmc_worker.py``
     in llm-compressor's own virtualenv, saved compressed (pack-quantized);
@@ -25,7 +26,7 @@ llm-compressor's virtualenv (outside the repo; its pins differ from the project'
 Run (from the repo root, with the repo's .venv):
 
     OMP_NUM_THREADS=2 python bench/vs_llmcompressor.py --fp16 /tmp/qp/fp16 \
-        --work /tmp/qp/vs-llmc --samples 128 --seq-len 512
+        --work /tmp/qp/vs-llmc --samples 128 --seq-len 512 --qp-algos gptq,gptaq
 
 Finished steps found in --work are reused (delete a folder to recompute it).
 """
@@ -48,7 +49,7 @@ from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's 
 from safetensors.torch import save_file
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.calibration.pipeline import ALGORITHMS, CalibrateSpec, calibrate
 from quantpipe.calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
 from quantpipe.core.io import write_json_atomic
 from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model
@@ -58,6 +59,9 @@ SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
 WORKER = Path(__file__).with_name("llmc_worker.py")
 DEFAULT_LLMC_PYTHON = Path("/work/llmc-venv/bin/python")
 MIN_TOKENS = CalibrateSpec.min_tokens  # calibrate's default; the token set must match it
+# quantpipe algorithms compared with llm-compressor's GPTQ: the GPTQ family, whose act-order,
+# static-group and clip options are the ones this bench sets
+QP_ALGOS = tuple(name for name, a in ALGORITHMS.items() if a.takes_static_groups)
 
 
 def calibration_tokens(fp16: Path, prompts: str, samples: int, seq_len: int, seed: int,
@@ -80,12 +84,13 @@ def calibration_tokens(fp16: Path, prompts: str, samples: int, seq_len: int, see
             "summary": asdict(calib.summary)}
 
 
-def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) -> dict:
+def check_calibration(calib_dir: Path, scheme: str, algo: str, args,
+                      data_summary: dict) -> dict:
     """A reused quantpipe calibration must have the settings (and data) of this run."""
     m = read_calibration(calib_dir).manifest
     s = m["settings"]
-    r = qp_spec(Path(m["fp16_dir"]), calib_dir, scheme, args).resolved()
-    want = {"algo": "gptq", "group_size": args.group_size, "sym": SCHEMES[scheme],
+    r = qp_spec(Path(m["fp16_dir"]), calib_dir, scheme, algo, args).resolved()
+    want = {"algo": algo, "group_size": args.group_size, "sym": SCHEMES[scheme],
             "act_order": r.act_order, "static_groups": r.static_groups, "mse_clip": r.mse_clip,
             "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
             "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
@@ -102,10 +107,11 @@ def check_calibration(calib_dir: Path, scheme: str, args, data_summary: dict) ->
 CHOICE = {"default": None, "on": True, "off": False}
 
 
-def qp_spec(fp16: Path, calib_dir: Path, scheme: str, args) -> CalibrateSpec:
-    """quantpipe's calibration for this scheme (None fields: calibrate's own defaults)."""
+def qp_spec(fp16: Path, calib_dir: Path, scheme: str, algo: str, args) -> CalibrateSpec:
+    """quantpipe's calibration for this scheme and algorithm (None fields: calibrate's own
+    defaults)."""
     return CalibrateSpec(
-        fp16, calib_dir, prompts=args.calib_prompts, algo="gptq", group_size=args.group_size,
+        fp16, calib_dir, prompts=args.calib_prompts, algo=algo, group_size=args.group_size,
         sym=SCHEMES[scheme], act_order=args.act_order,
         static_groups={"default": None, "static": True, "dynamic": False}[
             args.qp_static_groups],
@@ -113,35 +119,38 @@ def qp_spec(fp16: Path, calib_dir: Path, scheme: str, args) -> CalibrateSpec:
         seed=args.seed)
 
 
-def tag(scheme: str, args, tool: str) -> str:
-    """Folder suffix naming the settings that change the result (same settings, same name)."""
+def tag(scheme: str, args, tool: str, algo: str = "gptq") -> str:
+    """Folder suffix naming the settings that change the result (same settings, same name;
+    quantpipe's gptq folders keep the names they had before other algorithms were compared)."""
     t = scheme + ("-ao" if args.act_order else "")
     if tool == "qp":
         t += "" if args.qp_static_groups == "default" else f"-{args.qp_static_groups}"
         t += "" if args.qp_mse_clip == "default" else f"-mse{args.qp_mse_clip}"
+        t += "" if algo == "gptq" else "-" + algo.replace("+", "-")
     return t
 
 
-def quantpipe_side(fp16: Path, work: Path, scheme: str, args, tokens: dict,
-                   reuse: dict[str, Path]) -> tuple[Path, dict]:
+def quantpipe_side(fp16: Path, work: Path, scheme: str, algo: str, args, tokens: dict,
+                   reuse: dict[tuple[str, str], Path]) -> tuple[Path, dict]:
     """Calibrate (or reuse) then export --bits 4 native; returns (QDIR, timing info)."""
-    calib_dir = reuse.get(scheme, work / f"qp-calib-{tag(scheme, args, 'qp')}")
+    name = tag(scheme, args, "qp", algo)
+    calib_dir = reuse.get((scheme, algo), work / f"qp-calib-{name}")
     if (calib_dir / "quantpipe.json").is_file():
-        print(f"[quantpipe {scheme}] reusing calibration {calib_dir}", flush=True)
-        m = check_calibration(calib_dir, scheme, args, tokens["summary"])
+        print(f"[quantpipe {algo} {scheme}] reusing calibration {calib_dir}", flush=True)
+        m = check_calibration(calib_dir, scheme, algo, args, tokens["summary"])
         info = {"calibrate_seconds": m["seconds"], "calibrate_wall_seconds": None,
                 "peak_rss_mb": m["peak_rss_mb"], "reused": str(calib_dir)}
     else:
-        print(f"[quantpipe {scheme}] calibrating -> {calib_dir}", flush=True)
+        print(f"[quantpipe {algo} {scheme}] calibrating -> {calib_dir}", flush=True)
         t0 = time.perf_counter()
-        res = calibrate(qp_spec(fp16, calib_dir, scheme, args))
-        check_calibration(calib_dir, scheme, args, tokens["summary"])
+        res = calibrate(qp_spec(fp16, calib_dir, scheme, algo, args))
+        check_calibration(calib_dir, scheme, algo, args, tokens["summary"])
         info = {"calibrate_seconds": res.seconds,
                 "calibrate_wall_seconds": time.perf_counter() - t0,
                 "peak_rss_mb": res.peak_rss_mb, "reused": None,
                 "group_size_fallbacks": res.group_size_fallbacks,
                 "damp_raises": res.damp_raises}
-    qdir = work / f"qp-w4-{tag(scheme, args, 'qp')}"
+    qdir = work / f"qp-w4-{name}"
     exp = export_quantized(ExportSpec(calib_dir, qdir, bits=4, fmt="native", force=True))
     info.update(export_seconds=exp.seconds, bytes=exp.bytes_on_disk)
     return qdir, info
@@ -226,11 +235,11 @@ def loader_agreement(model, folder: Path) -> dict:
 def row(tool: str, scheme: str, ev: dict, calib_s: float) -> str:
     """One table line from an EvalResult.to_dict()."""
     k = ev["kld"]
-    return (f"{tool:15s} {scheme:5s} {k['mean']:9.5f} {k['median']:9.5f} {k['p99']:8.4f} "
+    return (f"{tool:20s} {scheme:5s} {k['mean']:9.5f} {k['median']:9.5f} {k['p99']:8.4f} "
             f"{100 * ev['same_top_rate']:8.2f}% {ev['ppl_candidate']:8.3f} {calib_s:8.0f}")
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fp16", type=Path, default=Path("/tmp/qp/fp16"), help="FP16 reference")
@@ -239,6 +248,9 @@ def main() -> None:
     ap.add_argument("--llmc-python", type=Path, default=DEFAULT_LLMC_PYTHON,
                     help="python of the llm-compressor virtualenv")
     ap.add_argument("--schemes", default="sym,asym", help="comma list of sym, asym")
+    ap.add_argument("--qp-algos", default="gptq",
+                    help=f"comma list of quantpipe algorithms ({', '.join(QP_ALGOS)}), each "
+                         "calibrated for each scheme and compared with llm-compressor's GPTQ")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                     help="both tools walk columns by decreasing Hessian diagonal with static "
@@ -259,23 +271,104 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="eval window")
     ap.add_argument("--skip-quantpipe-calib", type=Path, action="append", default=[],
                     metavar="DIR", help="reuse a finished quantpipe calibration (repeatable; "
-                    "its manifest says which scheme it serves)")
+                    "its manifest says which scheme and algorithm it serves)")
     ap.add_argument("--llmc-loader", choices=("quantpipe", "transformers"), default="quantpipe",
                     help="how to load llm-compressor's output for the eval")
     ap.add_argument("--json", type=Path, default=Path("bench/results/vs_llmcompressor.json"))
-    args = ap.parse_args()
-    schemes = [s for s in args.schemes.split(",") if s]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad or not schemes:
+    args = ap.parse_args(argv)
+    args.scheme_list = [s for s in args.schemes.split(",") if s]
+    bad = [s for s in args.scheme_list if s not in SCHEMES]
+    if bad or not args.scheme_list:
         ap.error(f"--schemes {args.schemes!r}: use a comma list of {sorted(SCHEMES)}")
+    args.algo_list = list(dict.fromkeys(a for a in args.qp_algos.split(",") if a))
+    bad = [a for a in args.algo_list if a not in QP_ALGOS]
+    if bad or not args.algo_list:
+        ap.error(f"--qp-algos {args.qp_algos!r}: use a comma list of {', '.join(QP_ALGOS)}")
     try:
-        corpora = parse_corpora(args.eval_corpora)
+        args.corpus_list = parse_corpora(args.eval_corpora)
     except ValueError as exc:
         ap.error(str(exc))
-    reuse: dict[str, Path] = {}
-    for d in args.skip_quantpipe_calib:
-        sym = read_calibration(d).manifest["int4"]["sym"]
-        reuse["sym" if sym else "asym"] = d
+    return args
+
+
+def reused_calibrations(dirs: list[Path]) -> dict[tuple[str, str], Path]:
+    """--skip-quantpipe-calib folders by (scheme, algo), as their manifests say."""
+    reuse: dict[tuple[str, str], Path] = {}
+    for d in dirs:
+        m = read_calibration(d).manifest
+        reuse[("sym" if m["int4"]["sym"] else "asym", m["settings"]["algo"])] = d
+    return reuse
+
+
+def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer, ref_model,
+               reuse: dict[tuple[str, str], Path]) -> dict:
+    """llm-compressor's GPTQ and each quantpipe algorithm for one scheme, on every corpus.
+
+    llm-compressor first (its model stays loaded while quantpipe's are scored one by one)."""
+    ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
+    llmc_model = load_llmc_model(ldir, args.llmc_loader)
+    agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
+                 else None)
+
+    def score(model, folder: Path) -> dict:
+        return {c: evaluate_models(ref_model, model, tokenizer, EvalSpec(
+            args.fp16, folder, texts[c], args.max_tokens if c == "business-eval" else 0,
+            args.ctx)).to_dict() for c in args.corpus_list}
+
+    ev_l = score(llmc_model, ldir)
+    del llmc_model
+    qp, ratio = {}, {}
+    for algo in args.algo_list:
+        qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, algo, args, tokens, reuse)
+        qp_model = load_eval_model(qdir)
+        ev_q = score(qp_model, qdir)
+        del qp_model
+        qp[algo] = {"dir": str(qdir), **qp_info, "eval": ev_q}
+        ratio[algo] = {c: ev_q[c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
+                       for c in args.corpus_list}
+        for c in args.corpus_list:
+            print(f"[{scheme} {c}] mean KLD quantpipe {algo} {ev_q[c]['kld']['mean']:.5f}  "
+                  f"llm-compressor {ev_l[c]['kld']['mean']:.5f}  ratio {ratio[algo][c]:.3f}",
+                  flush=True)
+    out = {"scheme": scheme, "quantpipe": qp,
+           "llmcompressor": {"dir": str(ldir), **llmc_info, "eval": ev_l,
+                             "loader": args.llmc_loader, "loader_agreement": agreement},
+           "kld_mean_ratio_quantpipe_over_llmc": ratio}
+    if "gptq" in qp:  # each algorithm's calibration time relative to GPTQ's (same tokens)
+        out["calibrate_seconds_over_gptq"] = {
+            a: q["calibrate_seconds"] / qp["gptq"]["calibrate_seconds"] for a, q in qp.items()}
+    return out
+
+
+def table(results: list[dict], corpora: list[str]) -> str:
+    header = (f"{'corpus':13s} {'tool':20s} {'sch':5s} {'KLD mean':>9s} {'median':>9s} "
+              f"{'p99':>8s} {'same-top':>9s} {'PPL':>8s} {'calib s':>8s}")
+    lines = [header, "-" * len(header)]
+    for c in corpora:
+        for r in results:
+            llmc = r["llmcompressor"]
+            for algo, q in r["quantpipe"].items():
+                lines.append(f"{c:13s} " + row(f"quantpipe {algo}", r["scheme"], q["eval"][c],
+                                               q["calibrate_seconds"]))
+            lines.append(f"{c:13s} " + row("llm-compressor", r["scheme"], llmc["eval"][c],
+                                           llmc["seconds"]["load"] + llmc["seconds"]["oneshot"]))
+        ev0 = results[0]["llmcompressor"]["eval"][c]
+        lines.append(f"{c}: FP16 PPL {ev0['ppl_reference']:.3f}; {ev0['tokens']} tokens scored "
+                     f"in {ev0['windows']} windows")
+        for r in results:
+            for algo, ratio in r["kld_mean_ratio_quantpipe_over_llmc"].items():
+                lines.append(f"{c}: {r['scheme']}: mean KLD quantpipe {algo} / llm-compressor "
+                             f"= {ratio[c]:.3f}")
+    for r in results:
+        for algo, t in r.get("calibrate_seconds_over_gptq", {}).items():
+            if algo != "gptq":
+                lines.append(f"{r['scheme']}: calibration seconds {algo} / gptq = {t:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    reuse = reused_calibrations(args.skip_quantpipe_calib)
     args.work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
 
@@ -286,61 +379,21 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.fp16)
-    texts = {c: eval_texts(c, args.fp16, tokenizer) for c in corpora}
+    texts = {c: eval_texts(c, args.fp16, tokenizer) for c in args.corpus_list}
     ref_model = load_eval_model(args.fp16)
-    results = []
-    for scheme in schemes:
-        qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, args, tokens, reuse)
-        ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
-        qp_model, llmc_model = load_eval_model(qdir), load_llmc_model(ldir, args.llmc_loader)
-        agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
-                     else None)
-        ev_q, ev_l, ratio = {}, {}, {}
-        for c in corpora:
-            limit = args.max_tokens if c == "business-eval" else 0
-            ev_q[c] = evaluate_models(ref_model, qp_model, tokenizer, EvalSpec(
-                args.fp16, qdir, texts[c], limit, args.ctx)).to_dict()
-            ev_l[c] = evaluate_models(ref_model, llmc_model, tokenizer, EvalSpec(
-                args.fp16, ldir, texts[c], limit, args.ctx)).to_dict()
-            ratio[c] = ev_q[c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
-            print(f"[{scheme} {c}] mean KLD quantpipe {ev_q[c]['kld']['mean']:.5f}  "
-                  f"llm-compressor {ev_l[c]['kld']['mean']:.5f}  ratio {ratio[c]:.3f}",
-                  flush=True)
-        del qp_model, llmc_model
-        results.append({
-            "scheme": scheme,
-            "quantpipe": {"dir": str(qdir), **qp_info, "eval": ev_q},
-            "llmcompressor": {"dir": str(ldir), **llmc_info, "eval": ev_l,
-                              "loader": args.llmc_loader, "loader_agreement": agreement},
-            "kld_mean_ratio_quantpipe_over_llmc": ratio,
-        })
-
-    header = (f"{'corpus':13s} {'tool':15s} {'sch':5s} {'KLD mean':>9s} {'median':>9s} "
-              f"{'p99':>8s} {'same-top':>9s} {'PPL':>8s} {'calib s':>8s}")
-    lines = [header, "-" * len(header)]
-    for c in corpora:
-        for r in results:
-            evq, evl = r["quantpipe"]["eval"][c], r["llmcompressor"]["eval"][c]
-            lines.append(f"{c:13s} " + row("quantpipe", r["scheme"], evq,
-                                           r["quantpipe"]["calibrate_seconds"]))
-            lines.append(f"{c:13s} " + row("llm-compressor", r["scheme"], evl,
-                                           r["llmcompressor"]["seconds"]["load"]
-                                           + r["llmcompressor"]["seconds"]["oneshot"]))
-        ev0 = results[0]["quantpipe"]["eval"][c]
-        lines.append(f"{c}: FP16 PPL {ev0['ppl_reference']:.3f}; {ev0['tokens']} tokens scored "
-                     f"in {ev0['windows']} windows")
-        for r in results:
-            lines.append(f"{c}: {r['scheme']}: mean KLD quantpipe / llm-compressor = "
-                         f"{r['kld_mean_ratio_quantpipe_over_llmc'][c]:.3f}")
-    table = "\n".join(lines)
-    print(table, flush=True)
+    results = [run_scheme(scheme, args, tokens, texts, tokenizer, ref_model, reuse)
+               for scheme in args.scheme_list]
+    text = table(results, args.corpus_list)
+    print(text, flush=True)
+    settings = {k: str(v) for k, v in vars(args).items()
+                if k not in ("scheme_list", "algo_list", "corpus_list")}
     write_json_atomic(args.json, {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-                    "argv": sys.argv},
-        "settings": {k: str(v) for k, v in vars(args).items()},
+                    "loadavg_at_end": list(os.getloadavg()), "argv": sys.argv},
+        "settings": settings,
         "calibration_tokens": tokens,
-        "results": results, "table": table, "seconds": time.time() - t_start,
+        "results": results, "table": text, "seconds": time.time() - t_start,
     })
     print(f"saved {args.json}")
 

@@ -1,0 +1,88 @@
+"""bench/vs_llmcompressor.py: options, folder names, reuse checks and the table (no model run).
+
+The comparison itself needs llm-compressor's own virtualenv and a real model
+(docs/bench-llmcompressor.md); these tests cover the script's own logic.
+"""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+vs = pytest.importorskip("vs_llmcompressor")
+
+
+def test_qp_algos_option():
+    assert vs.parse_args([]).algo_list == ["gptq"]  # the bench's behaviour before the option
+    args = vs.parse_args(["--qp-algos", "gptq,gptaq,gptq", "--schemes", "asym"])
+    assert args.algo_list == ["gptq", "gptaq"] and args.scheme_list == ["asym"]
+    assert set(vs.QP_ALGOS) >= {"gptq", "gptaq"} and "rtn" not in vs.QP_ALGOS
+    for bad in ("awq", "rtn", "", "gptq,foo"):
+        with pytest.raises(SystemExit):
+            vs.parse_args(["--qp-algos", bad])
+
+
+def test_folder_names_keep_gptq_and_separate_algos():
+    args = vs.parse_args([])
+    assert vs.tag("asym", args, "qp") == vs.tag("asym", args, "qp", "gptq") == "asym-ao"
+    assert vs.tag("asym", args, "qp", "gptaq") == "asym-ao-gptaq"
+    assert vs.tag("sym", args, "qp", "awq+gptq") == "sym-ao-awq-gptq"
+    assert vs.tag("sym", args, "llmc", "gptaq") == "sym-ao"  # one llm-compressor run per scheme
+    args = vs.parse_args(["--no-act-order", "--qp-mse-clip", "off"])
+    assert vs.tag("sym", args, "qp", "gptaq") == "sym-mseoff-gptaq"
+
+
+def _manifest(algo: str, args, sym: bool, data: dict) -> dict:
+    resolved = vs.qp_spec(Path("/tmp/fp16"), Path("/tmp/c"), "sym" if sym else "asym", algo,
+                          args).resolved()
+    settings = {"algo": algo, "group_size": args.group_size, "sym": sym,
+                "act_order": resolved.act_order, "static_groups": resolved.static_groups,
+                "mse_clip": resolved.mse_clip, "samples": args.samples,
+                "seq_len": args.seq_len, "seed": args.seed, "prompts": args.calib_prompts,
+                "min_tokens": vs.MIN_TOKENS}
+    return {"settings": settings, "data": data, "fp16_dir": "/tmp/fp16", "int4": {"sym": sym}}
+
+
+def test_reused_calibration_must_have_the_algo_asked_for(monkeypatch):
+    args = vs.parse_args(["--samples", "64", "--seq-len", "256"])
+    data = {"sequences": 64}
+    manifests = {Path("/x/a"): _manifest("gptaq", args, False, data),
+                 Path("/x/b"): _manifest("gptq", args, True, data)}
+    monkeypatch.setattr(vs, "read_calibration",
+                        lambda d: SimpleNamespace(manifest=manifests[Path(d)]))
+    assert vs.reused_calibrations([Path("/x/a"), Path("/x/b")]) == {
+        ("asym", "gptaq"): Path("/x/a"), ("sym", "gptq"): Path("/x/b")}
+    vs.check_calibration(Path("/x/a"), "asym", "gptaq", args, data)
+    with pytest.raises(ValueError, match="'algo': \\('gptaq', 'gptq'\\)"):
+        vs.check_calibration(Path("/x/a"), "asym", "gptq", args, data)
+    with pytest.raises(ValueError, match="other calibration data"):
+        vs.check_calibration(Path("/x/b"), "sym", "gptq", args, {"sequences": 32})
+    other = vs.parse_args(["--samples", "128", "--seq-len", "256"])
+    with pytest.raises(ValueError, match="samples"):
+        vs.check_calibration(Path("/x/b"), "sym", "gptq", other, data)
+
+
+def _ev(kld: float) -> dict:
+    return {"kld": {"mean": kld, "median": kld / 2, "p99": kld * 8}, "same_top_rate": 0.8,
+            "ppl_candidate": 22.0, "ppl_reference": 21.2, "tokens": 4088, "windows": 8}
+
+
+def test_table_has_a_row_and_a_ratio_per_algo():
+    results = [{
+        "scheme": "asym",
+        "quantpipe": {"gptq": {"calibrate_seconds": 100.0, "eval": {"sotu": _ev(0.14)}},
+                      "gptaq": {"calibrate_seconds": 190.0, "eval": {"sotu": _ev(0.12)}}},
+        "llmcompressor": {"seconds": {"load": 2.0, "oneshot": 98.0}, "eval": {"sotu": _ev(0.2)}},
+        "kld_mean_ratio_quantpipe_over_llmc": {"gptq": {"sotu": 0.7}, "gptaq": {"sotu": 0.6}},
+        "calibrate_seconds_over_gptq": {"gptq": 1.0, "gptaq": 1.9},
+    }]
+    text = vs.table(results, ["sotu"])
+    rows = [line for line in text.splitlines() if line.startswith("sotu ")]
+    assert [r.split()[1:3] for r in rows] == [["quantpipe", "gptq"], ["quantpipe", "gptaq"],
+                                              ["llm-compressor", "asym"]]
+    assert rows[1].split()[4] == "0.12000" and rows[2].split()[-1] == "100"
+    assert "sotu: asym: mean KLD quantpipe gptaq / llm-compressor = 0.600" in text
+    assert "asym: calibration seconds gptaq / gptq = 1.90" in text
+    assert "gptq / gptq" not in text
