@@ -9,6 +9,9 @@ and written a batch of samples at a time (``run_block`` only ever needs one batc
 memory stays one batch whatever the calibration set's size. Reads go through the page cache,
 which the kernel gives back under pressure; no mapping of the file is kept.
 
+The sets live on the CPU whatever ``--device`` is (calibration.device): a block on a GPU
+reads them a batch at a time and its outputs come back through :meth:`Activations.write`.
+
 A spilled set is written to ``<name>.f32.tmp`` and becomes ``<name>.f32`` only when
 :meth:`Activations.commit` renames it, after every batch was written: a killed run never leaves
 a half-written file under the final name (resume reads only committed files).
@@ -20,6 +23,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from quantpipe.calibration.device import HOST, to_host
 
 # default --max-memory for the activations: this fraction of the memory available at start
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -48,7 +53,7 @@ class Activations:
         """An empty set to be filled with :meth:`write`: in RAM, or (``spill`` a path without
         suffix) in ``spill.f32.tmp``, sized up front (a full disk fails here, not mid-block)."""
         if spill is None:
-            return cls(shape, tensor=torch.empty(shape, dtype=torch.float32))
+            return cls(shape, tensor=torch.empty(shape, dtype=torch.float32, device=HOST))
         path = spill.with_suffix(".f32")
         tmp = _tmp(path)
         tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +91,7 @@ class Activations:
         stop = min(stop, self.shape[0])
         if self.tensor is not None:
             return self.tensor[start:stop]
-        out = torch.empty((stop - start, *self.shape[1:]), dtype=torch.float32)
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=torch.float32, device=HOST)
         path = self.path if self.path.is_file() else _tmp(self.path)
         with open(path, "rb") as f:
             f.seek(start * self._row * _FP32)
@@ -96,14 +101,16 @@ class Activations:
         return out
 
     def write(self, start: int, values: torch.Tensor) -> None:
-        """Samples ``start : start + len(values)`` = values ([k, L, d])."""
+        """Samples ``start : start + len(values)`` = values ([k, L, d], on any device: the
+        set keeps a CPU copy)."""
         if tuple(values.shape[1:]) != self.shape[1:] or start + values.shape[0] > self.shape[0]:
             raise ValueError(f"cannot write {tuple(values.shape)} at sample {start} into "
                              f"{self.shape}")
+        values = to_host(values.detach())
         if self.tensor is not None:
             self.tensor[start:start + values.shape[0]] = values
             return
-        data = values.detach().to("cpu", torch.float32).contiguous()
+        data = values.to(torch.float32).contiguous()
         with open(_tmp(self.path), "r+b") as f:
             f.seek(start * self._row * _FP32)
             f.write(memoryview(data.numpy()).cast("B"))

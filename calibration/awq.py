@@ -101,7 +101,7 @@ def awq_search_scales(
         raise ValueError("x_absmean must be finite and >= 0 (mean |x| per input channel)")
     Ws = [check_weight(w) for w in weights]
     losses: list[float] = []
-    best_loss, best_ratio, best_s = math.inf, 0.0, torch.ones(in_f)
+    best_loss, best_ratio, best_s = math.inf, 0.0, torch.ones(in_f, device=x_absmean.device)
     for k in range(n_grid):
         ratio = k / n_grid
         s = candidate_scales(x_absmean, Ws, ratio, spec, duo_scaling)  # [in]
@@ -185,7 +185,7 @@ def awq_clip_search(W: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: i
     step = max(1, x.shape[0] // n_sample_tokens)
     xg = to_groups(x[::step].float(), gs)  # [tokens', in] -> [tokens', G, gs]
     Wg = to_groups(W, gs)  # [out, G, gs]
-    best = torch.empty(out_f, in_f // gs)
+    best = torch.empty(out_f, in_f // gs, device=W.device)  # [out, G] fp32
     for r0 in range(0, out_f, row_batch):  # bounds memory at row_batch * tokens * G floats
         w = Wg[r0:r0 + row_batch]  # [rb, G, gs]
         org_max = w.abs().amax(dim=-1)  # [rb, G]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantpipe.calibration.activations import Activations
+from quantpipe.calibration.device import module_device, to_device, to_host
 from quantpipe.core.families import InputGroup, layer_types
 
 
@@ -42,6 +43,16 @@ class BlockContext:
         pos_emb, mask = self.by_type[self.layer_types[i]]
         return BlockContext(self.position_ids, pos_emb, mask)
 
+    def to(self, device: str | torch.device) -> BlockContext:
+        """The fields a block reads (positions, cos/sin, mask) on ``device``, for one layer's
+        context (``for_layer(i)``; the per-type table is not carried)."""
+        assert not self.by_type, "move for_layer(i)'s context, not the shared one"
+        cos, sin = self.position_embeddings
+        mask = self.attention_mask
+        return BlockContext(to_device(self.position_ids, device),
+                            (to_device(cos, device), to_device(sin, device)),
+                            None if mask is None else to_device(mask, device))
+
 
 @torch.no_grad()
 def embed_inputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockContext]:
@@ -52,7 +63,7 @@ def embed_inputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockCon
 
     inner = model.model
     hidden = inner.embed_tokens(input_ids).float()  # [n, L, d]
-    position_ids = torch.arange(input_ids.shape[1])[None]  # [1, L]
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # [1, L]
     masks = {"full_attention": create_causal_mask, "sliding_attention":
              create_sliding_window_causal_mask}
     per_layer_rope = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
@@ -76,17 +87,20 @@ def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batc
 
     ``hidden`` may be a tensor or an :class:`Activations` set (read a batch at a time). The
     output is a tensor, or written into ``out`` batch by batch (committed and returned), or,
-    with ``keep=False``, dropped (a pass run only for its hooks)."""
+    with ``keep=False``, dropped (a pass run only for its hooks). Each batch goes to the
+    device of the block's weights and its output comes back to the CPU (calibration.device);
+    ``ctx`` must already be there (:meth:`BlockContext.to`)."""
     read = hidden.read if isinstance(hidden, Activations) else (
         lambda a, b: hidden[a:b])
+    device = module_device(block)
     outs = []
     for start in range(0, hidden.shape[0], batch_size):
-        y = block(read(start, start + batch_size), **ctx.kwargs())
+        y = block(to_device(read(start, start + batch_size), device), **ctx.kwargs())
         y = y[0] if isinstance(y, tuple) else y
         if out is not None:
-            out.write(start, y)
+            out.write(start, y)  # back to the CPU (Activations.write)
         elif keep:
-            outs.append(y)
+            outs.append(to_host(y))
     if out is not None:
         out.commit()
         return out
@@ -106,15 +120,20 @@ class GroupStats:
     matrix (a 7B down_proj's 11008^2 sum). Each batch's fp32 product is added in place, as a
     full matrix would be; the Hessian is rebuilt by mirroring the strips. fp64 sums keep
     calibration's results those of the reference runs (docs/scale.md).
+
+    Every buffer is made on ``device``, the device of the block whose inputs it sums (its
+    inputs arrive there); the Hessian and dXXT it gives are on that device too.
     """
 
     def __init__(self, in_features: int, xtx: torch.Tensor | None = None,
                  abs_sum: torch.Tensor | None = None, tokens: int = 0,
-                 sample: list[torch.Tensor] | None = None, sample_rows: int = 0) -> None:
+                 sample: list[torch.Tensor] | None = None, sample_rows: int = 0,
+                 device: str | torch.device = "cpu") -> None:
         self.in_features = in_features
+        self.device = torch.device(device)
         # [in] fp64 sum of |x|
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64) if abs_sum is None \
-            else abs_sum
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64, device=self.device) \
+            if abs_sum is None else abs_sum
         self.tokens = tokens
         self.sample: list[torch.Tensor] = [] if sample is None else sample  # rows for clipping
         self.sample_rows = sample_rows
@@ -136,7 +155,8 @@ class GroupStats:
         heap after they are freed, and the process would not shrink)."""
         n = self.in_features
         sizes = [(r1 - r0) * (n - r0) for r0, r1 in self._bounds()]
-        buf = torch.zeros(sum(sizes), dtype=torch.float64)  # [sum of strip sizes] fp64
+        # [sum of strip sizes] fp64
+        buf = torch.zeros(sum(sizes), dtype=torch.float64, device=self.device)
         return [part.view(r1 - r0, n - r0) for part, (r0, r1)
                 in zip(buf.split(sizes), self._bounds())]
 
@@ -151,7 +171,7 @@ class GroupStats:
         if self._strips is None:
             raise ValueError("X^T X was already taken by take_hessian()")
         n = self.in_features
-        out = torch.empty(n, n, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype, device=self.device)
         for i, (r0, r1) in enumerate(self._bounds()):
             strip = self._strips[i]
             if scale is not None:  # 2 X^T X / tokens: multiply, then divide, in fp64
@@ -198,13 +218,16 @@ class GroupStats:
         return (self.abs_sum / max(self.tokens, 1)).float()  # [in]
 
     def x_sample(self) -> torch.Tensor:
-        return torch.cat(self.sample) if self.sample else torch.zeros(0, self.in_features)
+        if not self.sample:
+            return torch.zeros(0, self.in_features, device=self.device)  # [0, in]
+        return torch.cat(self.sample)  # [rows, in]
 
     def add_dxxt(self, x_fp: torch.Tensor, x: torch.Tensor) -> None:
         """GPTAQ: add (x_fp - x)^T x to the fp64 sum (x_fp: the FP model's inputs of the same
         tokens, in the same order; x: [tokens, in] fp32 each)."""
         if self.dxxt_sum is None:
-            self.dxxt_sum = torch.zeros(self.in_features, self.in_features, dtype=torch.float64)
+            self.dxxt_sum = torch.zeros(self.in_features, self.in_features,
+                                        dtype=torch.float64, device=self.device)
         # [in, tokens] @ [tokens, in] -> [in, in] fp32, not symmetric: rows index dX's feature
         self.dxxt_sum.add_((x_fp - x).T @ x)
 
@@ -228,12 +251,13 @@ class StatsCollector:
         # (GroupInputRecorder); each call's inputs are paired with the FP ones and consumed
         self._fp_inputs = fp_inputs
         self._handles = []
-        self._gen = torch.Generator().manual_seed(seed)
+        # on the CPU whatever the device: the same rows are sampled on every device
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
         self._sample_rows = sample_rows
         for group in groups:
             lin = block.get_submodule(group.linears[0])
             in_f = lin.in_features
-            self.stats[group] = GroupStats(in_f)
+            self.stats[group] = GroupStats(in_f, device=lin.weight.device)
             self._handles.append(lin.register_forward_pre_hook(self._hook(group)))
 
     def _hook(self, group: InputGroup):
@@ -250,8 +274,8 @@ class StatsCollector:
             want = self._sample_rows - st.sample_rows
             if want > 0:
                 take = min(want, max(1, x.shape[0] // 8))
-                idx = torch.randperm(x.shape[0], generator=self._gen)[:take]
-                st.sample.append(x[idx].clone())
+                idx = torch.randperm(x.shape[0], generator=self._gen, device="cpu")[:take]
+                st.sample.append(x[to_device(idx, x.device)].clone())  # [take, in]
                 st.sample_rows += take
 
         return hook

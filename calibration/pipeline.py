@@ -7,7 +7,7 @@ The stages, in order (``calibrate`` and ``_calibrate_block`` read as this list):
 2. take CALIB_DIR's output lock (quantpipe.core.io) and find the resume point in the hidden
    work folder beside it (calibration.artifact.work_dir);
 3. open the model as a stream (calibration.stream: one block's weights in memory at a time)
-   and embed the calibration tokens;
+   and embed the calibration tokens (on the CPU);
 4. for each block:
    a. capture: run it over the cached block inputs with hooks that gather each input group's
       statistics (GPTQ Hessian, mean |x|, a token sample) and, where the algorithm needs them,
@@ -24,6 +24,10 @@ The stages, in order (``calibrate`` and ``_calibrate_block`` read as this list):
       (H and dXXT), then that group's quantization;
    e. write the block's results and the next inputs, so a killed run resumes from here;
 5. write the manifest (it marks the artifact valid) and replace CALIB_DIR with the work folder.
+
+Stage 4 runs on ``--device`` (calibration.device): the block's weights, its context, the
+batches of its inputs and its statistics are there; the activations stay on the CPU and every
+result comes back to the CPU before 4e. With "cpu" the moves are no-ops: one code path.
 
 What differs between algorithms is data: one :class:`Algorithm` per name in ``ALGORITHMS``.
 """
@@ -64,6 +68,13 @@ from quantpipe.calibration.capture import (
     StatsCollector,
     embed_inputs,
     run_block,
+)
+from quantpipe.calibration.device import (
+    check_device,
+    is_cpu,
+    result_to_host,
+    to_device,
+    to_host,
 )
 from quantpipe.calibration.gptq import gptaq, gptq
 from quantpipe.calibration.moe import (
@@ -157,11 +168,17 @@ class CalibrateSpec:
     # work folder (calibration.activations). None: a fraction of the memory available at start.
     # Changes where activations live, not the results: not part of the resume settings.
     max_memory: int | None = None
+    # where each block's maths runs: "cpu", "cuda" or "cuda:N" (calibration.device); the
+    # activations stay on the CPU. Not part of the resume settings: results differ between
+    # devices by float rounding only, so a run may resume on another device; each block's
+    # JSON records the device it ran on, the manifest every device used.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
         check_group_size(self.group_size)
+        check_device(self.device)
         algo = ALGORITHMS[self.algo]
         if self.act_order and algo.act_order_default is None:
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
@@ -201,7 +218,7 @@ class CalibrateSpec:
     def resume_settings(self) -> dict[str, str]:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
-                if k not in ("out", "force", "max_memory")}
+                if k not in ("out", "force", "max_memory", "device")}
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
@@ -517,7 +534,7 @@ def _awq_step(spec: CalibrateSpec, work: _BlockWork) -> _StepResult:
             work.block, shared.linears, shared.prev_op, shared.compensate, shared.inspect,
             [work.stats[g] for g in shared.groups], work.recorded, work.ctx.kwargs(),
             _layer_spec(spec, work.name, in_f), norm_kind)
-    changed = {f"{work.name}.{k}": v.detach().to(torch.float16).clone()
+    changed = {f"{work.name}.{k}": to_host(v.detach().to(torch.float16)).clone()
                for k, v in fused_block_state(work.block, work.family).items()
                if not torch.equal(v, before[k])}
     return _StepResult(info, changed)
@@ -625,9 +642,9 @@ def _run_blocks(run: _Run, inputs: _Inputs, start: int, t0: float, earlier_secon
         _save_progress(run, 0, {"data": data_summary})
     for i in tqdm(range(start, len(blocks)), desc="calibrate", unit="block",
                   initial=start, total=len(blocks)):
-        with stream.load(f"{family.blocks}.{i}") as block:
+        with stream.load(f"{family.blocks}.{i}", device=spec.device) as block:
             hiddens = _calibrate_block(run, block, i, family, model.config.model_type, hiddens,
-                                       ctx.for_layer(i), space)
+                                       ctx.for_layer(i).to(spec.device), space)
         space.save(i + 1, hiddens, input_ids)
         _save_progress(run, i + 1, {"data": data_summary,
                                     "seconds": earlier_seconds + time.perf_counter() - t0})
@@ -680,7 +697,7 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
                if algo.quantized_forward else work.fp_out}  # 4d
     save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves nxt)
         "seconds": time.perf_counter() - tb, "awq": step.info, "damp_raises": raises,
-        **expert_info,
+        "device": spec.device, **expert_info,
     })
     return nxt
 
@@ -689,10 +706,13 @@ def _set_quantized_weights(block, name: str, results: dict[str, dict[int, QuantR
                            ) -> None:
     """Every quantized linear of ``block`` gets its dequantized INT4 weight back for the
     quantized forward (4d): _quantize_block freed each fp32 weight once quantized, so a 7B
-    block does not hold all its linears in fp32 while GPTQ factors the largest Hessian."""
+    block does not hold all its linears in fp32 while GPTQ factors the largest Hessian.
+    The results are on the CPU already (4c): each weight is dequantized there and moved to
+    the block's device (the emptied weight kept its device)."""
     for full, by_bits in results.items():
         lin = block.get_submodule(full[len(name) + 1:])
-        lin.weight.data = by_bits[4].weight.dequantize(lin.weight.dtype)
+        lin.weight.data = to_device(by_bits[4].weight.dequantize(lin.weight.dtype),
+                                    lin.weight.device)
 
 
 def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,
@@ -755,10 +775,11 @@ def _capture(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type:
 
 
 def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
-    """INT4 and INT8 results for every linear of the block, the damping raises, and (MoE)
-    the tokens routed to each expert with the experts that fell back to RTN."""
+    """INT4 and INT8 results for every linear of the block (on the CPU: each comes back from
+    the block's device once made), the damping raises, and (MoE) the tokens routed to each
+    expert with the experts that fell back to RTN."""
     threads = torch.get_num_threads()
-    if algo.one_thread:
+    if algo.one_thread and is_cpu(spec.device):  # OpenMP threads: a CPU matter only
         torch.set_num_threads(1)
     results: dict[str, dict[int, QuantResult]] = {}
     raises = 0
@@ -783,13 +804,13 @@ def _quantize_block(spec: CalibrateSpec, algo: Algorithm, work: _BlockWork):
                 q4 = _layer_spec(spec, full, lin.in_features)
                 r4 = quantize(spec, full, W, H, q4, x, **extra)
                 r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x, **extra)
-                results[full] = {4: r4, 8: r8}
                 raises += r4.damp_raises + r8.damp_raises
                 del W
                 if algo.asymmetric:  # GPTAQ's next groups run the block with it quantized
                     lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
                 elif algo.quantized_forward:  # not needed again until the quantized forward
                     lin.weight.data = lin.weight.data.new_empty(0)  # (4d): its fp32 freed
+                results[full] = {4: result_to_host(r4), 8: result_to_host(r8)}
     finally:
         torch.set_num_threads(threads)
     if fallbacks:
@@ -812,9 +833,12 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
     peak = _peak_rss_mb()
     # after a resume, this process saw only some blocks: the block files are the record
     fallbacks, total_raises, expert_fallbacks = {}, 0, {}
+    devices: dict[str, int] = {}  # device -> blocks calibrated there (a resume may switch)
     for j in range(inputs.num_blocks):
         info = json.loads(block_file(run.work, j, "json").read_text())
         total_raises += int(info.get("damp_raises", 0))
+        device = info.get("device", "cpu")  # blocks written before --device ran on the CPU
+        devices[device] = devices.get(device, 0) + 1
         expert_fallbacks.update(info.get("expert_fallbacks", {}))
         for name, layer in info["layers"].items():
             gs = layer["w4"]["spec"]["group_size"]
@@ -840,6 +864,7 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
         data=data_summary,
         group_size_fallbacks=fallbacks,
         damp_raises=total_raises,
+        devices=devices,
         **({"expert_fallbacks": expert_fallbacks,
             "min_expert_tokens": spec.min_expert_tokens}
            if family_for(inputs.model_type).moe else {}),

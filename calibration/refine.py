@@ -38,7 +38,7 @@ FP16_MAX = 65504.0
 
 def _grouped_sum(x: torch.Tensor, gi: torch.Tensor, n_groups: int) -> torch.Tensor:
     """x [rows, in] -> [rows, G]: sums of each row's entries per group (gi [in] long)."""
-    return torch.zeros(x.shape[0], n_groups, dtype=x.dtype).index_add_(1, gi, x)
+    return torch.zeros(x.shape[0], n_groups, dtype=x.dtype, device=x.device).index_add_(1, gi, x)
 
 
 def _solve(M: torch.Tensor, c: torch.Tensor, theta0: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ def _solve(M: torch.Tensor, c: torch.Tensor, theta0: torch.Tensor) -> torch.Tens
     k = M.shape[-1]
     diag = M.diagonal(dim1=-2, dim2=-1)  # [rows, k]
     lam = RIDGE * diag.abs().mean(-1, keepdim=True).clamp_min(1e-300)  # [rows, 1]
-    A = M + lam[..., None] * torch.eye(k, dtype=M.dtype)
+    A = M + lam[..., None] * torch.eye(k, dtype=M.dtype, device=M.device)
     return torch.linalg.solve(A, (c + lam * theta0)[..., None])[..., 0]
 
 
@@ -60,7 +60,7 @@ def solve_scales(W: torch.Tensor, H: torch.Tensor, u: torch.Tensor, gi: torch.Te
     """
     W, H, u = W.double(), H.double(), u.double()
     rows = W.shape[0]
-    M = torch.empty(rows, n_groups, n_groups, dtype=torch.float64)
+    M = torch.empty(rows, n_groups, n_groups, dtype=torch.float64, device=W.device)
     for g in range(n_groups):
         cols = (gi == g).nonzero().squeeze(1)
         T = u[:, cols] @ H[cols, :]  # [rows, in]: sum_{j in g} u_j H_jk
@@ -77,7 +77,7 @@ def solve_scales_offsets(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, gi: 
     (s_1..s_G, b_1..b_G)."""
     W, H, q = W.double(), H.double(), q.double()
     rows, G = W.shape[0], n_groups
-    M = torch.empty(rows, 2 * G, 2 * G, dtype=torch.float64)
+    M = torch.empty(rows, 2 * G, 2 * G, dtype=torch.float64, device=W.device)
     for g in range(G):
         cols = (gi == g).nonzero().squeeze(1)
         T = q[:, cols] @ H[cols, :]  # [rows, in]: sum_{j in g} q_j H_jk
@@ -109,7 +109,7 @@ def refine_scales(W: torch.Tensor, H: torch.Tensor, weight: QuantizedWeight,
     if not (torch.isfinite(W).all() and torch.isfinite(H).all()):
         raise ValueError("W or H holds NaN/inf")
     spec = weight.spec
-    gi = weight.group_index().long()  # [in]
+    gi = weight.group_index().long().to(W.device)  # [in] (made on the CPU by qformat)
     G = weight.scales.shape[1]
     qmax = 2**spec.bits - 1
     scales, zeros = weight.scales.clone(), weight.zeros.clone()

@@ -3,7 +3,8 @@
 Calibration needs the embeddings once (to turn token ids into block-0 inputs) and then one
 decoder block at a time. :class:`ModelStream` builds the model from ``config.json`` with every
 parameter on the meta device (accelerate's ``init_empty_weights``; buffers such as the rotary
-``inv_freq`` stay real), reads a module's weights from the mmapped safetensors shards when
+``inv_freq`` stay real, on the CPU), reads a module's weights from the mmapped safetensors
+shards onto the requested device (``--device``: calibration.device) when
 :meth:`ModelStream.load` is entered and puts them back on the meta device when it exits. Peak
 memory is therefore one block's weights (in fp32) plus the calibration activations, whatever
 the depth of the model.
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quantpipe.calibration.device import to_device
 from quantpipe.core.families import attn_implementation
 from quantpipe.core.heap import release_freed_memory
 
@@ -67,20 +69,27 @@ class ModelStream:
             yield name, self._tensor(f"{module_name}.{name}")
 
     @contextlib.contextmanager
-    def load(self, module_name: str) -> Iterator[torch.nn.Module]:
-        """Materialise ``module_name``'s parameters (cast to ``dtype``) for the ``with`` body;
-        they go back to the meta device afterwards, also when the body raises."""
+    def load(self, module_name: str, device: str | torch.device = "cpu"
+             ) -> Iterator[torch.nn.Module]:
+        """Materialise ``module_name``'s parameters (cast to ``dtype``) on ``device`` for the
+        ``with`` body, its buffers moved there too; afterwards the parameters go back to the
+        meta device and the buffers to their CPU tensors, also when the body raises."""
         module = self.model.get_submodule(module_name)
         names = [name for name, _ in module.named_parameters()]
+        buffers = dict(module.named_buffers())  # [..] real CPU tensors (the skeleton's)
         try:
             for name, tensor in self._module_tensors(module_name, names):
                 # as stored ([out, in] for linears, [d] for norms) -> a real parameter
-                _set(module, name, tensor.to(self.dtype))
+                _set(module, name, to_device(tensor, device, self.dtype))
+            for name, buf in buffers.items():
+                _set_buffer(module, name, to_device(buf, device))
             yield module
         finally:
             for name, p in list(module.named_parameters()):
                 # back on meta: frees the weights; the skeleton keeps shapes (buffers stay)
                 _set(module, name, torch.empty_like(p, device="meta"))
+            for name, buf in buffers.items():
+                _set_buffer(module, name, buf)
             # glibc keeps freed blocks in its arenas: without this, RSS creeps up block by block
             release_freed_memory()
 
@@ -99,3 +108,9 @@ def _set(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     target = module.get_submodule(owner) if owner else module
     target.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _set_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    target._buffers[leaf] = value  # keeps the buffer's persistence flag

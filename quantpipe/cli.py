@@ -253,12 +253,15 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--max-memory", default=None,
               help="RAM the block activations may hold (e.g. 8GB); beyond it they are spilled "
                    "to files in the work folder [default: a quarter of the available memory].")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where each block is calibrated: cpu, cuda or cuda:N (the activations stay "
+                   "in RAM or spill to disk as on the CPU).")
 @click.option("--force", is_flag=True,
               help="Replace a finished CALIB_DIR (only once the new one is complete) and "
                    "discard an unfinished run with other settings.")
 def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
                   static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
-                  min_tokens, seed, batch_size, min_expert_tokens, max_memory, force):
+                  min_tokens, seed, batch_size, min_expert_tokens, max_memory, device, force):
     """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
     from quantpipe.core.io import parse_size
@@ -269,7 +272,7 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
             strict_group_size, samples, seq_len, min_tokens, seed, batch_size,
             static_groups=static_groups, force=force,
             per_channel_if_larger=per_channel_if_larger, min_expert_tokens=min_expert_tokens,
-            max_memory=None if max_memory is None else parse_size(max_memory),
+            max_memory=None if max_memory is None else parse_size(max_memory), device=device,
         )
         res = calibrate(spec)
     except ValueError as exc:
