@@ -52,7 +52,7 @@ from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.pipeline import ALGORITHMS, CalibrateSpec, calibrate
 from quantpipe.calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_models, load_eval_model
+from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
@@ -304,31 +304,33 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer, ref_mode
                reuse: dict[tuple[str, str], Path]) -> dict:
     """llm-compressor's GPTQ and each quantpipe algorithm for one scheme, on every corpus.
 
-    llm-compressor first (its model stays loaded while quantpipe's are scored one by one)."""
+    Every calibration first, then all candidates scored together: one reference forward per
+    window serves them all (``evaluate_many``)."""
     ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
+    qp = {}
+    for algo in args.algo_list:
+        qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, algo, args, tokens, reuse)
+        qp[algo] = {"dir": str(qdir), **qp_info}
     llmc_model = load_llmc_model(ldir, args.llmc_loader)
     agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
                  else None)
-
-    def score(model, folder: Path) -> dict:
-        return {c: evaluate_models(ref_model, model, tokenizer, EvalSpec(
-            args.fp16, folder, texts[c], args.max_tokens if c == "business-eval" else 0,
-            args.ctx)).to_dict() for c in args.corpus_list}
-
-    ev_l = score(llmc_model, ldir)
-    del llmc_model
-    qp, ratio = {}, {}
-    for algo in args.algo_list:
-        qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, algo, args, tokens, reuse)
-        qp_model = load_eval_model(qdir)
-        ev_q = score(qp_model, qdir)
-        del qp_model
-        qp[algo] = {"dir": str(qdir), **qp_info, "eval": ev_q}
-        ratio[algo] = {c: ev_q[c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
-                       for c in args.corpus_list}
+    models = [llmc_model] + [load_eval_model(Path(q["dir"])) for q in qp.values()]
+    names = [str(ldir)] + [q["dir"] for q in qp.values()]
+    ev_l = {}
+    for c in args.corpus_list:
+        limit = args.max_tokens if c == "business-eval" else 0
+        evs = evaluate_many(ref_model, models, tokenizer,
+                            EvalSpec(args.fp16, ldir, texts[c], limit, args.ctx), names)
+        ev_l[c] = evs[0].to_dict()
+        for q, ev in zip(qp.values(), evs[1:]):
+            q.setdefault("eval", {})[c] = ev.to_dict()
+    del models, llmc_model
+    ratio = {a: {c: q["eval"][c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
+                 for c in args.corpus_list} for a, q in qp.items()}
+    for a in qp:
         for c in args.corpus_list:
-            print(f"[{scheme} {c}] mean KLD quantpipe {algo} {ev_q[c]['kld']['mean']:.5f}  "
-                  f"llm-compressor {ev_l[c]['kld']['mean']:.5f}  ratio {ratio[algo][c]:.3f}",
+            print(f"[{scheme} {c}] mean KLD quantpipe {a} {qp[a]['eval'][c]['kld']['mean']:.5f}"
+                  f"  llm-compressor {ev_l[c]['kld']['mean']:.5f}  ratio {ratio[a][c]:.3f}",
                   flush=True)
     out = {"scheme": scheme, "quantpipe": qp,
            "llmcompressor": {"dir": str(ldir), **llmc_info, "eval": ev_l,

@@ -86,3 +86,37 @@ def test_table_has_a_row_and_a_ratio_per_algo():
     assert "sotu: asym: mean KLD quantpipe gptaq / llm-compressor = 0.600" in text
     assert "asym: calibration seconds gptaq / gptq = 1.90" in text
     assert "gptq / gptq" not in text
+
+
+def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch, tmp_path):
+    """Plumbing of one scheme: every candidate in one evaluate_many call per corpus, the
+    results and ratios filed under the right algorithm (calibration and models faked)."""
+    args = vs.parse_args(["--qp-algos", "gptq,gptaq", "--max-tokens", "4096",
+                          "--work", str(tmp_path)])
+    kld = {"llmc": 0.2, "gptq": 0.14, "gptaq": 0.1}
+    monkeypatch.setattr(vs, "llmc_side", lambda *a: (tmp_path / "llmc", {"seconds": {}}))
+    monkeypatch.setattr(vs, "quantpipe_side", lambda fp16, work, scheme, algo, *a: (
+        tmp_path / algo, {"calibrate_seconds": {"gptq": 10.0, "gptaq": 19.0}[algo]}))
+    monkeypatch.setattr(vs, "load_llmc_model", lambda d, loader: "llmc")
+    monkeypatch.setattr(vs, "loader_agreement", lambda m, d: {"max_rel_diff": 0.0})
+    monkeypatch.setattr(vs, "load_eval_model", lambda d: Path(d).name)
+    calls = []
+
+    def fake_many(ref, models, tok, spec, names):
+        calls.append((models, spec.max_tokens, names))
+        scale = 1.0 if spec.texts == ("b",) else 2.0
+        return [SimpleNamespace(to_dict=lambda m=m: {"kld": {"mean": scale * kld[m]}})
+                for m in models]
+
+    monkeypatch.setattr(vs, "evaluate_many", fake_many)
+    out = vs.run_scheme("asym", args, {}, {"business-eval": ("b",), "sotu": ("s",)}, None,
+                        "ref", {})
+    assert [(m, t) for m, t, _ in calls] == [(["llmc", "gptq", "gptaq"], 4096),
+                                             (["llmc", "gptq", "gptaq"], 0)]
+    assert calls[0][2] == [str(tmp_path / n) for n in ("llmc", "gptq", "gptaq")]
+    assert out["quantpipe"]["gptaq"]["eval"]["sotu"]["kld"]["mean"] == pytest.approx(0.2)
+    assert out["llmcompressor"]["eval"]["business-eval"]["kld"]["mean"] == pytest.approx(0.2)
+    assert out["kld_mean_ratio_quantpipe_over_llmc"] == {
+        "gptq": {"business-eval": pytest.approx(0.7), "sotu": pytest.approx(0.7)},
+        "gptaq": {"business-eval": pytest.approx(0.5), "sotu": pytest.approx(0.5)}}
+    assert out["calibrate_seconds_over_gptq"] == {"gptq": 1.0, "gptaq": 1.9}
