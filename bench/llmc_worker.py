@@ -25,11 +25,17 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
+# Python puts this script's folder (bench/) first on sys.path, where bench/kernels.py would
+# shadow the `kernels` package that transformers imports when it is installed; the worker
+# needs nothing from bench/.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> QuantizationArgs.symmetric
 
