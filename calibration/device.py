@@ -43,6 +43,7 @@ def check_device(device: str) -> None:
 
 
 def is_cpu(device: str | torch.device) -> bool:
+    """Whether ``device`` is the CPU (CPU-only settings, such as OpenMP threads, apply)."""
     return torch.device(device).type == "cpu"
 
 

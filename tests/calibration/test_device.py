@@ -37,10 +37,12 @@ import quantpipe.calibration.capture as capture
 import quantpipe.calibration.device as device
 import quantpipe.calibration.pipeline as pipeline
 import quantpipe.calibration.stream as stream
+from quantpipe.calibration.artifact import work_dir
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.calibration.result import QuantResult
 from quantpipe.core.qformat import QuantizedWeight
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
+from tests.calibration.test_pipeline import stop_after_block_0
 from tests.tiny_models import CORPUS, make_family_model, make_model, save_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,6 +279,9 @@ def test_stream_loads_a_block_onto_the_requested_device(models):
 
 
 def test_results_record_the_device_and_resume_ignores_it(models, tmp_path, monkeypatch):
+    """Block JSONs and the manifest say where blocks ran; a run killed on one device resumes
+    on another (the device is not a resume setting), but another --device value is still
+    checked when the spec is made."""
     res = calibrate(_spec(models, "llama", tmp_path / "c", algo="rtn"))
     manifest = json.loads((res.out / "quantpipe.json").read_text())
     n = manifest["num_blocks"]
@@ -289,6 +294,11 @@ def test_results_record_the_device_and_resume_ignores_it(models, tmp_path, monke
     for dev in ("cuda", "cuda:1"):
         assert _spec(models, "llama", tmp_path / "x", device=dev).fingerprint() == \
             cpu.fingerprint()
+    stop_after_block_0(_spec(models, "llama", tmp_path / "k", algo="rtn"))
+    spec = _spec(models, "llama", tmp_path / "k", algo="rtn", device="cuda").resolved()
+    manifest = json.loads((models["llama"] / "quantpipe.json").read_text())
+    run = pipeline._Run(spec, work_dir(spec.out), pipeline._resume_settings(spec, manifest))
+    assert pipeline._prepare_work(run, n) == 1  # resumes at block 1 on the other device
     with pytest.raises(ValueError, match="only 2 CUDA device"):
         _spec(models, "llama", tmp_path / "x", device="cuda:2")
 
