@@ -17,6 +17,7 @@ failed; the JSON holds every number.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -27,10 +28,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import make_source  # noqa: E402  (bench/scale.py: random-weight source folders)
+from quantpipe.core.qformat import unpack_int32
 
-from quantpipe.core.qformat import unpack_int32  # noqa: E402
+
+def _make_source(shape: str, out: Path) -> int:
+    """bench/scale.py's random-weight source folder, its file loaded by path: bench/ on
+    sys.path would shadow packages transformers imports (bench/kernels.py)."""
+    spec = importlib.util.spec_from_file_location("_bench_scale",
+                                                  Path(__file__).with_name("scale.py"))
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    return scale.make_source(shape, out)
+
 
 # tolerances, GPU vs CPU: median and worst relative difference of the per-linear INT4 proxy
 # loss, and relative difference of the mean KLD
@@ -51,7 +60,7 @@ def _run(args: list[str], log: Path) -> float:
 def _fp16_dirs(args, log: Path) -> dict[str, Path]:
     out = {}
     src = args.work / "smoke-src"
-    make_source("smoke", src)
+    _make_source("smoke", src)
     out["random-smoke"] = args.work / "smoke-fp16"
     if not (out["random-smoke"] / "quantpipe.json").is_file():
         _run(["quantpipe", "export-fp16", str(src), "--out", str(out["random-smoke"])], log)
