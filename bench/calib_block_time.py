@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from quantpipe.calibration import pipeline as p
+from quantpipe.calibration.activations import Activations, ActivationSpace
 from quantpipe.calibration.capture import embed_inputs
 from quantpipe.calibration.stream import ModelStream
 from quantpipe.core.families import family_for
@@ -48,7 +49,7 @@ def main() -> None:
     stream = ModelStream(args.fp16)
     model = stream.model
     family = family_for(model.config.model_type)
-    with stream.load(p._embeddings_name(model)):
+    with stream.load(stream.embeddings_name):
         hidden, ctx = embed_inputs(model, inputs.input_ids)  # [n, L, d]
     seconds: dict[str, list[float]] = {a: [] for a in algos}
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,14 +57,14 @@ def main() -> None:
             for algo in algos:
                 work = Path(tmp) / f"{algo}-{rep}"
                 (work / "blocks").mkdir(parents=True)
-                hiddens = {"hidden": hidden.clone()}
-                if p.ALGORITHMS[algo].asymmetric:
-                    hiddens["hidden_fp"] = hidden.clone()
+                keys = ("hidden", "hidden_fp") if p.ALGORITHMS[algo].asymmetric else ("hidden",)
+                hiddens = {k: Activations.of(hidden.clone()) for k in keys}
+                space = ActivationSpace(work / "state", tuple(hidden.shape), spill=False)
                 with stream.load(f"{family.blocks}.{args.block}") as block:
                     t = time.perf_counter()
                     p._calibrate_block(p._Run(spec(algo), work, {}), block, args.block, family,
                                        model.config.model_type, hiddens,
-                                       ctx.for_layer(args.block))
+                                       ctx.for_layer(args.block), space)
                     seconds[algo].append(time.perf_counter() - t)
                 print(f"rep {rep} {algo}: {seconds[algo][-1]:.1f}s", flush=True)
     med = {a: statistics.median(s) for a, s in seconds.items()}

@@ -79,6 +79,11 @@ def embed_inputs(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockCon
     return hidden, BlockContext(position_ids, pos_emb, mask, by_type, types)
 
 
+class StopForward(Exception):
+    """Raised by a hook of a pass run only for its hooks (``run_block(keep=False)``) once it
+    has what it needs: the rest of that batch's block forward is skipped."""
+
+
 @torch.no_grad()
 def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batch_size: int,
               out: Activations | None = None, keep: bool = True
@@ -87,7 +92,8 @@ def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batc
 
     ``hidden`` may be a tensor or an :class:`Activations` set (read a batch at a time). The
     output is a tensor, or written into ``out`` batch by batch (committed and returned), or,
-    with ``keep=False``, dropped (a pass run only for its hooks). Each batch goes to the
+    with ``keep=False``, dropped (a pass run only for its hooks, which may then end each
+    batch's forward early by raising :class:`StopForward`). Each batch goes to the
     device of the block's weights and its output comes back to the CPU (calibration.device);
     ``ctx`` must already be there (:meth:`BlockContext.to`)."""
     read = hidden.read if isinstance(hidden, Activations) else (
@@ -95,7 +101,12 @@ def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batc
     device = module_device(block)
     outs = []
     for start in range(0, hidden.shape[0], batch_size):
-        y = block(to_device(read(start, start + batch_size), device), **ctx.kwargs())
+        try:
+            y = block(to_device(read(start, start + batch_size), device), **ctx.kwargs())
+        except StopForward:
+            if keep or out is not None:
+                raise RuntimeError("a hook stopped a block pass whose outputs are used") from None
+            continue  # a pass for its hooks only: the rest of the block is not needed
         y = y[0] if isinstance(y, tuple) else y
         if out is not None:
             out.write(start, y)  # back to the CPU (Activations.write)
@@ -245,8 +256,14 @@ class StatsCollector:
     """Forward pre-hooks on the first linear of each input group of one block."""
 
     def __init__(self, block, groups: tuple[InputGroup, ...], sample_rows: int = 4096,
-                 seed: int = 0, fp_inputs: dict[InputGroup, list[torch.Tensor]] | None = None):
+                 seed: int = 0, fp_inputs: dict[InputGroup, list[torch.Tensor]] | None = None,
+                 stop: bool = False):
+        if stop and len(groups) != 1:
+            raise ValueError("stop=True ends the forward at the hook: it needs one group")
         self.stats: dict[InputGroup, GroupStats] = {}
+        # end the forward (StopForward) once the group's inputs are summed: GPTAQ's pass for
+        # one group needs nothing after that group's linears
+        self._stop = stop
         # GPTAQ: per group, the FP model's inputs of the same forward calls, in call order
         # (GroupInputRecorder); each call's inputs are paired with the FP ones and consumed
         self._fp_inputs = fp_inputs
@@ -277,6 +294,8 @@ class StatsCollector:
                 idx = torch.randperm(x.shape[0], generator=self._gen, device="cpu")[:take]
                 st.sample.append(x[to_device(idx, x.device)].clone())  # [take, in]
                 st.sample_rows += take
+            if self._stop:
+                raise StopForward
 
         return hook
 

@@ -723,8 +723,8 @@ def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, mo
     inputs (and gives the next FP inputs); then, per input group in execution order, the
     block, its earlier groups already quantized, runs over the quantized model's inputs with
     hooks that pair that group's inputs with the FP ones (H and dXXT), and the group is
-    quantized; finally the quantized block gives the next inputs. One block pass per group
-    beyond GPTQ's two."""
+    quantized; finally the quantized block gives the next inputs. One partial block pass per
+    group beyond GPTQ's two: each ends at its group's linears (StopForward)."""
     groups = block_groups(family, block)
     recorder = GroupInputRecorder(block, groups)  # the FP inputs: [tokens, in] per call
     try:
@@ -736,7 +736,7 @@ def _asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, mo
     raises = 0
     for group in groups:
         collector = StatsCollector(block, (group,), sample_rows=0, seed=seed,
-                                   fp_inputs=recorder.inputs)
+                                   fp_inputs=recorder.inputs, stop=True)
         try:
             run_block(block, hiddens["hidden"], ctx, spec.batch_size, keep=False)
         finally:

@@ -67,3 +67,53 @@ def test_set_and_rescale_as_a_full_matrix(monkeypatch):
     assert torch.equal(st.abs_sum, abs_ref / s.double())
     st.xtx /= 2.0  # in-place arithmetic on the property writes back through the setter
     assert torch.equal(st.xtx, ref / (s[:, None] * s[None, :]).double() / 2.0)
+
+
+def test_a_stopped_pass_sums_the_same_statistics_and_skips_the_rest():
+    """GPTAQ's per-group passes end at the group's linears (StopForward): each group's X^T X,
+    |x| sums and dXXT are bitwise those of a whole pass, and nothing after the group runs."""
+    from quantpipe.calibration.capture import (
+        GroupInputRecorder,
+        StatsCollector,
+        StopForward,
+        embed_inputs,
+        run_block,
+    )
+    from quantpipe.core.families import block_groups, family_for, get_blocks
+    from tests.tiny_models import make_family_model
+
+    model, _ = make_family_model("llama")
+    fam = family_for("llama")
+    block = get_blocks(model, fam)[0]
+    ids = torch.randint(3, 300, (4, 24), generator=torch.Generator().manual_seed(0))
+    hidden, ctx = embed_inputs(model, ids)
+    ctx = ctx.for_layer(0)
+    groups = block_groups(fam, block)
+    down_calls: list[int] = []
+    block.mlp.down_proj.register_forward_pre_hook(lambda *_: down_calls.append(1))
+    for group in groups:
+        runs = {}
+        for stop in (False, True):
+            recorder = GroupInputRecorder(block, (group,))
+            run_block(block, hidden, ctx, batch_size=2, keep=False)  # the "FP" inputs
+            recorder.remove()
+            collector = StatsCollector(block, (group,), sample_rows=0,
+                                       fp_inputs=recorder.inputs, stop=stop)
+            down_calls.clear()
+            run_block(block, hidden * 1.01, ctx, batch_size=2, keep=False)
+            collector.remove()
+            runs[stop] = (collector.stats[group], len(down_calls))
+        (whole, whole_calls), (stopped, stopped_calls) = runs[False], runs[True]
+        assert stopped.tokens == whole.tokens == 4 * 24
+        assert torch.equal(stopped.xtx, whole.xtx)
+        assert torch.equal(stopped.abs_sum, whole.abs_sum)
+        assert torch.equal(stopped.take_dxxt(), whole.take_dxxt())
+        assert whole_calls == 2  # one per batch
+        assert stopped_calls == (2 if "mlp.down_proj" in group.linears else 0)
+    collector = StatsCollector(block, groups[:1], sample_rows=0, stop=True)
+    with pytest.raises(RuntimeError, match="outputs are used"):
+        run_block(block, hidden, ctx, batch_size=2)  # outputs wanted: a stop is a bug
+    collector.remove()
+    with pytest.raises(ValueError, match="one group"):
+        StatsCollector(block, groups[:2], stop=True)
+    assert issubclass(StopForward, Exception)
