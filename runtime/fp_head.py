@@ -56,6 +56,7 @@ import sys
 import torch
 from torch import nn
 
+from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import block_rows
 
@@ -278,15 +279,19 @@ def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     The scale is rounded to fp16 *before* rounding q, so ``q * scale`` (fp16 scale exact in
     fp32) is the weight the kernel multiplies: |w - q * s| <= s / 2 + the fp16 rounding of s
-    times 127 / 2**11 (q is clamped to [-127, 127]). Whole-input fp32 temporaries:
-    :func:`int8_head_blocked` calls it on ``INT8_HEAD_CHUNK_ROWS`` rows at a time.
+    times 127 / 2**11 (q is clamped to [-127, 127]). It makes one fp32 temporary of the whole
+    input: :func:`int8_head_blocked` calls it on ``INT8_HEAD_CHUNK_ROWS`` rows at a time.
     """
     n, k = weight_fp16.shape
-    wb = weight_fp16.float().view(n, k // INT8_HEAD_GROUP, INT8_HEAD_GROUP)  # [N, K/32, 32]
-    scales = (wb.abs().amax(-1) / 127).half()  # [N, K/32] fp16
+    w16 = weight_fp16.view(n, k // INT8_HEAD_GROUP, INT8_HEAD_GROUP)  # [N, K/32, 32] fp16
+    # |w| and its max are exact in fp16: the fp32 amax of the widened weights, without an
+    # fp32 temporary of the input
+    scales = (w16.abs().amax(-1).float() / 127).half()  # [N, K/32] fp16
     s = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]  # no 0 division
-    q = torch.round(wb / s).clamp(-127, 127).to(torch.int8).view(n, k)  # [N, K]
-    return q, scales
+    # one fp32 temporary of the input, divided, rounded and clamped in place (the same
+    # operations as round(w / s).clamp(-127, 127), so the same values)
+    wb = w16.float().div_(s).round_().clamp_(-127, 127)  # [N, K/32, 32] fp32
+    return wb.to(torch.int8).view(n, k), scales  # [N, K] int8
 
 
 def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
@@ -308,8 +313,12 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
         b0, b1 = r0 // BLOCK, -(-(r0 + src.shape[0]) // BLOCK)
         q8[b0:b1] = block_rows(q)
         scales[b0:b1] = block_rows(s)
+        del q, s
         if release:
             _page_out(src)
+        # the chunk's temporaries: handed back before the next chunk, so that the heap does
+        # not keep a chunk's worth of them per chunk beside the growing copy
+        release_freed_memory()
     return q8, scales
 
 

@@ -6,8 +6,10 @@
 2. build the model with :func:`quantpipe.core.hf_model.build_causal_lm` (parameters on the
    meta device, so no FP16 copy of a quantized weight is ever allocated), which
 3. puts a ``QuantLinear`` (repacked on ``device``) in place of every quantized ``nn.Linear``,
-   one layer at a time: each is read from the mmapped files, unpacked, repacked and dropped
-   before the next, so the peak is the packed model plus one layer;
+   one layer at a time: each is read from the mmapped files (a native checkpoint's packed
+   words as they are stored; other formats unpacked and packed to the native layout),
+   repacked for its kernel and dropped before the next, so the peak is the packed model plus
+   one layer's stored tensors and the repack's temporaries;
 4. and assigns the FP tensors (embeddings, norms, kept-FP linears) cast to ``dtype``, tying
    embeddings. With the CPU half head (``keep_fp16_embeddings``) an untied fp16 input table is
    not read at all: it is a read-only memory map of its shard (``map_embeddings``), of which
@@ -36,9 +38,11 @@ import torch
 from quantpipe.core.experts import ExpertMLP, SplitExperts, config_ints, model_name
 from quantpipe.core.families import FAMILIES, Family
 from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized
+from quantpipe.core.formats.native import NAME as NATIVE
 from quantpipe.core.formats.native import quantized_tensors
 from quantpipe.core.heap import release_freed_memory
 from quantpipe.core.hf_model import build_causal_lm
+from quantpipe.core.io import LazyTensors
 from quantpipe.runtime.kernels.layout import PackedLinear
 from quantpipe.runtime.quant_linear import QuantLinear
 
@@ -56,20 +60,46 @@ class PackedCheckpoint:
         return list(self.source.layers)
 
     def packed_layers(self) -> Iterator[tuple[str, PackedLinear]]:
-        """(name, packed inputs) of each quantized linear, unpacked and packed one at a time."""
-        fp = self.source.fp_tensors
+        """(name, packed inputs) of each quantized linear, one at a time.
+
+        A native checkpoint stores the runtime's inputs as they are: each layer's tensors
+        are read from the mmapped shards (after the verifier checked every layer) and nothing
+        is unpacked. Other formats are unpacked to quantpipe's convention and packed again."""
+        stored = (LazyTensors.of_folder(self.source.folder)
+                  if self.source.checkpoint_format == NATIVE else None)
         for name in self.source.layers:
-            qw = self.source.layers[name]  # unpacked from the mmapped file now
-            t = quantized_tensors(name, qw)  # native layout: qweight [out, in*bits/32] int32
-            yield name, PackedLinear(
-                spec=qw.spec,
-                qweight=t[f"{name}.qweight"],
-                scales=t[f"{name}.scales"],
-                qzeros=t.get(f"{name}.qzeros"),
-                g_idx=t.get(f"{name}.g_idx"),
-                bias=fp[f"{name}.bias"] if f"{name}.bias" in fp else None,
-                in_features=qw.shape[1],
-            )
+            # no local holds the layer: it is dropped before the next one is read
+            yield name, (self._stored(name, stored) if stored is not None
+                         else self._converted(name))
+
+    def _bias(self, name: str) -> torch.Tensor | None:
+        fp = self.source.fp_tensors
+        return fp[f"{name}.bias"] if f"{name}.bias" in fp else None
+
+    def _stored(self, name: str, stored: LazyTensors) -> PackedLinear:
+        """A native layer's stored tensors (``quantized_tensors``' layout): the same
+        PackedLinear as :meth:`_converted` makes from it, bit for bit."""
+        spec = self.source.plan[name]
+        qweight = stored[f"{name}.qweight"]  # int32 [out, in * bits / 32], file-mapped
+        # a stored g_idx without act-order was checked sequential: the spec's i // group_size
+        g_idx = stored.get(f"{name}.g_idx") if spec.act_order else None
+        return PackedLinear(spec=spec, qweight=qweight, scales=stored[f"{name}.scales"],
+                            qzeros=None if spec.sym else stored[f"{name}.qzeros"], g_idx=g_idx,
+                            bias=self._bias(name),
+                            in_features=qweight.shape[1] * 32 // spec.bits)
+
+    def _converted(self, name: str) -> PackedLinear:
+        qw = self.source.layers[name]  # unpacked from the mmapped file now
+        t = quantized_tensors(name, qw)  # native layout: qweight [out, in*bits/32] int32
+        return PackedLinear(
+            spec=qw.spec,
+            qweight=t[f"{name}.qweight"],
+            scales=t[f"{name}.scales"],
+            qzeros=t.get(f"{name}.qzeros"),
+            g_idx=t.get(f"{name}.g_idx"),
+            bias=self._bias(name),
+            in_features=qw.shape[1],
+        )
 
     def fp_tensors(self, mapped: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor that is not part of a quantized linear (biases belong to the linear).
@@ -140,8 +170,7 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     dtype = dtype or default_dtype(device)
     ckpt = read_packed(qdir)
     # each QuantLinear is built (repacked on device) as build_causal_lm asks for the next one
-    quant_linears = ((name, QuantLinear(packed, device, backend=backend, bias_dtype=dtype))
-                     for name, packed in ckpt.packed_layers())
+    quant_linears = _quant_linears(ckpt, device, backend, dtype)
     family = FAMILIES.get(ckpt.config.get("model_type"))
     experts = _Experts(family, ckpt, dtype, device) if family and family.moe else None
     mapped = (_untied_input_table(ckpt.config, family)
@@ -161,6 +190,16 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
              dict(counts))
     model.quantpipe_backends = dict(counts)
     return model
+
+
+def _quant_linears(ckpt: PackedCheckpoint, device: torch.device, backend: str | None,
+                   dtype: torch.dtype) -> Iterator[tuple[str, QuantLinear]]:
+    """(name, QuantLinear) of each quantized linear, built when asked for; a layer's packed
+    inputs are dropped before the next layer is read (the load holds one at a time)."""
+    for name, packed in ckpt.packed_layers():
+        module = QuantLinear(packed, device, backend=backend, bias_dtype=dtype)
+        del packed
+        yield name, module
 
 
 class _Experts:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from quantpipe.core.heap import release_freed_memory
+from quantpipe.runtime.engine.model_runner import stack_projections
 from quantpipe.runtime.fp_head import set_half_head
 
 
@@ -42,6 +43,10 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
         # first would double the largest tensors at the peak
         model = load_quantized_model(folder, device, dtype, keep_fp16_embeddings=(
             device == "cpu" and head_dtype != "fp32"))
+        if device == "cpu":
+            # the engine's stacked q/k/v and gate/up, made now: before the head is made, a
+            # part's copy is not on top of the whole model
+            stack_projections(model)
     elif qcfg:
         raise ValueError(f"{folder} uses quant_method {qcfg.get('quant_method')!r}; the engine "
                          "serves FP16 folders and quantpipe-native quantized folders")

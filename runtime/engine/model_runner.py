@@ -34,6 +34,8 @@ bit-identical results), so no Python runs between its ops (``ModelRunner.layer_o
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -51,7 +53,15 @@ from quantpipe.core.families import (  # runtime.generate reads FAMILIES from he
 from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from quantpipe.runtime.kernels import cpu_ext
-from quantpipe.runtime.kernels.cpu import CpuA8W4, a8w4_matmul, concat_a8w4
+from quantpipe.runtime.kernels.cpu import (
+    CpuA8W4,
+    a8w4_joined,
+    a8w4_matmul,
+    a8w4_rows,
+    a8w4_stackable,
+    copy_a8w4_,
+    empty_a8w4_stack,
+)
 
 # "0" runs a step layer by layer in Python (each op its own call) even where the whole-layer
 # C++ op (quantpipe_cpu::decoder_layer) could run it: side-by-side comparisons and tests
@@ -222,6 +232,19 @@ def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask.unsqueeze(2).expand(B, 1, groups, q_max, ctx).reshape(B, 1, groups * q_max, ctx)
 
 
+def zero_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A KV pool of zeros. On CPU it is an anonymous memory map: the OS hands out zero pages
+    and makes a page resident when it is first written, so a pool holds memory for the slots
+    written so far, not for its capacity (torch.zeros writes every page: a request's unfilled
+    blocks, and the padding block, would be resident for nothing). The values are the same
+    zeros either way."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes)  # zero-filled on first touch
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
+
+
 @dataclass(frozen=True)
 class FusedProjections:
     """A layer's projections that share an input, as one W4A8 matmul each (None: not fused).
@@ -248,17 +271,26 @@ def _a8_parts(mods, with_bias: bool = False) -> list[CpuA8W4] | None:
 
 
 def _fuse(mods, with_bias: bool = False) -> CpuA8W4 | None:
-    """The stacked layer, the parts rebound to views into it (the weights held once)."""
+    """The stacked layer, the parts rebound to views into it (the weights held once).
+
+    Each part is copied into its rows of the stack and rebound, and its own tensors are
+    handed back to the OS, before the next part is copied: the stack's pages become resident
+    as they are written, so the load holds one part twice at most, not the whole group."""
     parts = _a8_parts(mods, with_bias)
-    fused = parts and concat_a8w4(parts)
-    if fused is None:
+    if parts is None or not a8w4_stackable(parts):
         return None
+    joined = a8w4_joined(parts)  # stacked already (stack_projections, at load)
+    if joined is not None:
+        return joined
+    fused = empty_a8w4_stack(parts)
+    del parts  # no reference to a part's own tensors beyond its module's
     start = 0
-    for mod, w in zip(mods, parts):
-        n = w.packed.shape[0]  # blocks of 16 output rows
-        mz = None if fused.mz is None else fused.mz[start:start + n]
-        mod.use_weights(CpuA8W4(fused.packed[start:start + n], fused.scales[start:start + n],
-                                mz, w.perm, w.group_size, w.op, w.vnni))
+    for mod in mods:
+        n = mod._w.packed.shape[0]  # blocks of 16 output rows
+        rows = a8w4_rows(fused, start, n)
+        copy_a8w4_(rows, mod._w)
+        mod.use_weights(rows)
+        release_freed_memory()  # the part's own tensors, freed by the rebinding
         start += n
     return fused
 
@@ -279,6 +311,21 @@ def fuse_projections(layer, hidden_act: str | None,
     if hidden_act == "silu" and not family.gate_up_proj and family.moe is None:
         gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
     return FusedProjections(qkv, gate_up, bias)
+
+
+def stack_projections(model: torch.nn.Module) -> None:
+    """Stack each decoder layer's q/k/v and gate/up W4A8 parts as :func:`fuse_projections`
+    does, the parts rebound to views of the stacks; a ModelRunner then finds them stacked and
+    copies nothing. Loaders call it before the output head is made, so that a part's copy is
+    not made on top of everything else (a model of a family the engine does not run, or
+    without such parts, is left as it is)."""
+    cfg = model.config
+    family = FAMILIES.get(cfg.model_type)
+    if family is None:
+        return
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    for layer in get_path(model, family.blocks):
+        fuse_projections(layer, act, family)
 
 
 def _norm_eps(norm: torch.nn.Module, family: Family) -> float | None:
@@ -356,23 +403,18 @@ class ModelRunner:
         # the C++ norm's gain, one tensor per norm module: weight, or (1 + weight) computed once
         self.gains = {id(n): self._gain(n) for n in self._residual_norms()} if self.fused else {}
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        # stacked at load (stack_projections): the fused layers are views of those stacks
         self.projections = [self._fused(layer, act, family) for layer in self.layers]
         # the layers a short step runs as one C++ call each (None: layer by layer)
         self.layer_ops = [self._layer_op(layer, plan, proj) for layer, plan, proj
                           in zip(self.layers, self.plans, self.projections)]
-        self.k_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                        for _ in self.layers]
-        self.v_pools = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                        for _ in self.layers]
+        self.k_pools = [zero_pool(shape, self.kv_dtype, self.device) for _ in self.layers]
+        self.v_pools = [zero_pool(shape, self.kv_dtype, self.device) for _ in self.layers]
 
     def _fused(self, layer, act: str | None, family: Family) -> FusedProjections:
         if not self.fused:
             return FusedProjections(None, None)
-        fused = fuse_projections(layer, act, family)
-        # the parts' own tensors were freed for views into the stacked ones: hand them back to
-        # the OS now, or glibc keeps a layer's worth per layer (a 7B model grew by 2.4 GB)
-        release_freed_memory()
-        return fused
+        return fuse_projections(layer, act, family)  # each part's own memory handed back
 
     def _layer_op(self, layer, plan: LayerPlan, proj: FusedProjections) -> tuple | None:
         """decoder_layer's per-layer arguments (weights, group sizes, vnni, eps), or None where

@@ -70,11 +70,13 @@ int4pack for every M.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from quantpipe.core.qformat import unpack_int32
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.backend import Backend
 from quantpipe.runtime.kernels.layout import PackedLinear
@@ -218,16 +220,89 @@ def unpack_a8w4(packed: torch.Tensor) -> torch.Tensor:
     return unpack_int4_blocks(packed, 4)
 
 
+# a load-time repack works on slices of a layer of at most this many elements: its temporaries
+# are a few slices, never an unpacked [out, in] copy of the layer (the load's peak is the packed
+# model plus these), and each op on a slice below torch's parallel grain (32,768 elements) runs
+# on the calling thread, where a parallel op would wait for a second core that may be busy
+REPACK_SLICE = 32767
+
+
+def repack_rows(row_elements: int) -> int:
+    """Output rows per repack step: a multiple of 16 of at most REPACK_SLICE elements (16
+    rows for layers wider than that)."""
+    return max(QP4_ROWS, REPACK_SLICE // row_elements // QP4_ROWS * QP4_ROWS)
+
+
+def _spread_nibbles_(x: torch.Tensor) -> torch.Tensor:
+    """In place: int32 holding nibbles n0..n3 in bits 0..15 -> n0..n3 in nibbles 0, 2, 4, 6
+    (bits 0, 8, 16, 24), zeros between."""
+    x |= x << 8
+    x &= 0x00FF00FF  # n0 n1 in bits 0..7, n2 n3 in bits 16..23
+    x |= x << 4
+    return x.bitwise_and_(0x0F0F0F0F)  # n0 @ 0, n1 @ 8, n2 @ 16, n3 @ 24
+
+
+def a8w4_words(qweight: torch.Tensor) -> torch.Tensor:
+    """Native words -> W4A8 words, elementwise: int32 [..., in / 8] holding 8 codes each
+    (column 8 c + k in bits 4 k .. 4 k + 3, ``qformat.pack_int32``) -> int32 [..., in / 8]
+    whose little-endian bytes are pack_a8w4's 4 bytes of those 8 columns: byte e = code e
+    (low nibble) | code 4 + e (high nibble)."""
+    lo = _spread_nibbles_(qweight & 0xFFFF)  # codes 0..3 -> bytes 0..3, low nibbles
+    # codes 4..7 (the arithmetic shift's sign bits masked off) -> high nibbles; the shift into
+    # bit 31 wraps to the two's complement pattern of the unsigned word
+    hi = _spread_nibbles_((qweight >> 16).bitwise_and_(0xFFFF))
+    return lo.bitwise_or_(hi.bitwise_left_shift_(4))
+
+
+def pack_a8w4_words(qweight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """int32 [out, in / 8] native 4-bit words -> uint8 [out / 16, in / 8, 64]: bitwise
+    ``pack_a8w4(unpack_int32(qweight, 4))``, without an unpacked copy of the layer (``rows``
+    output rows at a time, default :func:`repack_rows`).
+
+    Chunk (b, c) of the layout is 16 rows x 4 bytes; read as int32 it is [16], and row r's
+    word is ``a8w4_words(qweight[16 b + r, c])``: the layout is the words' shuffle, stacked
+    16 rows side by side (block_rows). Little-endian hosts only (x86, arm64)."""
+    assert qweight.dtype == torch.int32 and sys.byteorder == "little"
+    out_f, words = qweight.shape
+    rows = rows or repack_rows(words)
+    assert out_f % QP4_ROWS == 0 and rows % QP4_ROWS == 0, (out_f, rows)
+    packed = torch.empty(out_f // QP4_ROWS, words, QP4_ROWS, dtype=torch.int32)
+    for r0 in range(0, out_f, rows):
+        w = a8w4_words(qweight[r0:r0 + rows])  # [R, in / 8] int32
+        n = w.shape[0] // QP4_ROWS
+        # [R, in / 8] -> [R / 16, 16, in / 8] -> [R / 16, in / 8, 16]
+        packed[r0 // QP4_ROWS:r0 // QP4_ROWS + n] = w.view(n, QP4_ROWS, words).transpose(1, 2)
+    return packed.view(torch.uint8)  # [out / 16, in / 8, 64]
+
+
+def _pack_a8w4_permuted(p: PackedLinear, perm: torch.Tensor) -> torch.Tensor:
+    """Act-order: uint8 [out / 16, in / 8, 64] of the codes with columns in ``perm`` order,
+    unpacked and packed a slice of output rows at a time (rows of the layout are
+    independent)."""
+    out_f, in_f = p.out_features, p.in_features
+    rows = repack_rows(in_f)  # the unpacked slice: uint8 [rows, in]
+    packed = torch.empty(out_f // QP4_ROWS, in_f // 8, 64, dtype=torch.uint8)
+    for r0 in range(0, out_f, rows):
+        q = unpack_int32(p.qweight[r0:r0 + rows], 4, in_f)[:, perm]  # [R, in] uint8
+        packed[r0 // QP4_ROWS:(r0 + q.shape[0]) // QP4_ROWS] = pack_a8w4(q)
+    return packed
+
+
 def repack_a8w4(p: PackedLinear, isa: str | None = None) -> CpuA8W4:
     """``isa``: the build whose ``int4_a8_mm`` runs it (default: the active one)."""
     isa = isa or cpu_ext.active_isa()
-    q, perm = _group_ordered_q(p)  # uint8 [out, in] in [0, 16)
+    perm = None
+    if p.g_idx is not None:
+        perm = act_order_permutation(p)  # [in] int64: columns in sequential groups
+        assert perm is not None, "dispatch sends uneven act-order groups to dequant"
+    packed = (pack_a8w4_words(p.qweight) if perm is None  # [out / 16, in / 8, 64] uint8
+              else _pack_a8w4_permuted(p, perm))
     scales = p.scales  # [out, G] fp16, the checkpoint's (exact in fp32; half the bytes)
     zeros = p.zeros_u8()
     # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16); a symmetric
     # layer (every z == 8) stores none: the kernel forms -8 * s itself, the same fp32 values
     mz = None if bool((zeros == 8).all()) else block_rows(-zeros.float() * scales.float())
-    return CpuA8W4(pack_a8w4(q.contiguous()), block_rows(scales), mz, perm,
+    return CpuA8W4(packed, block_rows(scales), mz, perm,
                    p.group_size, cpu_ext.ops(isa).int4_a8_mm.default, cpu_ext.a8_uses_vnni(isa))
 
 
@@ -245,21 +320,84 @@ def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:
     return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 
+def a8w4_stackable(ws: list[CpuA8W4]) -> bool:
+    """Whether several W4A8 layers can run as one stacked layer: the same group size, column
+    order, ISA and instruction choice."""
+    first = ws[0]
+    return all(w.group_size == first.group_size and w.op == first.op and w.vnni == first.vnni
+               and (w.perm is None) == (first.perm is None)
+               and (w.perm is None or torch.equal(w.perm, first.perm)) for w in ws[1:])
+
+
+def empty_a8w4_stack(ws: list[CpuA8W4]) -> CpuA8W4:
+    """Unwritten tensors of the layer stacking ``ws`` (a8w4_stackable): [sum(out) / 16, ...];
+    their pages become resident as :func:`copy_a8w4_` writes the parts in."""
+    first, nb = ws[0], sum(w.packed.shape[0] for w in ws)
+    g = first.scales.shape[1]
+    # symmetric parts only: no mz; else each part's, formed where a part stores none
+    mz = (None if all(w.mz is None for w in ws)
+          else torch.empty(nb, g, QP4_ROWS, dtype=torch.float32))  # [sum(out) / 16, G, 16]
+    return CpuA8W4(torch.empty(nb, *first.packed.shape[1:], dtype=torch.uint8),  # [.., in/8, 64]
+                   torch.empty(nb, g, QP4_ROWS, dtype=torch.float16),  # [sum(out) / 16, G, 16]
+                   mz, first.perm, first.group_size, first.op, first.vnni)
+
+
+def a8w4_rows(w: CpuA8W4, start: int, n: int) -> CpuA8W4:
+    """Blocks ``start .. start + n`` of w's blocks of 16 output rows, as views into w."""
+    mz = None if w.mz is None else w.mz[start:start + n]
+    return CpuA8W4(w.packed[start:start + n], w.scales[start:start + n], mz, w.perm,
+                   w.group_size, w.op, w.vnni)
+
+
+def copy_a8w4_(dst: CpuA8W4, src: CpuA8W4) -> None:
+    """Write ``src`` into ``dst`` (the same rows' views of a stack; mz formed where src has
+    none and dst keeps one)."""
+    dst.packed.copy_(src.packed)
+    dst.scales.copy_(src.scales)
+    if dst.mz is not None:
+        dst.mz.copy_(a8w4_mz(src))
+
+
+def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor of which ``ts`` are consecutive row slices, in order (views of one storage,
+    each starting where the previous one ends), as a view spanning them; else None."""
+    first, end = ts[0], ts[0].storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    for t in ts:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != end):
+            return None
+        end += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def a8w4_joined(ws: list[CpuA8W4]) -> CpuA8W4 | None:
+    """The stacked layer when ``ws`` (a8w4_stackable) already are consecutive rows of one
+    (a stack made earlier, e.g. by the loader), as views: nothing is copied; else None."""
+    packed, scales = _joined([w.packed for w in ws]), _joined([w.scales for w in ws])
+    if packed is None or scales is None:
+        return None
+    if all(w.mz is None for w in ws):
+        mz = None
+    elif any(w.mz is None for w in ws) or (mz := _joined([w.mz for w in ws])) is None:
+        return None
+    first = ws[0]
+    return CpuA8W4(packed, scales, mz, first.perm, first.group_size, first.op, first.vnni)
+
+
 def concat_a8w4(ws: list[CpuA8W4]) -> CpuA8W4 | None:
     """One W4A8 layer computing the outputs of several that share their input (q/k/v, or
     gate/up): [out_1 + out_2 + ..., in], blocks of 16 rows stacked; None when they differ in
     group size, column order, ISA or instruction choice."""
-    first = ws[0]
-    for w in ws[1:]:
-        if (w.group_size != first.group_size or w.op != first.op or w.vnni != first.vnni
-                or (w.perm is None) != (first.perm is None)
-                or (w.perm is not None and not torch.equal(w.perm, first.perm))):
-            return None
-    # symmetric parts only: no mz; else each part's, formed where a part stores none
-    mz = None if all(w.mz is None for w in ws) else torch.cat([a8w4_mz(w) for w in ws])
-    return CpuA8W4(torch.cat([w.packed for w in ws]),  # [sum(out) / 16, in / 8, 64]
-                   torch.cat([w.scales for w in ws]),  # [sum(out) / 16, G, 16]
-                   mz, first.perm, first.group_size, first.op, first.vnni)
+    if not a8w4_stackable(ws):
+        return None
+    fused, start = empty_a8w4_stack(ws), 0
+    for w in ws:
+        n = w.packed.shape[0]
+        copy_a8w4_(a8w4_rows(fused, start, n), w)
+        start += n
+    return fused
 
 
 @dataclass(frozen=True)
