@@ -82,9 +82,10 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     """Write the FP16 folder; bad input fails before ``spec.out`` is touched, and the whole
     export runs under the output lock inside a hidden temp folder (see quantpipe.core.io).
 
-    A safetensors folder whose tensor names are the model's is converted tensor by tensor
-    (one output shard in memory, never the model); other sources (GGUF, ``.bin``, checkpoints
-    that transformers renames while loading) are loaded whole by transformers.
+    A safetensors folder whose tensor names are the model's, and a GGUF file of an architecture
+    whose tensors transformers converts one by one, are converted tensor by tensor (one tensor
+    in memory, never the model); other sources (``.bin``, GGUF MoE files, checkpoints that
+    transformers renames while loading) are loaded whole by transformers.
     """
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
@@ -190,23 +191,44 @@ def _source_tensors(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 def stream_plan(src: ModelSource, dtype: torch.dtype,
                 trust_remote_code: bool = False) -> StreamPlan | None:
-    """How to convert ``src`` tensor by tensor, or None when it must be loaded whole: not a
-    safetensors folder, remote code, an already quantized checkpoint, or tensor names that
-    transformers would rename or convert while loading."""
-    if src.kind != "folder" or trust_remote_code or not any(src.path.glob("*.safetensors")):
+    """How to convert ``src`` tensor by tensor, or None when it must be loaded whole: remote
+    code, an already quantized checkpoint, tensor names that transformers would rename or
+    convert while loading, or a GGUF architecture whose tensors transformers converts together
+    (its MoE processors gather experts across tensors)."""
+    if trust_remote_code:
         return None
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    if src.kind == "gguf":
+        return _gguf_plan(src, dtype)
+    if src.kind != "folder" or not any(src.path.glob("*.safetensors")):
+        return None
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src.path)
     if getattr(config, "quantization_config", None):
         return None  # transformers dequantizes it while loading
-    with init_empty_weights(include_buffers=False):  # shapes only; buffers stay real
-        skeleton = AutoModelForCausalLM.from_config(config)
-    skeleton.tie_weights()  # from_config leaves tied embeddings as two meta tensors
     where, dtypes = _source_tensors(src.path)
     if not set(dtypes.values()) <= _STREAMED_DTYPES:
         return None  # e.g. fp8 tensors: leave them to transformers
+    return _plan(src, dtype, config, set(where), lambda: LazyTensors(src.path, where))
+
+
+def _skeleton(config):
+    """The causal LM of ``config`` on the meta device (buffers real), embeddings tied as the
+    config says."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):  # shapes only; buffers stay real
+        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton.tie_weights()  # from_config leaves tied embeddings as two meta tensors
+    return skeleton
+
+
+def _plan(src: ModelSource, dtype: torch.dtype, config, stored: set[str], source,
+          skeleton=None) -> StreamPlan | None:
+    """The plan when the source stores ``stored`` (model names); ``source()`` reads them. None
+    when a parameter of the model is not stored under its name."""
+    skeleton = _skeleton(config) if skeleton is None else skeleton
     emb_in, emb_out = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
     tied = emb_out is not None and emb_out.weight is emb_in.weight
     out_name = next((n for n, m in skeleton.named_modules() if m is emb_out), None)
@@ -214,11 +236,84 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
     for name, t in skeleton.state_dict().items():
         if tied and name == f"{out_name}.weight":
             continue  # stored once, as the input embeddings
-        if name not in where:
+        if name not in stored:
             if t.is_meta:
                 log.info("%s: %s is not stored under the model's name; loading it whole",
                          src.path, name)
                 return None
             buffers[name] = t  # a persistent buffer the checkpoint does not carry
         numel[name] = t.numel()
-    return StreamPlan(src.path, dtype, config, LazyTensors(src.path, where), numel, buffers)
+    return StreamPlan(src.folder, dtype, config, source(), numel, buffers)
+
+
+# transformers' GGUF tensor processors that convert each tensor on its own (llama.cpp's q/k
+# row permutation undone, Gemma's norm offset); the others gather tensors (MoE experts) or
+# split them, so those architectures are loaded whole
+_GGUF_TENSOR_BY_TENSOR = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
+
+
+@dataclass(frozen=True)
+class _GGUFEntry:
+    name: str  # the tensor's GGUF name
+    offset: int  # of its bytes in the file
+    nbytes: int
+    np_dtype: object  # numpy dtype and shape of its raw data (GGUFReader's view of it)
+    shape: tuple[int, ...]
+    qtype: object  # gguf GGMLQuantizationType
+
+
+class GGUFTensors:
+    """A GGUF file's tensors under the model's names, each read with a plain file read (no
+    mapping stays behind it), dequantized and processed as transformers' GGUF loader does when
+    it is accessed: one tensor in memory at a time."""
+
+    def __init__(self, path: Path, entries: dict[str, _GGUFEntry], processor) -> None:
+        self.path = path
+        self.entries = entries
+        self.processor = processor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import numpy as np
+        from gguf import dequantize
+
+        e = self.entries[name]
+        with open(self.path, "rb") as f:
+            f.seek(e.offset)
+            raw = f.read(e.nbytes)
+        data = np.frombuffer(raw, dtype=e.np_dtype).reshape(e.shape)
+        weights = self.processor.process(weights=dequantize(data, e.qtype), name=e.name).weights
+        return torch.from_numpy(np.array(weights, copy=True))  # writable, owns its memory
+
+
+def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
+    """GGUF: transformers' config, name map and tensor processor, applied a tensor at a time
+    (the same values as its whole-model load: the same dequantization and processing)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    reader = GGUFReader(str(src.path))
+    arch = read_field(reader, "general.architecture")[0]
+    processor_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    if processor_cls.__name__ not in _GGUF_TENSOR_BY_TENSOR:
+        log.info("%s: GGUF %s tensors are converted together; loading it whole", src.path, arch)
+        return None
+    config = AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
+    if hasattr(config, "quantization_config"):  # the file's types, dequantized here
+        del config.quantization_config
+    skeleton = _skeleton(config)
+    config.architectures = [type(skeleton).__name__]  # as the loaded model records it
+    processor = processor_cls(config=load_gguf_checkpoint(str(src.path))["config"])
+    names = get_gguf_hf_weights_map(skeleton, processor)  # GGUF name -> model name
+    entries = {names[t.name]: _GGUFEntry(t.name, int(t.data_offset), int(t.n_bytes),
+                                         t.data.dtype, tuple(t.data.shape), t.tensor_type)
+               for t in reader.tensors if t.name in names}
+    del reader  # its file mapping: nothing of the tensors was read through it
+    return _plan(src, dtype, config, set(entries),
+                 lambda: GGUFTensors(src.path, entries, processor), skeleton)

@@ -26,3 +26,28 @@ def test_fp16_export_generates_like_source(smollm2_fp16_dir):
         out_ref = ref_model.generate(ids, max_new_tokens=32, do_sample=False)
         out = model.generate(ids, max_new_tokens=32, do_sample=False)
     assert torch.equal(out, out_ref), (tok.decode(out[0]), tok.decode(out_ref[0]))
+
+
+def test_gguf_export_streams_the_values_transformers_loads(smollm2_fp16_dir, monkeypatch):
+    """The GGUF is converted a tensor at a time (transformers' name map and q/k un-permutation
+    applied per tensor); every stored tensor equals transformers' whole-model load cast to
+    fp16, bit for bit. An architecture whose tensors transformers converts together (its MoE
+    processors) is loaded whole instead."""
+    from safetensors.torch import load_file
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from quantpipe.stages.fp16_export import stream_plan, unique_state_dict
+
+    src = resolve_source("smollm2-135m")
+    plan = stream_plan(src, torch.float16)
+    assert plan is not None and plan.config.architectures == ["LlamaForCausalLM"]
+    stored = {}
+    for f in sorted(smollm2_fp16_dir.glob("*.safetensors")):
+        stored.update(load_file(f))
+    whole = unique_state_dict(load_model(src, "auto"))  # fp32, as the whole-model path
+    assert set(stored) == set(whole) == set(plan.numel)
+    for name, t in whole.items():
+        assert torch.equal(stored[name], t.to(torch.float16)), name
+    monkeypatch.setitem(gguf_utils.TENSOR_PROCESSORS, "llama",
+                        gguf_utils.Qwen2MoeTensorProcessor)
+    assert stream_plan(src, torch.float16) is None
