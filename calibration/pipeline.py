@@ -136,7 +136,9 @@ class CalibrateSpec:
     out: Path  # CALIB_DIR
     prompts: str = "business-calib"  # prompt file, or a shipped set name
     column: str | None = None  # text column for CSV/TSV/parquet prompt files
-    algo: str = "gptq"  # gptq | gptaq | awq | awq+gptq | rtn
+    # gptq | gptaq | awq | awq+gptq | rtn, or "auto" (the CLI's default): gptaq for dense
+    # models, gptq for mixture-of-experts ones (resolved() reads FP16_DIR's config)
+    algo: str = "gptq"
     group_size: int = 128  # INT4 group size requested (falls back per layer, see below)
     sym: bool = True  # INT4 symmetric (mid-point zero) or asymmetric
     # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
@@ -175,11 +177,11 @@ class CalibrateSpec:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.algo not in ALGORITHMS:
+        if self.algo not in ALGOS:
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
         check_group_size(self.group_size)
         check_device(self.device)
-        algo = ALGORITHMS[self.algo]
+        algo = ALGORITHMS[_AUTO_OPTIONS if self.algo == AUTO else self.algo]
         if self.act_order and algo.act_order_default is None:
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
         if self.mse_clip and algo.mse_clip_default is None:
@@ -198,7 +200,10 @@ class CalibrateSpec:
 
     def resolved(self) -> CalibrateSpec:
         """The same spec with every default (None) replaced by the value it stands for, and
-        the input paths resolved (so a relative and an absolute path resume the same run)."""
+        the input paths resolved (so a relative and an absolute path resume the same run), and
+        ``auto`` replaced by the algorithm it stands for with this model."""
+        if self.algo == AUTO:
+            return replace(self, algo=auto_algo(self.fp16_dir)).resolved()
         algo = ALGORITHMS[self.algo]
         act_order = self.act_order if self.act_order is not None else bool(
             algo.act_order_default)
@@ -563,7 +568,17 @@ ALGORITHMS: dict[str, Algorithm] = {
                      act_order_default=None, mse_clip_default=False, takes_static_groups=False,
                      asymmetric=False),
 }
-ALGOS = tuple(ALGORITHMS)  # --algo choices
+# --algo's default: GPTAQ, the best measured on held-out text (docs/algorithms.md), where it
+# applies (dense models); GPTQ for mixture-of-experts models, which GPTAQ cannot pair
+AUTO = "auto"
+_AUTO_OPTIONS = "gptq"  # the options auto takes are GPTQ's (GPTAQ shares them)
+ALGOS = (AUTO, *ALGORITHMS)  # --algo choices
+
+
+def auto_algo(fp16_dir: Path) -> str:
+    """What ``--algo auto`` runs for the model in ``fp16_dir``."""
+    model_type = _read_config(Path(fp16_dir).expanduser()).get("model_type")
+    return "gptq" if family_for(model_type).moe else "gptaq"
 
 
 def calibrate(spec: CalibrateSpec) -> CalibrateResult:

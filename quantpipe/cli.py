@@ -175,7 +175,7 @@ class _Group(click.Group):
 
 # calibration.pipeline.ALGOS, written here so --help does not import torch
 # (tests/calibration/test_pipeline.py checks they are equal)
-CALIBRATE_ALGOS = ("gptq", "gptaq", "awq", "awq+gptq", "rtn")
+CALIBRATE_ALGOS = ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -224,9 +224,10 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
               help="Prompt file (JSONL/CSV/TSV/TXT/parquet/dataset folder) or business-calib.")
 @click.option("--column", default=None, help="Text column of a CSV/TSV/parquet prompt file.")
 @click.option("--algo", type=click.Choice(CALIBRATE_ALGOS),
-              default="gptq", show_default=True,
-              help="gptaq: GPTQ against the FP model's outputs (dense models); awq+gptq: "
-                   "AWQ's scales, then GPTQ (docs/algorithms.md).")
+              default="auto", show_default=True,
+              help="auto: gptaq for dense models, gptq for mixture-of-experts ones; gptaq: "
+                   "GPTQ against the FP model's outputs (dense models); awq+gptq: AWQ's "
+                   "scales, then GPTQ (docs/algorithms.md).")
 @click.option("--group-size", default=128, show_default=True,
               help="INT4 group size: 16, 32, 64, 128, 256, 512, 1024 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
@@ -634,7 +635,8 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--budget-bits", type=float, default=None,
               help="Mixed precision: average bits per weight (measures sensitivity first).")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
-@click.option("--algo", type=click.Choice(CALIBRATE_ALGOS), default="gptq", show_default=True)
+@click.option("--algo", type=click.Choice(CALIBRATE_ALGOS), default="auto", show_default=True,
+              help="As calibrate's --algo.")
 @click.option("--group-size", default=128, show_default=True)
 @click.option("--sym/--asym", default=True, show_default=True)
 @click.option("--samples", default=32, show_default=True,

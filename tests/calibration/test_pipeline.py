@@ -194,7 +194,7 @@ def test_algorithm_table_resolves_the_documented_defaults():
 
     from quantpipe.calibration.pipeline import ALGORITHMS, ALGOS
 
-    assert ALGOS == ("gptq", "gptaq", "awq", "awq+gptq", "rtn")
+    assert ALGOS == ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
     want = {"gptq": (True, True, True), "gptaq": (True, True, True),
             "awq": (False, None, False), "awq+gptq": (True, True, True),
             "rtn": (False, None, False)}
@@ -289,3 +289,30 @@ def test_cli_algo_choices_are_the_algorithm_table():
     from quantpipe.cli import CALIBRATE_ALGOS
 
     assert tuple(CALIBRATE_ALGOS) == tuple(ALGOS)
+
+
+def test_auto_is_gptaq_for_dense_models_and_gptq_for_moe(fp16_dir, prompt_file, mixtral_fp16,  # noqa: F811
+                                                         tmp_path, monkeypatch):
+    """The CLI's default `--algo auto` runs GPTAQ where it applies and GPTQ on MoE models; the
+    spec resolves it before anything is recorded (the manifest names the algorithm run)."""
+    from click.testing import CliRunner
+
+    import quantpipe.calibration.pipeline as pipeline
+    from quantpipe.cli import main
+
+    moe_fp16, _ = mixtral_fp16
+    assert CalibrateSpec(fp16_dir, tmp_path / "a", algo="auto").resolved().algo == "gptaq"
+    assert CalibrateSpec(moe_fp16, tmp_path / "b", algo="auto").resolved().algo == "gptq"
+    res = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "calib", algo="auto"))
+    assert json.loads((res.out / "quantpipe.json").read_text())["algo"] == "gptaq"
+    seen = {}
+
+    def fake_calibrate(spec):
+        seen["spec"] = spec
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(pipeline, "calibrate", fake_calibrate)
+    r = CliRunner().invoke(main, ["calibrate", str(fp16_dir), "--out", str(tmp_path / "c")])
+    assert r.exit_code == 1 and seen["spec"].algo == "auto"
+    with pytest.raises(ValueError, match="config.json: missing"):
+        CalibrateSpec(tmp_path / "nowhere", tmp_path / "d", algo="auto").resolved()

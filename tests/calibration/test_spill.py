@@ -92,7 +92,8 @@ def test_calibrate_command_takes_max_memory(tmp_path, monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(p, "calibrate", fake_calibrate)
-    args = ["calibrate", str(tmp_path), "--out", str(tmp_path / "c")]
+    # an explicit --algo: "auto" is resolved from FP16_DIR's config, which tmp_path lacks
+    args = ["calibrate", str(tmp_path), "--out", str(tmp_path / "c"), "--algo", "gptq"]
     r = CliRunner().invoke(main, [*args, "--max-memory", "1.5GiB"])
     assert r.exit_code == 1 and "stop here" in r.output
     assert seen["spec"].max_memory == int(1.5 * 2**30)
