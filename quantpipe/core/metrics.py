@@ -31,6 +31,11 @@ def token_kld(logits_ref: torch.Tensor, logits_cand: torch.Tensor,
     alone is off by float32 rounding of a ~20-nat value), without a float64 pass over the
     vocabulary. ``p_ref`` [T, V] = softmax(logits_ref), computed here (float64, stored float32)
     when not given. Clamped at 0: the true value is >= 0, rounding may leave -1e-12.
+
+    KL does not change when a constant is added to dz, so dz is first centred on its p-weighted
+    mean: a candidate whose logits are all shifted (a softmax-invariant offset of several nats)
+    would otherwise put sum_v p_v expm1(-dz_v) at -1 + e^-shift, where float32 rounding of
+    p (summing to 1 + a few 1e-6) can take it below -1 and log1p to NaN.
     """
     if logits_ref.shape != logits_cand.shape or logits_ref.dim() != 2:
         raise ValueError(f"logits must both be [T, V]; got {tuple(logits_ref.shape)} and "
@@ -38,6 +43,7 @@ def token_kld(logits_ref: torch.Tensor, logits_cand: torch.Tensor,
     if p_ref is None:
         p_ref = torch.softmax(logits_ref.double(), dim=-1).float()  # [T, V] fp32
     dz = logits_ref.float() - logits_cand.float()  # [T, V] fp32
+    dz -= (p_ref * dz).sum(-1, keepdim=True)  # centred: sum_v p_v dz_v ~ 0
     first = (p_ref * dz).sum(-1)  # [T]
     return (first + torch.log1p((p_ref * torch.expm1(-dz)).sum(-1))).clamp_min(0.0)
 

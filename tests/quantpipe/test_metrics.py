@@ -52,3 +52,20 @@ def test_mean_kld_weights_every_token():
     assert math.isclose(mean_kld(chunks), 16.0 / 4, rel_tol=0, abs_tol=0)
     with pytest.raises(ValueError, match="no tokens"):
         mean_kld([])
+
+
+def test_token_kld_of_shifted_logits_is_finite_and_right():
+    """A candidate whose logits sit ~14 nats below the reference's everywhere (softmax ignores
+    the offset) gave NaN or a wrong value (sum p expm1(-dz) is -1 + e^-14, within float32
+    rounding of p's sum): here 0.25 or negative instead of ~0.001. Centring dz keeps it the
+    float64 value."""
+    from quantpipe.core.metrics import token_kld
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(6, 49152, generator=g) * 3  # [T, V] peaked like an LM's logits
+    cand = ref - 14.4 + 0.05 * torch.randn(6, 49152, generator=g)  # a shift, small noise
+    got = token_kld(ref, cand)
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(cand.double(), -1)
+    want = (lp.exp() * (lp - lq)).sum(-1)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
