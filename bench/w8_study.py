@@ -12,10 +12,10 @@ This script re-does only the INT8 pass, one setting at a time, with the library'
 (calibration.stream, calibration.capture, calibration.gptq / rtn) and without changing them:
 
 - ``prop``: whose inputs the Hessians come from: ``w4`` (the pipeline: each block's inputs
-  through the earlier blocks quantized with the INT4 results of ``--calib``), ``fp`` (the FP
-  model's) or ``w8`` (each block quantized to INT8 as it is calibrated, the INT8 model's own);
+  through the earlier blocks quantized with the INT4 results of ``--calib``) or ``fp`` (the
+  FP model's);
 - ``sym``, ``mse`` (the clip search), ``damp`` (GPTQ percdamp), ``act`` (act-order),
-  ``samples`` (calibration sequences of ``--seq-len`` tokens), ``algo`` (gptq, gptaq, rtn),
+  ``samples`` (calibration sequences of ``--seq-len`` tokens), ``algo`` (gptq, rtn),
   ``down`` (the group size of the down_projs: -1 is per channel; 128 is a reference point,
   not per channel);
 - ``from``: no calibration here, the INT8 results of an existing calibration folder.
@@ -26,7 +26,7 @@ FP16 reference; the reference's logits are computed once and cached in ``--work`
 of ``fp`` and ``w4`` are cached there too (they do not depend on the INT8 settings).
 
     python bench/w8_study.py --fp16 /tmp/qp/fp16 --calib CALIB_DIR --work /tmp/w8 \
-        --variants pipeline,fp,w8 --json bench/results/w8_study.json
+        --variants pipeline,fp,asym --json bench/results/w8_study.json
 
 Results already in ``--json`` are kept and skipped (delete the entry to re-measure).
 """
@@ -47,12 +47,11 @@ from corpora import eval_texts  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.capture import (
-    GroupInputRecorder,
     StatsCollector,
     embed_inputs,
     run_block,
 )
-from quantpipe.calibration.gptq import gptaq, gptq
+from quantpipe.calibration.gptq import gptq
 from quantpipe.calibration.prompts import (
     CalibDataSpec,
     build_calibration_set,
@@ -74,6 +73,9 @@ from quantpipe.reports.eval import (
 
 BATCH = 8  # sequences per block forward, as calibrate's default batch_size
 CORPUS_LIMITS = {"business-eval": 4096, "sotu": 0}  # scored tokens (0: all), as the issue
+# an input group by its first linear's short name (the Llama family's four groups)
+SMOOTH_GROUPS = {"qkv": "q_proj", "o": "o_proj", "gateup": "gate_proj", "down": "down_proj"}
+SMOOTH_ALPHAS = tuple(i / 10 for i in range(11))  # AWQ's grid of exponents
 LAYER_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -81,23 +83,28 @@ LAYER_TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 class Variant:
     """One INT8 calibration (see the module docstring)."""
 
-    prop: str = "w4"  # w4 | fp | w8: whose inputs the Hessians come from
-    algo: str = "gptq"  # gptq | gptaq | rtn
+    prop: str = "w4"  # w4 | fp: whose inputs the Hessians come from
+    algo: str = "gptq"  # gptq | rtn
     sym: bool = True
     mse: bool = True  # the diag(H)-weighted clip search
     damp: float = 0.01  # GPTQ percdamp
     act: bool = True  # act-order
     samples: int = 64  # calibration sequences
     down: int = -1  # the down_projs' group size (-1: per channel)
+    # input groups whose inputs are rescaled before quantizing (see fold_scales): "+"-joined
+    # of qkv, o, gateup, down; "" = none
+    smooth: str = ""
     source: str = ""  # an existing calibration folder: its INT8 results, nothing computed
 
     def __post_init__(self) -> None:
-        if self.prop not in ("w4", "fp", "w8") or self.algo not in ("gptq", "gptaq", "rtn"):
-            raise ValueError(f"prop {self.prop!r} / algo {self.algo!r}: use w4|fp|w8, "
-                             "gptq|gptaq|rtn")
-        if self.algo == "gptaq" and self.prop == "fp":
-            raise ValueError("gptaq pairs the quantized model's inputs with the FP ones: "
-                             "use prop w4 or w8")
+        if self.prop not in ("w4", "fp") or self.algo not in ("gptq", "rtn"):
+            raise ValueError(f"prop {self.prop!r} / algo {self.algo!r}: use w4|fp, gptq|rtn "
+                             "(GPTAQ: label:from=CALIB_DIR of a calibrate --algo gptaq run)")
+        if not set(filter(None, self.smooth.split("+"))) <= set(SMOOTH_GROUPS):
+            raise ValueError(f"smooth {self.smooth!r}: join any of {', '.join(SMOOTH_GROUPS)} "
+                             "with +")
+        if self.smooth and self.algo != "gptq":
+            raise ValueError("smooth is measured with GPTQ only: use algo gptq")
 
 
 # The issue's calibration (--calib) is the pipeline row; every other row changes one setting
@@ -107,7 +114,6 @@ VARIANTS: dict[str, Variant] = {
     "pipeline": replace(BASE, source="calib"),
     "w4": BASE,  # the pipeline's INT8 pass re-done here (a check: same codes expected)
     "fp": replace(BASE, prop="fp"),
-    "w8": replace(BASE, prop="w8"),
     "asym": replace(BASE, sym=False),
     "no-mse": replace(BASE, mse=False),
     "damp0.001": replace(BASE, damp=0.001),
@@ -115,17 +121,22 @@ VARIANTS: dict[str, Variant] = {
     "samples128": replace(BASE, samples=128),
     "rtn": replace(BASE, algo="rtn", mse=False),
     "down-g128": replace(BASE, down=128),
-    # the same settings on the FP model's Hessians
-    "fp-asym": replace(BASE, prop="fp", sym=False),
-    "fp-no-mse": replace(BASE, prop="fp", mse=False),
-    "fp-damp0.001": replace(BASE, prop="fp", damp=0.001),
-    "fp-no-act": replace(BASE, prop="fp", act=False),
+    # more tokens, on the FP model's Hessians (compare with "fp": the INT4 results of --calib
+    # were calibrated on its 64 sequences)
     "fp-samples128": replace(BASE, prop="fp", samples=128),
-    "fp-down-g128": replace(BASE, prop="fp", down=128),
-    "gptaq-w8": replace(BASE, prop="w8", algo="gptaq"),
-    "w8-asym": replace(BASE, prop="w8", sym=False),
-    "w8-asym-samples128": replace(BASE, prop="w8", sym=False, samples=128),
+    "smooth-down": replace(BASE, smooth="down"),
+    "smooth-all": replace(BASE, smooth="qkv+o+gateup+down"),
+    "smooth-all-asym": replace(BASE, smooth="qkv+o+gateup+down", sym=False),
+    # combinations of the settings that helped
+    "asym-no-mse-damp0.001": replace(BASE, sym=False, mse=False, damp=0.001),
+    "combo": replace(BASE, smooth="qkv+o+gateup+down", sym=False, mse=False, damp=0.001),
 }
+# the rows of docs/algorithms.md's "W8 per channel" table, in its order (plus two from= rows:
+# the INT8 results of a GPTQ and a GPTAQ calibration on 32 x 256 tokens, given on the command
+# line as label:from=CALIB_DIR)
+TABLE = ("pipeline", "w4", "fp", "asym", "no-mse", "damp0.001", "no-act", "fp-samples128",
+         "rtn", "down-g128", "smooth-down", "smooth-all", "smooth-all-asym",
+         "asym-no-mse-damp0.001", "combo")
 
 
 # ---- calibration tokens and Hessians -------------------------------------------------------
@@ -156,7 +167,7 @@ def set_weights(block, prefix: str, weights: dict[str, QuantizedWeight]) -> None
 
 class Sequential:
     """Block by block over the calibration tokens, as `calibrate` walks them (its stream, its
-    hooks, its batch size); ``quantize(name, W, H, dXXT)`` makes each linear's INT8 result."""
+    hooks, its batch size), to capture the Hessians of every linear."""
 
     def __init__(self, fp16: Path, input_ids: torch.Tensor):
         self.stream = ModelStream(fp16)
@@ -195,63 +206,15 @@ class Sequential:
             collector.remove()
         return collector.stats, fp_out
 
-    def quantized(self, quantize, paired: bool) -> dict[str, QuantizedWeight]:
-        """The INT8 model's own walk (prop w8): each block quantized, then its outputs are the
-        next inputs. ``paired`` (GPTAQ): the FP model's inputs are carried beside and each
-        input group is captured in the partly quantized block, as calibrate's GPTAQ does."""
-        out: dict[str, QuantizedWeight] = {}
-        hidden, hidden_fp = self.hidden, self.hidden.clone() if paired else None
-        for i in range(self.blocks):
-            name = f"{self.family.blocks}.{i}"
-            with self.stream.load(name) as block:
-                ctx = self.ctx.for_layer(i)
-                if paired:
-                    hidden_fp = self._paired_block(block, name, hidden, hidden_fp, ctx, i,
-                                                   quantize, out)
-                else:
-                    stats, _ = self._capture(block, hidden, ctx, i)
-                    for group, st in stats.items():
-                        H = st.take_hessian()
-                        for lin in group.linears:
-                            full = f"{name}.{lin}"
-                            out[full] = quantize(full, block.get_submodule(lin).weight.data,
-                                                 H, None)
-                    set_weights(block, name, out)
-                hidden = run_block(block, hidden, ctx, BATCH)
-        return out
-
-    def _paired_block(self, block, name, hidden, hidden_fp, ctx, i, quantize, out):
-        groups = block_groups(self.family, block)
-        recorder = GroupInputRecorder(block, groups)
-        try:
-            fp_next = run_block(block, hidden_fp, ctx, BATCH)
-        finally:
-            recorder.remove()
-        for group in groups:
-            collector = StatsCollector(block, (group,), sample_rows=0, seed=i,
-                                       fp_inputs=recorder.inputs)
-            try:
-                run_block(block, hidden, ctx, BATCH, keep=False)
-            finally:
-                collector.remove()
-            st = collector.stats[group]
-            H, dXXT = st.take_hessian(), st.take_dxxt()
-            for lin in group.linears:
-                full = f"{name}.{lin}"
-                out[full] = quantize(full, block.get_submodule(lin).weight.data, H, dXXT)
-            set_weights(block, name, {k: out[k] for k in out if k.startswith(name + ".")})
-        return fp_next
-
 
 # ---- the INT8 quantizer of a variant --------------------------------------------------------
 
 
 def make_quantizer(v: Variant, losses: dict[str, float]):
-    """(name, W [out, in], H [in, in], dXXT or None) -> QuantizedWeight; records each
-    layer's proxy loss tr(dW H dW^T) in ``losses``."""
-    corrections: dict[int, dict] = {}  # GPTAQ's cache, per (H, dXXT) pair
+    """(name, W [out, in], H [in, in]) -> QuantizedWeight; records each layer's proxy loss
+    tr(dW H dW^T) in ``losses``."""
 
-    def quantize(name: str, W: torch.Tensor, H: torch.Tensor, dXXT) -> QuantizedWeight:
+    def quantize(name: str, W: torch.Tensor, H: torch.Tensor) -> QuantizedWeight:
         gs = v.down if name.endswith("down_proj") else -1
         W = W.float()
         if v.algo == "rtn":
@@ -263,11 +226,7 @@ def make_quantizer(v: Variant, losses: dict[str, float]):
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # as calibrate runs GPTQ (pipeline.Algorithm.one_thread)
             try:
-                if v.algo == "gptaq":
-                    cache = corrections.setdefault(id(dXXT), {})
-                    res = gptaq(W, H, spec, dXXT, corrections=cache, **kw)
-                else:
-                    res = gptq(W, H, spec, **kw)
+                res = gptq(W, H, spec, **kw)
             finally:
                 torch.set_num_threads(threads)
         losses[name] = res.loss
@@ -315,19 +274,94 @@ class Calibrator:
             return int8_from(self.args.calib if v.source == "calib" else Path(v.source))
         losses: dict[str, float] = {}
         quantize = make_quantizer(v, losses)
-        if v.prop == "w8":
-            seq = Sequential(self.args.fp16, self.input_ids(v.samples))
-            return seq.quantized(quantize, paired=v.algo == "gptaq"), losses
-        if v.algo == "gptaq":  # prop w4: calibrate --algo gptaq's own INT8 pass
-            raise ValueError("gptaq with prop w4 is calibrate --algo gptaq's INT8 result: "
-                             "give it as label:from=CALIB_DIR of such a calibration")
         H = self.hessians(v.prop, v.samples)
-        weights = {}
-        with ModelStream(self.args.fp16).load(self.args.blocks_prefix) as blocks:
+        prefix = self.args.blocks_prefix
+        stream = ModelStream(self.args.fp16)
+        with stream.load(prefix) as blocks:
+            if v.smooth:
+                return smoothed(stream.model.config, prefix, blocks, H, v, quantize), losses
+            weights = {}
             for name, Hn in H.items():
-                lin = blocks.get_submodule(name[len(self.args.blocks_prefix) + 1:])
-                weights[name] = quantize(name, lin.weight.data, Hn, None)
+                lin = blocks.get_submodule(name[len(prefix) + 1:])
+                weights[name] = quantize(name, lin.weight.data, Hn)
         return weights, losses
+
+
+# ---- exact input rescaling before INT8 (AWQ's fold, searched for the INT8 grid) ------------
+
+
+def producer_rows(n_cols: int, n_rows: int, head_dim: int) -> torch.Tensor:
+    """[n_cols] int64: the producer row feeding each input column of a consumer. Equal sizes:
+    the identity; o_proj after a GQA v_proj: every kv head's rows feed n_cols / n_rows query
+    heads' columns."""
+    c = torch.arange(n_cols)
+    if n_cols == n_rows:
+        return c
+    n_rep = n_cols // n_rows
+    return (c // head_dim) // n_rep * head_dim + c % head_dim
+
+
+def search_scale(Ws: list[torch.Tensor], H: torch.Tensor, rows: torch.Tensor, n_rows: int,
+                 sym: bool) -> tuple[torch.Tensor, float]:
+    """AWQ's search (arXiv 2306.00978, sec. 3.3), scored by INT8 per channel: the producer's
+    scales s = rms(x)^alpha [n_rows] (normalised to a geometric mid-range of 1) whose RTN proxy
+    loss tr(dW H' dW^T) summed over the consumers, with W' = W diag(s[rows]) and H' the
+    Hessian of x / s, is smallest; alpha = 0 (no scaling) is a candidate."""
+    d = torch.diagonal(H).double()  # [in] mean x^2 times 2
+    count = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, torch.ones_like(d))
+    stat = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, d) / count
+    stat = stat.sqrt().clamp_min(float(stat[stat > 0].min().sqrt()))  # [n_rows]: dead kept > 0
+    best = (float("inf"), None, 0.0)
+    for alpha in SMOOTH_ALPHAS:
+        s = stat.pow(alpha)
+        s = (s / (s.max() * s.min()).sqrt()).float()  # [n_rows]
+        sc = s[rows]  # [in] per consumer column
+        Hs = H / (sc[:, None] * sc[None, :])  # [in, in]: the Hessian of x / s
+        loss = sum(rtn(W * sc, QuantSpec(8, -1, sym), H=Hs).loss for W in Ws)
+        if loss < best[0]:
+            best = (loss, s, alpha)
+    return best[1], best[2]
+
+
+def smoothed(config, prefix: str, blocks, H: dict[str, torch.Tensor], v: Variant, quantize
+             ) -> dict[str, QuantizedWeight | torch.Tensor]:
+    """Every block's chosen input groups rescaled, then everything quantized: a consumer's
+    columns times s, its producer (a norm's gain or a linear's rows) divided by s. The model is
+    unchanged in exact arithmetic, and per-output-channel INT8 of a producer linear is
+    invariant to scaling its rows (up to the fp16 rounding of the scales). Returns the INT8
+    linears and the changed norm gains (module name -> weight [d] fp32)."""
+    family = family_for(config.model_type)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // \
+        config.num_attention_heads
+    chosen = {SMOOTH_GROUPS[k] for k in v.smooth.split("+")}
+    out: dict[str, QuantizedWeight | torch.Tensor] = {}
+    for i, block in enumerate(blocks):
+        name = f"{prefix}.{i}"
+        W = {lin: block.get_submodule(lin).weight.data.float().clone()
+             for g in family.groups for lin in g.linears}
+        Hb = {lin: H[f"{name}.{lin}"] for lin in W}
+        norms = {}
+        for g in family.groups:
+            if g.linears[0].rsplit(".", 1)[-1] not in chosen:
+                continue
+            prev = block.get_submodule(g.prev_op).weight.data.float()
+            rows = producer_rows(W[g.linears[0]].shape[1], prev.shape[0], head_dim)
+            s, _ = search_scale([W[lin] for lin in g.linears], Hb[g.linears[0]], rows,
+                                prev.shape[0], v.sym)
+            sc = s[rows]
+            Hs = Hb[g.linears[0]] / (sc[:, None] * sc[None, :])
+            for lin in g.linears:
+                W[lin].mul_(sc)  # [out, in] columns
+                Hb[lin] = Hs
+            if g.prev_op in W:  # a linear: its rows
+                W[g.prev_op].div_(s[:, None])
+            else:  # a norm's gain (Llama: x_norm * weight)
+                assert not family.one_plus_norm, "a (1 + w) gain folds differently"
+                norms[f"{name}.{g.prev_op}"] = prev / s
+        out.update(norms)
+        for lin, Wl in W.items():
+            out[f"{name}.{lin}"] = quantize(f"{name}.{lin}", Wl, Hb[lin])
+    return out
 
 
 # ---- scoring --------------------------------------------------------------------------------
@@ -358,12 +392,13 @@ class Scorer:
         return self.model(torch.tensor([w])).logits[0, :-1]  # [T-1, V] fp32
 
     @torch.no_grad()
-    def score(self, weights: dict[str, QuantizedWeight]) -> dict[str, dict]:
+    def score(self, weights: dict[str, QuantizedWeight | torch.Tensor]) -> dict[str, dict]:
+        """weights: module name -> its INT8 result, or a changed FP weight (a norm's gain)."""
         saved = {}
         for name, w in weights.items():
-            lin = self.model.get_submodule(name)
-            saved[name] = lin.weight.data
-            lin.weight.data = w.dequantize(torch.float32)
+            module = self.model.get_submodule(name)
+            saved[name] = module.weight.data
+            module.weight.data = w if torch.is_tensor(w) else w.dequantize(torch.float32)
         try:
             out = {}
             for corpus, wins in self.windows.items():
@@ -381,10 +416,10 @@ def loss_by_type(losses: dict[str, float]) -> dict[str, float]:
     return {t: sum(v for k, v in losses.items() if k.endswith(t)) for t in LAYER_TYPES}
 
 
-def same_codes(a: dict[str, QuantizedWeight], b: dict[str, QuantizedWeight]) -> int:
+def same_codes(a: dict, b: dict[str, QuantizedWeight]) -> int:
     """How many linears have exactly the same INT8 codes and scales in both."""
-    return sum(torch.equal(a[n].q, b[n].q) and torch.equal(a[n].scales, b[n].scales)
-               for n in a if n in b)
+    return sum(isinstance(a[n], QuantizedWeight) and torch.equal(a[n].q, b[n].q)
+               and torch.equal(a[n].scales, b[n].scales) for n in a if n in b)
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -402,7 +437,7 @@ def parse_variant(text: str) -> tuple[str, Variant]:
     kv = dict(item.split("=", 1) for item in body.split(";") if item)
     conv = {"prop": str, "algo": str, "sym": lambda s: s == "1", "mse": lambda s: s == "1",
             "damp": float, "act": lambda s: s == "1", "samples": int, "down": int,
-            "from": str}
+            "from": str, "smooth": str}
     fields = {("source" if k == "from" else k): conv[k](val) for k, val in kv.items()}
     return label, replace(BASE, **fields)
 
@@ -455,7 +490,8 @@ def main() -> None:
                     help="the GPTQ calibration whose INT8 results are the pipeline row and "
                          "whose INT4 results make the w4 inputs")
     ap.add_argument("--work", type=Path, default=Path("/tmp/w8"))
-    ap.add_argument("--variants", default="pipeline,w4,fp,w8")
+    ap.add_argument("--variants", default=",".join(TABLE),
+                    help="comma list of VARIANTS names or label:key=value;... (parse_variant)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ctx", type=int, default=512)
