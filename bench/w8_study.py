@@ -17,7 +17,8 @@ This script re-does only the INT8 pass, one setting at a time, with the library'
 - ``sym``, ``mse`` (the clip search), ``damp`` (GPTQ percdamp), ``act`` (act-order),
   ``samples`` (calibration sequences of ``--seq-len`` tokens), ``algo`` (gptq, rtn),
   ``down`` (the group size of the down_projs: -1 is per channel; 128 is a reference point,
-  not per channel);
+  not per channel); ``smooth`` (an exact AWQ-style rescaling of the chosen input groups,
+  searched for the INT8 grid: :func:`smoothed`);
 - ``from``: no calibration here, the INT8 results of an existing calibration folder.
 
 Each variant is scored like `bench/quality.py` (``reports.eval``'s accumulator and windows,
@@ -91,7 +92,7 @@ class Variant:
     act: bool = True  # act-order
     samples: int = 64  # calibration sequences
     down: int = -1  # the down_projs' group size (-1: per channel)
-    # input groups whose inputs are rescaled before quantizing (see fold_scales): "+"-joined
+    # input groups whose inputs are rescaled before quantizing (see smoothed): "+"-joined
     # of qkv, o, gateup, down; "" = none
     smooth: str = ""
     source: str = ""  # an existing calibration folder: its INT8 results, nothing computed
@@ -118,7 +119,6 @@ VARIANTS: dict[str, Variant] = {
     "no-mse": replace(BASE, mse=False),
     "damp0.001": replace(BASE, damp=0.001),
     "no-act": replace(BASE, act=False),
-    "samples128": replace(BASE, samples=128),
     "rtn": replace(BASE, algo="rtn", mse=False),
     "down-g128": replace(BASE, down=128),
     # more tokens, on the FP model's Hessians (compare with "fp": the INT4 results of --calib
