@@ -510,6 +510,11 @@ class _AsymInputs:
 
 def _quantize_gptaq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
                     qspec: QuantSpec, x: torch.Tensor, asym: _AsymInputs) -> QuantResult:
+    if qspec.bits != 4:
+        # the correction is for the INT4 model's input error (its blocks run the INT4 weights),
+        # which an INT8 model does not have: corrected, its INT8 layers were several times
+        # worse than GPTQ's (docs/algorithms.md); the INT8 result is GPTQ's on the same H
+        return _quantize_gptq(spec, name, W, H, qspec, x)
     solve = functools.partial(gptaq, dXXT=asym.dXXT, corrections=asym.corrections)
     return _quantize_gptq(spec, name, W, H, qspec, x, solve=solve)
 
