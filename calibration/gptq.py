@@ -27,6 +27,7 @@ from quantpipe.calibration.grid import (
 )
 from quantpipe.calibration.result import QuantResult, proxy_loss
 from quantpipe.calibration.rtn import check_weight
+from quantpipe.core.heap import mapped_zeros
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,7 @@ def _float64_workspace(n: int, device: torch.device) -> tuple[torch.Tensor, obje
     while the factor lives in the other half; -> (tensor, the map or None)."""
     if device.type != "cpu":
         return torch.empty(n, n, dtype=torch.float64, device=device), None
-    buf = mmap.mmap(-1, max(8 * n * n, 1))
-    return torch.frombuffer(buf, dtype=torch.float64, count=n * n).view(n, n), buf
+    return mapped_zeros((n, n), torch.float64)
 
 
 def _release_tail(buf, used_bytes: int) -> None:

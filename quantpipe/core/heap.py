@@ -5,6 +5,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
+import mmap
+
+import torch
 
 
 @functools.cache
@@ -27,3 +31,13 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A CPU tensor of zeros in an anonymous memory map, and the map: the OS hands out zero
+    pages and makes a page resident only when it is first written, and a range the caller no
+    longer needs can be handed back (``map.madvise(mmap.MADV_DONTNEED, ...)``) while the
+    tensor lives. The tensor keeps the map alive."""
+    numel = math.prod(shape)
+    buf = mmap.mmap(-1, max(numel * dtype.itemsize, 1))  # a map cannot be empty
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape), buf

@@ -294,7 +294,6 @@ def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
         read_field,
     )
 
@@ -309,7 +308,9 @@ def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
         del config.quantization_config
     skeleton = _skeleton(config)
     config.architectures = [type(skeleton).__name__]  # as the loaded model records it
-    processor = processor_cls(config=load_gguf_checkpoint(str(src.path))["config"])
+    # the processors read HF config keys (num_attention_heads, ...): the config parsed above
+    # has them, so the file's metadata is not parsed a third time
+    processor = processor_cls(config=config.to_dict())
     names = get_gguf_hf_weights_map(skeleton, processor)  # GGUF name -> model name
     entries = {names[t.name]: _GGUFEntry(t.name, int(t.data_offset), int(t.n_bytes),
                                          t.data.dtype, tuple(t.data.shape), t.tensor_type)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import mmap
 import os
 from dataclasses import dataclass
 
@@ -50,7 +49,7 @@ from quantpipe.core.families import (  # runtime.generate reads FAMILIES from he
     get_path,
     layer_windows,
 )
-from quantpipe.core.heap import release_freed_memory
+from quantpipe.core.heap import mapped_zeros, release_freed_memory
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import (
@@ -238,11 +237,9 @@ def zero_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     written so far, not for its capacity (torch.zeros writes every page: a request's unfilled
     blocks, and the padding block, would be resident for nothing). The values are the same
     zeros either way."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes == 0:
+    if device.type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes)  # zero-filled on first touch
-    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
+    return mapped_zeros(shape, dtype)[0]
 
 
 @dataclass(frozen=True)
