@@ -8,13 +8,14 @@ calibration set, never the whole model twice.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from quantpipe.calibration.activations import Activations
 from quantpipe.calibration.device import module_device, to_device, to_host
-from quantpipe.core.families import InputGroup, layer_types
+from quantpipe.core.families import Family, InputGroup, layer_types
 
 
 @dataclass
@@ -84,6 +85,46 @@ class StopForward(Exception):
     has what it needs: the rest of that batch's block forward is skipped."""
 
 
+def batches(hidden: torch.Tensor | Activations, batch_size: int, device: torch.device
+            ) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first sample, hidden[first:first + batch_size] on ``device``) for every batch of
+    ``hidden`` [n, L, d] (a tensor, or an :class:`Activations` set read a batch at a time)."""
+    read = hidden.read if isinstance(hidden, Activations) else (lambda a, b: hidden[a:b])
+    for start in range(0, hidden.shape[0], batch_size):
+        yield start, to_device(read(start, start + batch_size), device)
+
+
+@torch.no_grad()
+def run_until_stopped(module: torch.nn.Module, *args) -> None:
+    """``module(*args)`` run for its hooks, one of which must end it (:class:`StopForward`):
+    GPTAQ's passes that start inside a block."""
+    try:
+        module(*args)
+    except StopForward:
+        return
+    raise AssertionError(f"no hook stopped the pass through {type(module).__name__}")
+
+
+def attention_residual(block, family: Family, hidden: torch.Tensor, attn_out: torch.Tensor
+                       ) -> torch.Tensor:
+    """The decoder layer's first residual add: its input hidden [b, L, d] plus the attention's
+    output [b, L, d] (through the family's attn_out_norm where it has one), as transformers'
+    decoder layers add them (the same operations, so the same values)."""
+    if family.attn_out_norm is not None:
+        attn_out = block.get_submodule(family.attn_out_norm)(attn_out)
+    return hidden + attn_out
+
+
+def mlp_residual(block, family: Family, hidden: torch.Tensor, mlp_out: torch.Tensor
+                 ) -> torch.Tensor:
+    """The decoder layer's second residual add: the first one's result [b, L, d] plus the
+    MLP's output [b, L, d] (through the family's mlp_out_norm where it has one) -> the
+    block's output."""
+    if family.mlp_out_norm is not None:
+        mlp_out = block.get_submodule(family.mlp_out_norm)(mlp_out)
+    return hidden + mlp_out
+
+
 @torch.no_grad()
 def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batch_size: int,
               out: Activations | None = None, keep: bool = True
@@ -96,13 +137,11 @@ def run_block(block, hidden: torch.Tensor | Activations, ctx: BlockContext, batc
     batch's forward early by raising :class:`StopForward`). Each batch goes to the
     device of the block's weights and its output comes back to the CPU (calibration.device);
     ``ctx`` must already be there (:meth:`BlockContext.to`)."""
-    read = hidden.read if isinstance(hidden, Activations) else (
-        lambda a, b: hidden[a:b])
     device = module_device(block)
     outs = []
-    for start in range(0, hidden.shape[0], batch_size):
+    for start, batch in batches(hidden, batch_size, device):
         try:
-            y = block(to_device(read(start, start + batch_size), device), **ctx.kwargs())
+            y = block(batch, **ctx.kwargs())
         except StopForward:
             if keep or out is not None:
                 raise RuntimeError("a hook stopped a block pass whose outputs are used") from None
@@ -172,10 +211,11 @@ class GroupStats:
                 in zip(buf.split(sizes), self._bounds())]
 
     def add_xtx(self, x: torch.Tensor) -> None:
-        """x: [tokens, in] fp32: add x^T x ([in, in] fp32, symmetric) to the fp64 sum."""
-        P = x.T @ x  # [in, in] fp32
+        """x: [tokens, in] fp32: add x^T x (symmetric) to the fp64 sum, a strip at a time:
+        only the upper triangle's products are computed (about half of x^T x's)."""
         for (r0, r1), strip in zip(self._bounds(), self._strips):
-            strip.add_(P[r0:r1, r0:])  # fp64 += fp32, elementwise as a full matrix would be
+            # [r1 - r0, tokens] @ [tokens, in - r0] -> fp32 products, added to the fp64 strip
+            strip.add_(x[:, r0:r1].T @ x[:, r0:])
 
     def _full(self, scale: float | None, dtype: torch.dtype, consume: bool) -> torch.Tensor:
         """The symmetric [in, in] matrix from the strips (times ``scale``), in ``dtype``."""
@@ -257,10 +297,14 @@ class StatsCollector:
 
     def __init__(self, block, groups: tuple[InputGroup, ...], sample_rows: int = 4096,
                  seed: int = 0, fp_inputs: dict[InputGroup, list[torch.Tensor]] | None = None,
-                 stop: bool = False):
+                 stop: bool = False, keep_inputs: bool = False):
         if stop and len(groups) != 1:
             raise ValueError("stop=True ends the forward at the hook: it needs one group")
         self.stats: dict[InputGroup, GroupStats] = {}
+        # keep_inputs: per group, every call's input as the linear sees it ([..., in], on the
+        # block's device), in call order (GPTAQ computes later passes from them)
+        self.kept: dict[InputGroup, list[torch.Tensor]] | None = (
+            {g: [] for g in groups} if keep_inputs else None)
         # end the forward (StopForward) once the group's inputs are summed: GPTAQ's pass for
         # one group needs nothing after that group's linears
         self._stop = stop
@@ -279,6 +323,8 @@ class StatsCollector:
 
     def _hook(self, group: InputGroup):
         def hook(_module, args):
+            if self.kept is not None:  # a copy: the forward may reuse its buffers
+                self.kept[group].append(args[0].detach().clone())  # [..., in]
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
             st = self.stats[group]
             st.add_xtx(x)  # [in, in] fp64 (upper strips) += [in, tokens] @ [tokens, in] fp32

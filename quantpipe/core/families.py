@@ -45,6 +45,7 @@ class Family:
     norm_eps: str = "variance_epsilon"  # attribute of a norm module holding its epsilon
     attn_out_norm: str | None = None  # norm of the attention output before the residual add
     mlp_in_norm: str = "post_attention_layernorm"  # norm feeding the MLP
+    mlp: str = "mlp"  # the MLP module: its input is mlp_in_norm's output, its output down_proj's
     mlp_out_norm: str | None = None  # norm of the MLP output before the residual add
     qk_norm: bool = False  # self_attn.q_norm / k_norm: RMSNorm per head before RoPE (Qwen3)
     qkv_proj: str | None = None  # one fused q/k/v linear (rows q, k, v), relative to the block

@@ -106,3 +106,33 @@ def test_unsupported_model_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="not supported.*gemma2.*llama.*mixtral.*phi3.*"
                        "qwen2_moe.*qwen3.*qwen3_moe"):
         family_for("gpt2")
+
+
+@pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - set(MOE_FAMILIES)))
+def test_block_from_its_last_linears_inputs(model_type):
+    """GPTAQ computes its later passes and the quantized block's outputs from o_proj's and
+    down_proj's inputs (calibration.capture.attention_residual / mlp_residual): with the
+    family's norms and MLP module those give exactly the decoder layer's own outputs, and the
+    MLP run from the first residual add gives down_proj exactly the inputs it had."""
+    from quantpipe.calibration.capture import attention_residual, embed_inputs, mlp_residual
+
+    model = _tiny_model(model_type)
+    family = family_for(model_type)
+    block = get_blocks(model, family)[0]
+    _, attn_o, _, mlp_down = block_groups(family, block)
+    o_proj, down_proj = (block.get_submodule(g.linears[0]) for g in (attn_o, mlp_down))
+    seen = {}
+    hooks = [lin.register_forward_pre_hook(lambda m, args, key=key: seen.update({key: args[0]}))
+             for key, lin in (("o", o_proj), ("down", down_proj))]
+    x, ctx = embed_inputs(model, torch.randint(0, 96, (2, 12)))
+    x = x.double()  # [2, 12, 64] fp64, as the model
+    with torch.no_grad():
+        want = block(x, **ctx.for_layer(0).kwargs())
+        want = want[0] if isinstance(want, tuple) else want  # [2, 12, 64]
+        h1 = attention_residual(block, family, x, o_proj(seen["o"]))  # [2, 12, 64]
+        x_down = seen.pop("down")
+        block.get_submodule(family.mlp)(block.get_submodule(family.mlp_in_norm)(h1))
+        assert torch.equal(seen["down"], x_down)  # the MLP reached down_proj with them
+        for h in hooks:
+            h.remove()
+        assert torch.equal(mlp_residual(block, family, h1, down_proj(x_down)), want)

@@ -234,6 +234,30 @@ def test_gptaq_is_gptq_where_the_inputs_agree(fp16_dir, prompt_file, tmp_path):
             assert same == first_group, key
 
 
+def test_gptaq_next_inputs_are_the_quantized_blocks_outputs(fp16_dir, prompt_file, tmp_path,
+                                                           monkeypatch):
+    """GPTAQ computes the next block's inputs (and its MLP groups' inputs) from the inputs it
+    kept of o_proj and down_proj, not by running the block again: they must be exactly what
+    the block, its linears at their INT4 weights, gives (a ragged last batch included)."""
+    import quantpipe.calibration.pipeline as p
+    from quantpipe.calibration.capture import run_block
+
+    orig, checked = p._asymmetric_block, []
+
+    def checking(spec, algo, block, name, model_type, family, hiddens, ctx, seed, out):
+        results, raises, nxt = orig(spec, algo, block, name, model_type, family, hiddens, ctx,
+                                    seed, out)
+        # the block's linears hold their dequantized INT4 weights now
+        want = run_block(block, hiddens["hidden"], ctx, spec.batch_size)  # [n, L, d]
+        assert torch.equal(nxt["hidden"].read(0, want.shape[0]), want), name
+        checked.append(name)
+        return results, raises, nxt
+
+    monkeypatch.setattr(p, "_asymmetric_block", checking)
+    calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="gptaq", batch_size=3))
+    assert checked == ["model.layers.0", "model.layers.1"]
+
+
 def test_gptaq_resumes_with_both_inputs(fp16_dir, prompt_file, tmp_path):
     """GPTAQ's resume state holds the FP model's block inputs too: a run stopped after block 0
     and resumed gives the uninterrupted run's results."""
