@@ -13,7 +13,8 @@ saves every number.
 
 Configurations are ALGO-sym or ALGO-asym (ALGO: any `calibrate --algo` — gptq, gptaq, awq,
 awq+gptq, rtn — or gptqrefine: GPTQ then ``calibration.refine.refine_result`` on every linear,
-registered by this script only, to measure the refinement before the pipeline offers it).
+registered by this script only, to measure the refinement before the pipeline offers it; or
+gptaqALPHA, e.g. gptaq0.5: GPTAQ with another scaling of its correction).
 Configurations calibrate one after the other in the order given, so their calibration times
 (``calibrate_seconds``) are comparable as ratios within one run on a quiet machine only.
 Calibrations and exports already finished in --work are reused (delete the folder to
@@ -50,6 +51,25 @@ def register_refined_gptq() -> None:
         return refine_result(W, H, base.quantize(spec, name, W, H, qspec, x))
 
     pipeline.ALGORITHMS["gptqrefine"] = dataclasses.replace(base, quantize=quantize)
+
+
+def register_gptaq_alphas(configs: list[str]) -> None:
+    """Bench-only ``gptaq<ALPHA>`` algorithms (e.g. ``gptaq0.5-sym``): calibrate's GPTAQ row
+    with another scaling of the asymmetric correction than the default
+    (``calibration.gptq.GPTAQ_ALPHA``)."""
+    import dataclasses
+    import functools
+    import re
+
+    from quantpipe.calibration import pipeline
+
+    for config in configs:
+        algo = config.split("-")[0]
+        m = re.fullmatch(r"gptaq(\d*\.?\d+)", algo)
+        if m:
+            pipeline.ALGORITHMS[algo] = dataclasses.replace(
+                pipeline.ALGORITHMS["gptaq"],
+                quantize=functools.partial(pipeline._quantize_gptaq, alpha=float(m[1])))
 
 
 def calibrate_and_export(fp16: Path, work: Path, name: str, bits: list[int], args) -> dict:
@@ -107,6 +127,7 @@ def main() -> None:
     register_refined_gptq()
     t0 = time.time()
     configs = args.configs.split(",")
+    register_gptaq_alphas(configs)
     results = [calibrate_and_export(args.fp16, args.work, c,
                                     [4, 8] if i == 0 and not args.no_w8 else [4], args)
                for i, c in enumerate(configs)]

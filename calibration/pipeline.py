@@ -81,7 +81,7 @@ from quantpipe.calibration.device import (
     to_device,
     to_host,
 )
-from quantpipe.calibration.gptq import gptaq, gptq
+from quantpipe.calibration.gptq import GPTAQ_ALPHA, gptaq, gptq
 from quantpipe.calibration.moe import (
     FALLBACK,
     expert_linears_in,
@@ -182,7 +182,7 @@ class CalibrateSpec:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.algo not in ALGOS:
+        if self.algo != AUTO and self.algo not in ALGORITHMS:  # (bench scripts may add rows)
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
         check_group_size(self.group_size)
         check_device(self.device)
@@ -514,13 +514,15 @@ class _AsymInputs:
 
 
 def _quantize_gptaq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tensor,
-                    qspec: QuantSpec, x: torch.Tensor, asym: _AsymInputs) -> QuantResult:
+                    qspec: QuantSpec, x: torch.Tensor, asym: _AsymInputs,
+                    alpha: float = GPTAQ_ALPHA) -> QuantResult:
     if qspec.bits != 4:
         # the correction is for the INT4 model's input error (its blocks run the INT4 weights),
         # which an INT8 model does not have: corrected, its INT8 layers were several times
         # worse than GPTQ's (docs/algorithms.md); the INT8 result is GPTQ's on the same H
         return _quantize_gptq(spec, name, W, H, qspec, x)
-    solve = functools.partial(gptaq, dXXT=asym.dXXT, corrections=asym.corrections)
+    solve = functools.partial(gptaq, dXXT=asym.dXXT, corrections=asym.corrections,
+                              alpha=alpha)
     return _quantize_gptq(spec, name, W, H, qspec, x, solve=solve)
 
 

@@ -1,0 +1,37 @@
+"""bench/quality.py's bench-only algorithms: calibrate accepts them and they do what they name."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+quality = pytest.importorskip("quality")
+
+
+def test_bench_only_algorithms(monkeypatch):
+    from quantpipe.calibration import pipeline
+    from quantpipe.calibration.gptq import gptaq
+    from quantpipe.core.qformat import QuantSpec
+
+    # the registry as it was, back after the test
+    monkeypatch.setattr(pipeline, "ALGORITHMS", dict(pipeline.ALGORITHMS))
+    quality.register_refined_gptq()
+    quality.register_gptaq_alphas(["gptaq0.5-sym", "gptq-asym"])
+    assert set(pipeline.ALGORITHMS) - set(pipeline.ALGOS) == {"gptqrefine", "gptaq0.5"}
+    for algo in ("gptqrefine", "gptaq0.5"):  # accepted, with GPTQ's defaults
+        spec = pipeline.CalibrateSpec(Path("f"), Path("o"), algo=algo).resolved()
+        assert spec.act_order and spec.mse_clip
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(16, 64, generator=g)  # [out, in]
+    X = torch.randn(512, 64, generator=g)  # [tokens, in] the quantized model's inputs
+    dX = 0.2 * torch.randn(512, 64, generator=g)  # X_fp - X_q
+    H, dXXT = 2 * X.T @ X / 512, 2 * dX.T @ X / 512  # [in, in] each
+    qspec = QuantSpec(4, 32, False)
+    got = pipeline.ALGORITHMS["gptaq0.5"].quantize(spec, "l", W, H, qspec, X[:0],
+                                                   asym=pipeline._AsymInputs(dXXT))
+    for alpha, same in ((0.5, True), (0.25, False)):
+        ref = gptaq(W, H, qspec, dXXT, alpha=alpha, mse_clip=spec.mse_clip,
+                    static_groups=spec.static_groups)
+        assert torch.equal(got.weight.q, ref.weight.q) == same, alpha
