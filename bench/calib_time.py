@@ -51,7 +51,10 @@ def main() -> None:
     here = str(Path(sys.executable).with_name("quantpipe"))
     systems = []
     for s in args.system:
-        name, algo, *rest = s.split(":")
+        parts = s.split(":")
+        if not 2 <= len(parts) <= 4 or not all(parts[:2]):
+            ap.error(f"--system {s!r}: use NAME:ALGO[:QUANTPIPE[:FP16_DIR]], e.g. new:auto")
+        name, algo, *rest = parts
         exe = rest[0] if rest and rest[0] else here
         fp16 = Path(rest[1]) if len(rest) > 1 else args.fp16
         systems.append((f"{name}-{algo}", algo, exe, fp16))
@@ -64,9 +67,12 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 cmd = [exe, "calibrate", str(fp16), "--out", str(out), "--algo", algo, *RUN_ARGS]
                 t = time.perf_counter()
-                subprocess.run(cmd, env=env, cwd=tmp, check=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                run = subprocess.run(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
                 seconds[key].append(time.perf_counter() - t)
+                if run.returncode != 0:  # nothing is saved; say why
+                    sys.exit(f"{' '.join(cmd)} failed (exit {run.returncode}):\n"
+                             f"{run.stderr[-3000:]}")
                 print(f"round {rnd} {key}: {seconds[key][-1]:.1f}s "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
     med = {k: statistics.median(v) for k, v in seconds.items()}
