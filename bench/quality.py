@@ -15,6 +15,9 @@ Configurations are ALGO-sym or ALGO-asym (ALGO: any `calibrate --algo` — gptq,
 awq+gptq, rtn — or gptqrefine: GPTQ then ``calibration.refine.refine_result`` on every linear,
 registered by this script only, to measure the refinement before the pipeline offers it; or
 gptaqALPHA, e.g. gptaq0.5: GPTAQ with another scaling of its correction).
+``--clip-grid N`` and ``--clip-sym-top on|off`` set the clip search's settings
+(``calibration.grid``) for every calibration of the run; ``--clip-grid 20 --clip-sym-top off``
+is the search before issue #18's measurement. Give each setting its own --work.
 Configurations calibrate one after the other in the order given, so their calibration times
 (``calibrate_seconds``) are comparable as ratios within one run on a quiet machine only.
 Calibrations and exports already finished in --work are reused (delete the folder to
@@ -72,6 +75,18 @@ def register_gptaq_alphas(configs: list[str]) -> None:
                 quantize=functools.partial(pipeline._quantize_gptaq, alpha=float(m[1])))
 
 
+def set_clip_search(steps: int | None, sym_top: str | None) -> tuple[int, str]:
+    """Set the clip search's settings for this process (None: leave the library's); returns
+    the settings in effect."""
+    from quantpipe.calibration import grid
+
+    if steps is not None:
+        grid.CLIP_GRID = steps
+    if sym_top is not None:
+        grid.CLIP_SYM_TOP_CODE = sym_top == "on"
+    return grid.CLIP_GRID, "on" if grid.CLIP_SYM_TOP_CODE else "off"
+
+
 def calibrate_and_export(fp16: Path, work: Path, name: str, bits: list[int], args) -> dict:
     algo, sym = name.split("-")
     calib_dir = work / f"calib-{name}"
@@ -117,8 +132,14 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--no-w8", action="store_true",
                     help="skip the first configuration's W8 export and eval")
+    ap.add_argument("--clip-grid", type=int, default=None,
+                    help="the clip search's steps (default: calibration.grid.CLIP_GRID)")
+    ap.add_argument("--clip-sym-top", choices=("on", "off"), default=None,
+                    help="the symmetric clip search's top-code candidate (default: on)")
     ap.add_argument("--json", type=Path, default=Path("bench/results/quality.json"))
     args = ap.parse_args()
+    # the settings in effect, recorded in the JSON
+    args.clip_grid, args.clip_sym_top = set_clip_search(args.clip_grid, args.clip_sym_top)
     try:
         corpora = parse_corpora(args.corpora)
     except ValueError as exc:

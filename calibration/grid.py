@@ -16,6 +16,13 @@ MIN_SCALE = 1e-5
 # elements of W per chunk of rows in the MSE clip search (a chunk and its error stay in the L2
 # cache while the candidates are evaluated)
 CLIP_CHUNK = 1 << 17
+# The clip search's candidates (params_for_groups), read when it runs: CLIP_GRID steps of the
+# range down to (1 - CLIP_MAX_SHRINK) of it and, for symmetric grids, the top-code candidate.
+# Until issue #18's measurement (docs/algorithms.md) they were 20 steps and no top-code
+# candidate; bench/quality.py's --clip-grid / --clip-sym-top set them to reproduce that.
+CLIP_GRID = 100  # steps of 0.01, as GPTQ's reference quantizer
+CLIP_MAX_SHRINK = 0.8
+CLIP_SYM_TOP_CODE = True
 
 
 def scale_zero_from_range(
@@ -82,8 +89,8 @@ def params_for_groups(
     max_val: torch.Tensor | None = None,
     mse_clip: bool = False,
     col_weight: torch.Tensor | None = None,
-    grid: int = 20,
-    max_shrink: float = 0.8,
+    grid: int | None = None,
+    max_shrink: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero of every group.
 
@@ -93,9 +100,13 @@ def params_for_groups(
     - ``max_val`` [out, G]: the range is first clipped to ``[-max_val, max_val]`` (AWQ auto_clip);
     - ``mse_clip``: the range is shrunk by ``p = 1 - i / grid`` for ``i < max_shrink * grid``
       (GPTQ's quantizer ``mse`` option) and each group keeps the ``p`` with the smallest squared
-      error, weighted per column by ``col_weight`` [G, gs] (e.g. diag(H)) when given. ``p = 1`` is
+      error, weighted per column by ``col_weight`` [G, gs] (e.g. diag(H)) when given. Min-max is
       evaluated first and only a strictly smaller error replaces it, so the search never loses
-      to min-max.
+      to min-max. Symmetric grids also try, last, the scale that puts the largest positive
+      value exactly on the top code, ``max / (maxq - zero)`` (``max / 7`` at INT4: min-max's
+      ``absmax / 7.5`` clamps it half a step short; the one candidate above min-max), kept
+      where its error is smaller (CLIP_SYM_TOP_CODE). ``grid`` and ``max_shrink`` default to
+      CLIP_GRID and CLIP_MAX_SHRINK.
     """
     xmin = Wg.amin(dim=-1)  # [out, G]
     xmax = Wg.amax(dim=-1)  # [out, G]
@@ -106,10 +117,12 @@ def params_for_groups(
     scale, zero = scale_zero_from_range(xmin, xmax, spec)
     if not mse_clip:
         return scale, zero
+    grid = CLIP_GRID if grid is None else grid
+    max_shrink = CLIP_MAX_SHRINK if max_shrink is None else max_shrink
     if grid < 1 or not 0.0 < max_shrink <= 1.0:
         raise ValueError(
             f"mse_clip needs grid >= 1 and 0 < max_shrink <= 1, got grid={grid}, "
-            f"max_shrink={max_shrink}; the defaults are 20 and 0.8"
+            f"max_shrink={max_shrink}; the defaults are {CLIP_GRID} and {CLIP_MAX_SHRINK}"
         )
     col_weight = None if col_weight is None else col_weight.expand(Wg.shape[1:])  # [G, gs]
     # Rows are searched in chunks of about CLIP_CHUNK elements: each candidate's error passes
@@ -158,8 +171,12 @@ def _mse_clip_rows(
         return d.sum(dim=-1)  # [rows, G]
 
     best_err = err_of(scale, zero)
-    for i in range(1, int(max_shrink * grid)):
-        p = 1.0 - i / grid
+    shrinks = [1.0 - i / grid for i in range(1, int(max_shrink * grid))]
+    # symmetric, last: the range grown by (maxq / 2) / sym_hi (7.5 / 7 at INT4), which puts a
+    # positive extreme exactly on the top code; where the largest |value| is negative it is
+    # only a coarser grid, which the error turns down like any other candidate
+    top = [spec.maxq / 2 / sym_hi] if spec.sym and CLIP_SYM_TOP_CODE else []
+    for p in shrinks + top:
         s, z = scale_zero_from_range(p * xmin, p * xmax, spec)
         err = err_of(s, z)
         better = err < best_err  # [rows, G] bool

@@ -36,17 +36,18 @@ def rtn(
     spec: QuantSpec,
     mse_clip: bool = False,
     H: torch.Tensor | None = None,
-    grid: int = 20,
-    max_shrink: float = 0.8,
+    grid: int | None = None,
+    max_shrink: float | None = None,
     clip: torch.Tensor | None = None,
 ) -> QuantResult:
     """Round each group of W onto its own grid.
 
     W: [out, in] -> QuantResult with q [out, in] uint8, scales/zeros [out, G].
     ``mse_clip`` searches a shrink factor of each group's range minimizing the squared error,
-    weighted by diag(H) when H is given; ``clip`` [out, G] fixes each group's max |value|
-    (from :func:`calibration.awq.awq_clip_search`). The loss is tr(dW H dW^T) with H, else
-    sum(dW**2).
+    weighted by diag(H) when H is given (:func:`calibration.grid.params_for_groups`; ``grid``
+    and ``max_shrink`` None take its settings); ``clip`` [out, G] fixes each group's
+    max |value| (from :func:`calibration.awq.awq_clip_search`). The loss is tr(dW H dW^T)
+    with H, else sum(dW**2).
     """
     W = check_weight(W, H)
     out_f, in_f = W.shape

@@ -34,3 +34,21 @@ def test_parse_corpora():
         corpora.parse_corpora("kjv")
     with pytest.raises(ValueError, match="comma list"):
         corpora.parse_corpora("")
+
+
+@pytest.mark.parametrize("n_files", [24, 100, 249, 1000])
+def test_sotu_dev_picks_are_disjoint_from_sotu(n_files):
+    dev, test = corpora.sotu_dev_picks(n_files), corpora.sotu_picks(n_files)
+    assert len(dev) == corpora.SOTU_DEV_DOCS == len(set(dev))
+    assert not set(dev) & set(test)
+    assert all(0 <= k < n_files for k in dev)
+
+
+def test_sotu_dev_texts_are_other_addresses():
+    from tests.tiny_models import make_tokenizer
+
+    tok = make_tokenizer()
+    dev, test = corpora.eval_texts("sotu-dev", None, tok), corpora.eval_texts("sotu", None, tok)
+    assert len(dev) == corpora.SOTU_DEV_DOCS
+    assert not set(dev) & set(test)
+    assert corpora.parse_corpora("sotu-dev,sotu") == ["sotu-dev", "sotu"]

@@ -35,3 +35,13 @@ def test_bench_only_algorithms(monkeypatch):
         ref = gptaq(W, H, qspec, dXXT, alpha=alpha, mse_clip=spec.mse_clip,
                     static_groups=spec.static_groups)
         assert torch.equal(got.weight.q, ref.weight.q) == same, alpha
+
+
+def test_clip_search_settings(monkeypatch):
+    from quantpipe.calibration import grid
+
+    monkeypatch.setattr(grid, "CLIP_GRID", grid.CLIP_GRID)  # restored after the test
+    monkeypatch.setattr(grid, "CLIP_SYM_TOP_CODE", grid.CLIP_SYM_TOP_CODE)
+    assert quality.set_clip_search(None, None) == (100, "on")  # the library's
+    assert quality.set_clip_search(20, "off") == (20, "off")
+    assert (grid.CLIP_GRID, grid.CLIP_SYM_TOP_CODE) == (20, False)

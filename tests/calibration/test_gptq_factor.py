@@ -181,8 +181,9 @@ def test_transposed_column_loop_equals_the_ist_loop(block_size):
     assert torch.equal((q.float() - zeros[:, col_group]) * scales[:, col_group], Q)
 
 
-def mse_clip_reference(Wg, spec, col_weight, grid_n=20, max_shrink=0.8):
-    """The shrink search on the whole tensor with float64 errors (no chunks, no in place)."""
+def mse_clip_reference(Wg, spec, col_weight, grid_n=100, max_shrink=0.8):
+    """The shrink search on the whole tensor with float64 errors (no chunks, no in place),
+    with the symmetric top-code candidate last."""
     xmin, xmax = Wg.amin(dim=-1), Wg.amax(dim=-1)
     best_s, best_z = scale_zero_from_range(xmin, xmax, spec)
     cw = None if col_weight is None else col_weight.double()
@@ -192,8 +193,10 @@ def mse_clip_reference(Wg, spec, col_weight, grid_n=20, max_shrink=0.8):
         return (d * d if cw is None else d * d * cw).sum(dim=-1)
 
     best = err_of(best_s, best_z)
-    for i in range(1, int(max_shrink * grid_n)):
-        s, z = scale_zero_from_range((1 - i / grid_n) * xmin, (1 - i / grid_n) * xmax, spec)
+    shrinks = [1 - i / grid_n for i in range(1, int(max_shrink * grid_n))]
+    top = [(2**spec.bits - 1) / 2 / (2 ** (spec.bits - 1) - 1)] if spec.sym else []
+    for p in shrinks + top:
+        s, z = scale_zero_from_range(p * xmin, p * xmax, spec)
         err = err_of(s, z)
         better = err < best
         best, best_s, best_z = (torch.where(better, err, best), torch.where(better, s, best_s),

@@ -89,3 +89,68 @@ def test_rtn_rejects_bad_input():
         rtn(torch.full((8, 64), float("nan")), QuantSpec(4, 32, True))
     with pytest.raises(ValueError, match=r"\[in, in\]"):
         rtn(torch.randn(8, 64), QuantSpec(4, 32, True), H=torch.eye(32))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label())
+@pytest.mark.parametrize("steps,top", [(100, True), (20, False)])
+def test_clip_search_takes_the_best_of_its_candidates(spec, steps, top, monkeypatch):
+    """Every group gets the smallest diag(H)-weighted error among min-max, the shrinks
+    p = 0.99, 0.98, ..., 0.21 of its range and, symmetric, the scale max / 7 that puts the
+    largest positive value on the top code (codes -8..7), each candidate scored here in
+    float64 from scales built apart from calibration/grid.py. With the settings of before
+    issue #18 (steps of 0.05, no top-code candidate) the candidates are those."""
+    from quantpipe.calibration import grid
+
+    monkeypatch.setattr(grid, "CLIP_GRID", steps)
+    monkeypatch.setattr(grid, "CLIP_SYM_TOP_CODE", top)
+    shrinks = [1 - i / steps for i in range(int(0.8 * steps))]  # p = 1: min-max
+    torch.manual_seed(2)
+    W = torch.distributions.StudentT(3.0).sample((16, 128)) * 0.02
+    X = torch.randn(256, 128) * torch.linspace(0.1, 3.0, 128)
+    H = X.T @ X / 256
+    gs = spec.group_size_for(128)
+    Wg = W.double().reshape(16, 128 // gs, gs)
+    d = torch.diagonal(H).double().reshape(128 // gs, gs)
+    maxq, mid = 2**spec.bits - 1, 2 ** (spec.bits - 1)
+    lo, hi = Wg.amin(-1), Wg.amax(-1)
+
+    def fp16(x):
+        return x.clamp(min=1e-5).half().double()
+
+    def err(scale, zero):  # [16, G] each -> [16, G]
+        s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
+        q = torch.clamp(torch.round(Wg / s) + z, 0, maxq)
+        return (((q - z) * s - Wg) ** 2 * d).sum(-1)
+
+    if spec.sym:
+        zero = torch.full_like(lo, mid)
+        absmax = torch.maximum(lo.abs(), hi.abs())
+        cands = [(fp16(p * absmax / (maxq / 2)), zero) for p in shrinks]
+        if top:
+            cands.append((fp16(absmax / (maxq - mid)), zero))
+    else:
+        cands = []
+        for p in shrinks:
+            a, b = (p * lo).clamp(max=0), (p * hi).clamp(min=0)
+            scale = fp16((b - a) / maxq)
+            cands.append((scale, torch.clamp(torch.round(-a / scale), 0, maxq)))
+    best = torch.stack([err(s, z) for s, z in cands]).amin(0)
+    res = rtn(W, spec, H=H, mse_clip=True)
+    got = (((W.double() - res.weight.dequantize().double()) ** 2).reshape(Wg.shape) * d).sum(-1)
+    # the search ranks candidates by fp32 errors: a near-tie may go either way
+    assert got == pytest.approx(best, rel=1e-5, abs=1e-12)
+
+
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_symmetric_clip_search_puts_the_positive_extreme_on_the_top_code(group_size):
+    """Integers in [-6, 7] with 7 in every group are exact on the grid of scale 1 = 7 / 7
+    (codes q - 8 in [-8, 7]); min-max's absmax / 7.5 misses them and every shrink clips 7:
+    only the top-code candidate is exact, and the search takes it."""
+    torch.manual_seed(3)
+    W = torch.randint(-6, 8, (16, 128)).float()
+    W[:, ::64] = 7.0  # every group's largest |value|, positive
+    spec = QuantSpec(4, group_size, True)
+    res = rtn(W, spec, mse_clip=True)
+    assert (res.weight.scales == 1.0).all()
+    assert torch.equal(res.weight.dequantize(), W)
+    assert not torch.equal(rtn(W, spec).weight.dequantize(), W)  # min-max is not exact
