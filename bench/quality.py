@@ -77,9 +77,11 @@ def register_gptaq_alphas(configs: list[str]) -> None:
 
 def set_clip_search(steps: int | None, sym_top: str | None) -> tuple[int, str]:
     """Set the clip search's settings for this process (None: leave the library's); returns
-    the settings in effect."""
+    the settings in effect. ValueError for steps below 1 (before anything is calibrated)."""
     from quantpipe.calibration import grid
 
+    if steps is not None and steps < 1:
+        raise ValueError(f"--clip-grid {steps}: the clip search needs at least 1 step")
     if steps is not None:
         grid.CLIP_GRID = steps
     if sym_top is not None:
@@ -138,8 +140,10 @@ def main() -> None:
                     help="the symmetric clip search's top-code candidate (default: on)")
     ap.add_argument("--json", type=Path, default=Path("bench/results/quality.json"))
     args = ap.parse_args()
-    # the settings in effect, recorded in the JSON
-    args.clip_grid, args.clip_sym_top = set_clip_search(args.clip_grid, args.clip_sym_top)
+    try:  # the settings in effect, recorded in the JSON
+        args.clip_grid, args.clip_sym_top = set_clip_search(args.clip_grid, args.clip_sym_top)
+    except ValueError as exc:
+        ap.error(str(exc))
     try:
         corpora = parse_corpora(args.corpora)
     except ValueError as exc:

@@ -232,10 +232,11 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
               help="INT4 group size: 16, 32, 64, 128, 256, 512, 1024 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
 @click.option("--act-order/--no-act-order", default=None,
-              help="GPTQ: columns by decreasing Hessian diagonal [default: on for gptq].")
+              help="GPTQ family (gptq, gptaq, awq+gptq): columns by decreasing Hessian "
+                   "diagonal [default: on].")
 @click.option("--mse-clip/--no-mse-clip", default=None,
-              help="RTN/GPTQ: search the clipping range per group [default: on for gptq, off "
-                   "for rtn].")
+              help="RTN/GPTQ family: search the clipping range per group [default: on for "
+                   "the GPTQ family, off for rtn].")
 @click.option("--static-groups/--dynamic-groups", default=None,
               help="GPTQ group scales: from the original weights up front, or when GPTQ "
                    "reaches the group [default: static with --act-order, else dynamic].")

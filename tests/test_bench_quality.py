@@ -45,3 +45,6 @@ def test_clip_search_settings(monkeypatch):
     assert quality.set_clip_search(None, None) == (100, "on")  # the library's
     assert quality.set_clip_search(20, "off") == (20, "off")
     assert (grid.CLIP_GRID, grid.CLIP_SYM_TOP_CODE) == (20, False)
+    with pytest.raises(ValueError, match="at least 1 step"):
+        quality.set_clip_search(0, None)
+    assert grid.CLIP_GRID == 20  # unchanged by the refused value
