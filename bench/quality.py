@@ -21,7 +21,7 @@ is the search before issue #18's measurement. Give each setting its own --work.
 Configurations calibrate one after the other in the order given, so their calibration times
 (``calibrate_seconds``) are comparable as ratios within one run on a quiet machine only.
 Calibrations and exports already finished in --work are reused (delete the folder to
-recompute).
+recompute); a calibration whose manifest records another clip search is an error.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.grid import clip_search_settings
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
 from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
@@ -98,6 +99,11 @@ def calibrate_and_export(fp16: Path, work: Path, name: str, bits: list[int], arg
             samples=args.samples, seq_len=args.seq_len, seed=args.seed,
         ))
     m = read_calibration(calib_dir).manifest
+    if m.get("clip_search") != clip_search_settings():
+        raise SystemExit(
+            f"{calib_dir} was calibrated with the clip search {m.get('clip_search')} (None: "
+            f"before the manifest recorded it), this run's is {clip_search_settings()}: give "
+            "each setting its own --work")
     out = {"config": name, "calibrate_seconds": m["seconds"],
            "calibrate_peak_rss_mb": m["peak_rss_mb"], "damp_raises": m["damp_raises"],
            "models": {}}

@@ -25,6 +25,12 @@ CLIP_MAX_SHRINK = 0.8
 CLIP_SYM_TOP_CODE = True
 
 
+def clip_search_settings() -> dict:
+    """The clip search's settings in effect (recorded by a calibration: results made with
+    other settings differ, so a run must not resume across them)."""
+    return {"grid": CLIP_GRID, "max_shrink": CLIP_MAX_SHRINK, "sym_top_code": CLIP_SYM_TOP_CODE}
+
+
 def scale_zero_from_range(
     xmin: torch.Tensor, xmax: torch.Tensor, spec: QuantSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,7 @@ from quantpipe.calibration.device import (
     to_host,
 )
 from quantpipe.calibration.gptq import GPTAQ_ALPHA, gptaq, gptq
+from quantpipe.calibration.grid import clip_search_settings
 from quantpipe.calibration.moe import (
     FALLBACK,
     expert_linears_in,
@@ -376,7 +377,10 @@ def _check_inputs(spec: CalibrateSpec) -> _Inputs:
 
 def _resume_settings(spec: CalibrateSpec, fp16_manifest: dict) -> dict[str, str]:
     shards = json.dumps([[s["file"], s["sha256"]] for s in fp16_manifest["shards"]])
+    # the clip search's settings are library constants, not spec fields: a run started by a
+    # version with another search must not resume into this one (its blocks would mix both)
     return {**spec.resume_settings(),
+            "clip_search": json.dumps(clip_search_settings(), sort_keys=True),
             "fp16_shards": hashlib.sha256(shards.encode()).hexdigest()[:16]}
 
 
@@ -931,6 +935,7 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
         int4=spec.int4.to_dict(),
         int8=INT8_PER_CHANNEL.to_dict(),
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()},
+        clip_search=clip_search_settings(),
         data=data_summary,
         group_size_fallbacks=fallbacks,
         damp_raises=total_raises,

@@ -48,3 +48,30 @@ def test_clip_search_settings(monkeypatch):
     with pytest.raises(ValueError, match="at least 1 step"):
         quality.set_clip_search(0, None)
     assert grid.CLIP_GRID == 20  # unchanged by the refused value
+
+
+def test_reused_calibration_must_share_the_clip_search(tmp_path, monkeypatch):
+    """A finished calibration in --work made with another clip search is an error, not a
+    silent reuse (each setting needs its own --work)."""
+    import argparse
+    import json
+
+    from quantpipe.calibration import grid
+
+    calib = tmp_path / "calib-gptaq-sym"
+    calib.mkdir()
+    manifest = {"stage": "calibration", "seconds": 1.0, "peak_rss_mb": 1.0, "damp_raises": 0,
+                "clip_search": {"grid": 20, "max_shrink": 0.8, "sym_top_code": False}}
+    (calib / "quantpipe.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(quality, "read_calibration",
+                        lambda d: argparse.Namespace(manifest=json.loads(
+                            (Path(d) / "quantpipe.json").read_text())))
+    monkeypatch.setattr(grid, "CLIP_GRID", 100)
+    monkeypatch.setattr(grid, "CLIP_SYM_TOP_CODE", True)
+    with pytest.raises(SystemExit, match="its own --work"):
+        quality.calibrate_and_export(Path("fp16"), tmp_path, "gptaq-sym", [], None)
+    monkeypatch.setattr(grid, "CLIP_GRID", 20)  # the same search: reused
+    monkeypatch.setattr(grid, "CLIP_SYM_TOP_CODE", False)
+    out = quality.calibrate_and_export(Path("fp16"), tmp_path, "gptaq-sym", [], None)
+    assert out["config"] == "gptaq-sym" and out["models"] == {}
+

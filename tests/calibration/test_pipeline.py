@@ -153,6 +153,24 @@ def test_resume_after_kill(fp16_dir, prompt_file, tmp_path):
         assert resumed[name]["w4"]["loss"] == pytest.approx(full[name]["w4"]["loss"], rel=1e-5)
 
 
+def test_resume_refuses_another_clip_search(fp16_dir, prompt_file, tmp_path, monkeypatch):
+    """The clip search's settings are library constants, not spec fields: a run stopped under
+    one search must not resume under another (its blocks would mix both); the finished
+    manifest records the search."""
+    from quantpipe.calibration import grid
+
+    spec = _spec(fp16_dir, prompt_file, tmp_path / "calib", algo="gptq")
+    stop_after_block_0(spec)
+    monkeypatch.setattr(grid, "CLIP_GRID", 20)
+    with pytest.raises(ValueError, match="other settings.*clip_search"):
+        calibrate(spec)
+    monkeypatch.setattr(grid, "CLIP_GRID", 100)
+    res = calibrate(spec)
+    assert res.resumed_from == 1
+    assert read_calibration(res.out).manifest["clip_search"] == {
+        "grid": 100, "max_shrink": grid.CLIP_MAX_SHRINK, "sym_top_code": True}
+
+
 def test_errors(fp16_dir, prompt_file, tmp_path):
     with pytest.raises(ValueError, match="use one of"):
         _spec(fp16_dir, prompt_file, tmp_path / "c", algo="smoothquant")
