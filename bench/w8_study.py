@@ -18,7 +18,10 @@ This script re-does only the INT8 pass, one setting at a time, with the library'
   ``samples`` (calibration sequences of ``--seq-len`` tokens), ``algo`` (gptq, rtn),
   ``down`` (the group size of the down_projs: -1 is per channel; 128 is a reference point,
   not per channel); ``smooth`` (an exact AWQ-style rescaling of the chosen input groups,
-  searched for the INT8 grid: :func:`smoothed`);
+  searched for the INT8 grid: :func:`smoothed`); ``refine`` (after that search, the scales of
+  the producer rows with the largest diag(H) searched one at a time: :func:`refined_scale`);
+- ``fp``: layer types left in FP (with ``smooth``: their rescaled weights), to locate the
+  INT8 error by type;
 - ``from``: no calibration here, the INT8 results of an existing calibration folder.
 
 Each variant is scored like `bench/quality.py` (``reports.eval``'s accumulator and windows,
@@ -95,6 +98,12 @@ class Variant:
     # input groups whose inputs are rescaled before quantizing (see smoothed): "+"-joined
     # of qkv, o, gateup, down; "" = none
     smooth: str = ""
+    # with smooth: after the exponent search, each group's ``refine`` producer rows with the
+    # largest diag(H) get their own scale (refined_scale); 0 = none
+    refine: int = 0
+    # "+"-joined layer types (e.g. down_proj) left in FP (with smooth: their rescaled FP
+    # weights), to locate the INT8 error; "" = none
+    fp: str = ""
     source: str = ""  # an existing calibration folder: its INT8 results, nothing computed
 
     def __post_init__(self) -> None:
@@ -106,6 +115,10 @@ class Variant:
                              "with +")
         if self.smooth and self.algo != "gptq":
             raise ValueError("smooth is measured with GPTQ only: use algo gptq")
+        if self.refine and not self.smooth:
+            raise ValueError("refine refines smooth's scales: give smooth too")
+        if not set(filter(None, self.fp.split("+"))) <= set(LAYER_TYPES):
+            raise ValueError(f"fp {self.fp!r}: join any of {', '.join(LAYER_TYPES)} with +")
 
 
 # The issue's calibration (--calib) is the pipeline row; every other row changes one setting
@@ -282,9 +295,15 @@ class Calibrator:
                 return smoothed(stream.model.config, prefix, blocks, H, v, quantize), losses
             weights = {}
             for name, Hn in H.items():
-                lin = blocks.get_submodule(name[len(prefix) + 1:])
-                weights[name] = quantize(name, lin.weight.data, Hn)
+                if not in_fp(name, v):
+                    lin = blocks.get_submodule(name[len(prefix) + 1:])
+                    weights[name] = quantize(name, lin.weight.data, Hn)
         return weights, losses
+
+
+def in_fp(name: str, v: Variant) -> bool:
+    """The linear is one of the types ``v`` leaves in FP."""
+    return any(name.endswith("." + t) for t in filter(None, v.fp.split("+")))
 
 
 # ---- exact input rescaling before INT8 (AWQ's fold, searched for the INT8 grid) ------------
@@ -323,13 +342,41 @@ def search_scale(Ws: list[torch.Tensor], H: torch.Tensor, rows: torch.Tensor, n_
     return best[1], best[2]
 
 
+def rtn_proxy(Ws: list[torch.Tensor], H: torch.Tensor, sc: torch.Tensor, sym: bool) -> float:
+    """The consumers' summed RTN INT8 proxy loss with their columns times sc [in]."""
+    Hs = H / (sc[:, None] * sc[None, :])  # [in, in]: the Hessian of x / sc
+    return sum(rtn(W * sc, QuantSpec(8, -1, sym), H=Hs).loss for W in Ws)
+
+
+def refined_scale(Ws: list[torch.Tensor], H: torch.Tensor, rows: torch.Tensor, s: torch.Tensor,
+                  top: int, sym: bool) -> torch.Tensor:
+    """One pass of coordinate search after the exponent search: each of the ``top`` producer
+    rows with the largest summed diag(H) (the massive-activation inputs) in turn takes the
+    multiple 2^(k/2), k = -2..6, of its scale with the smallest RTN proxy loss, the others
+    fixed; s [n_rows] -> refined copy."""
+    s = s.clone()
+    d = torch.diagonal(H).double()  # [in]
+    stat = torch.zeros(s.numel(), dtype=torch.float64).index_add_(0, rows, d)  # [n_rows]
+    best = rtn_proxy(Ws, H, s[rows], sym)
+    for j in stat.argsort(descending=True)[:top].tolist():
+        base = keep = float(s[j])
+        for k in range(-2, 7):
+            s[j] = base * 2 ** (k / 2)
+            loss = rtn_proxy(Ws, H, s[rows], sym)
+            if loss < best:
+                best, keep = loss, float(s[j])
+        s[j] = keep
+    return s
+
+
 def smoothed(config, prefix: str, blocks, H: dict[str, torch.Tensor], v: Variant, quantize
              ) -> dict[str, QuantizedWeight | torch.Tensor]:
     """Every block's chosen input groups rescaled, then everything quantized: a consumer's
     columns times s, its producer (a norm's gain or a linear's rows) divided by s. The model is
     unchanged in exact arithmetic, and per-output-channel INT8 of a producer linear is
     invariant to scaling its rows (up to the fp16 rounding of the scales). Returns the INT8
-    linears and the changed norm gains (module name -> weight [d] fp32)."""
+    linears and the changed norm gains (module name -> weight [d] fp32); the linears of the
+    types ``v.fp`` names stay FP (their rescaled weights)."""
     family = family_for(config.model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // \
         config.num_attention_heads
@@ -348,6 +395,9 @@ def smoothed(config, prefix: str, blocks, H: dict[str, torch.Tensor], v: Variant
             rows = producer_rows(W[g.linears[0]].shape[1], prev.shape[0], head_dim)
             s, _ = search_scale([W[lin] for lin in g.linears], Hb[g.linears[0]], rows,
                                 prev.shape[0], v.sym)
+            if v.refine:
+                s = refined_scale([W[lin] for lin in g.linears], Hb[g.linears[0]], rows, s,
+                                  v.refine, v.sym)
             sc = s[rows]
             Hs = Hb[g.linears[0]] / (sc[:, None] * sc[None, :])
             for lin in g.linears:
@@ -360,7 +410,8 @@ def smoothed(config, prefix: str, blocks, H: dict[str, torch.Tensor], v: Variant
                 norms[f"{name}.{g.prev_op}"] = prev / s
         out.update(norms)
         for lin, Wl in W.items():
-            out[f"{name}.{lin}"] = quantize(f"{name}.{lin}", Wl, Hb[lin])
+            full = f"{name}.{lin}"
+            out[full] = Wl if in_fp(full, v) else quantize(full, Wl, Hb[lin])
     return out
 
 
@@ -437,7 +488,7 @@ def parse_variant(text: str) -> tuple[str, Variant]:
     kv = dict(item.split("=", 1) for item in body.split(";") if item)
     conv = {"prop": str, "algo": str, "sym": lambda s: s == "1", "mse": lambda s: s == "1",
             "damp": float, "act": lambda s: s == "1", "samples": int, "down": int,
-            "from": str, "smooth": str}
+            "from": str, "smooth": str, "refine": int, "fp": str}
     fields = {("source" if k == "from" else k): conv[k](val) for k, val in kv.items()}
     return label, replace(BASE, **fields)
 
