@@ -20,7 +20,9 @@ Given a finished calibration (e.g. GPTQ sym g128), this script
 
 ``--oracle`` measures step 1 on sotu itself and validates on sotu-dev: the plan then knows the
 text it is scored on, an upper bound on what any sensitivity measurement can give the
-planner (issue #18; it writes the calibration's sensitivity.json, so use a copy).
+planner (issue #18). It works on ``--work``/oracle-calib, a copy of the calibration's manifest
+with its blocks linked, so the sensitivity.json it writes never reaches CALIB_DIR (where
+`quantpipe plan` would take it for a measurement on the prompts: the settings look the same).
 
     python bench/mixed_precision.py --fp16 /tmp/qp/fp16 --calib /tmp/qp/bench/calib-gptq-sym \
         --work /tmp/qp/mp-work --json bench/results/mixed_precision.json
@@ -31,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -103,6 +107,19 @@ def corpus_ids(tokenizer, fp16: Path, corpus: str, tokens: int, seq_len: int) ->
     return ids[:n].reshape(-1, seq_len)
 
 
+def oracle_calibration(calib: Path, work: Path) -> Path:
+    """WORK/oracle-calib: CALIB's manifest copied and its blocks linked (read only), for a
+    sensitivity.json measured on other text than the prompts."""
+    out = work / "oracle-calib"
+    if not (out / "quantpipe.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "blocks").exists():
+            (out / "blocks").symlink_to((calib / "blocks").resolve(), target_is_directory=True)
+        shutil.copyfile(calib / "quantpipe.json", out / "quantpipe.json.tmp")
+        os.replace(out / "quantpipe.json.tmp", out / "quantpipe.json")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp16", type=Path, required=True)
@@ -118,8 +135,8 @@ def main() -> None:
     ap.add_argument("--oracle", action="store_true",
                     help="An upper bound, not a plan users get: measure the per-layer "
                          "sensitivity on sotu itself (its first --sens-tokens tokens) and "
-                         "validate on sotu-dev, instead of the calibration prompts' splits. "
-                         "Writes CALIB_DIR/sensitivity.json: use a copy of the calibration.")
+                         "validate on sotu-dev, instead of the calibration prompts' splits "
+                         "(in WORK/oracle-calib; CALIB_DIR is not written).")
     ap.add_argument("--no-heuristics", action="store_true",
                     help="Skip the edges-in-INT8 heuristics (two fewer exports and evals).")
     ap.add_argument("--corpora", default="business-eval,sotu")
@@ -133,6 +150,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if args.oracle:
+        args.calib = oracle_calibration(args.calib, args.work)
 
     sens_spec = SensitivitySpec(args.calib, args.sens_tokens, args.sens_seq_len,
                                 validate_tokens=args.sens_validate_tokens,

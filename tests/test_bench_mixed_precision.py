@@ -25,3 +25,19 @@ def test_corpus_ids_are_the_first_tokens_of_the_corpus():
     assert dev.flatten().tolist() != ids.flatten()[:128].tolist()  # other addresses
     with pytest.raises(SystemExit, match="fewer than"):
         mp.corpus_ids(tok, Path("unused"), "sotu", 10**7, 64)
+
+
+def test_oracle_calibration_keeps_calib_dir_untouched(tmp_path):
+    calib = tmp_path / "calib"
+    (calib / "blocks").mkdir(parents=True)
+    (calib / "blocks" / "block-0000.safetensors").write_bytes(b"x")
+    (calib / "quantpipe.json").write_text('{"stage": "calibration"}')
+    (calib / "sensitivity.json").write_text('{"measured on": "the prompts"}')
+    out = mp.oracle_calibration(calib, tmp_path / "work")
+    assert out == tmp_path / "work" / "oracle-calib"
+    assert (out / "quantpipe.json").read_text() == '{"stage": "calibration"}'
+    assert (out / "blocks" / "block-0000.safetensors").read_bytes() == b"x"  # linked
+    assert not (out / "sensitivity.json").exists()  # measured afresh, in the copy only
+    (out / "sensitivity.json").write_text("{}")
+    assert mp.oracle_calibration(calib, tmp_path / "work") == out  # reused as it is
+    assert (calib / "sensitivity.json").read_text() == '{"measured on": "the prompts"}'
