@@ -1,5 +1,5 @@
 """GPTQ's shared Hessian factor, its column loop against the plain IST loop, and the chunked
-MSE clip search against an unchunked float64 search."""
+MSE clip search against the whole-tensor search."""
 
 from __future__ import annotations
 
@@ -11,12 +11,7 @@ import torch
 from quantpipe.calibration import gptq as gptq_mod
 from quantpipe.calibration import grid
 from quantpipe.calibration.gptq import gptq, hessian_factor
-from quantpipe.calibration.grid import (
-    fake_quantize,
-    params_for_groups,
-    quantize_to_grid,
-    scale_zero_from_range,
-)
+from quantpipe.calibration.grid import params_for_groups, quantize_to_grid
 from quantpipe.core.qformat import QuantSpec
 
 from .test_gptq import correlated_hessian, weight
@@ -181,41 +176,12 @@ def test_transposed_column_loop_equals_the_ist_loop(block_size):
     assert torch.equal((q.float() - zeros[:, col_group]) * scales[:, col_group], Q)
 
 
-def mse_clip_reference(Wg, spec, col_weight, grid_n=100, max_shrink=0.8):
-    """The shrink search on the whole tensor with float64 errors (no chunks, no in place),
-    with the symmetric top-code candidate last."""
-    xmin, xmax = Wg.amin(dim=-1), Wg.amax(dim=-1)
-    best_s, best_z = scale_zero_from_range(xmin, xmax, spec)
-    cw = None if col_weight is None else col_weight.double()
-
-    def err_of(s, z):
-        d = fake_quantize(Wg, s.unsqueeze(-1), z.unsqueeze(-1), spec.maxq).double() - Wg.double()
-        return (d * d if cw is None else d * d * cw).sum(dim=-1)
-
-    best = err_of(best_s, best_z)
-    shrinks = [1 - i / grid_n for i in range(1, int(max_shrink * grid_n))]
-    top = [(2**spec.bits - 1) / 2 / (2 ** (spec.bits - 1) - 1)] if spec.sym else []
-    for p in shrinks + top:
-        s, z = scale_zero_from_range(p * xmin, p * xmax, spec)
-        err = err_of(s, z)
-        better = err < best
-        best, best_s, best_z = (torch.where(better, err, best), torch.where(better, s, best_s),
-                                torch.where(better, z, best_z))
-    return best_s, best_z
-
-
-def weighted_error_f64(Wg, s, z, spec, col_weight):
-    """[out, G] float64 squared error of each group on the grid (s, z), weighted per column."""
-    d = fake_quantize(Wg, s.unsqueeze(-1), z.unsqueeze(-1), spec.maxq).double() - Wg.double()
-    return (d * d if col_weight is None else d * d * col_weight.double()).sum(dim=-1)
-
-
 @pytest.mark.parametrize("spec", [QuantSpec(4, 32, True), QuantSpec(4, 32, False),
                                   QuantSpec(8, -1, True)], ids=lambda s: s.label())
 @pytest.mark.parametrize("chunk", [100, 1])  # several rows, one row
 def test_chunked_clip_search_equals_the_whole_tensor_search(spec, chunk, monkeypatch):
-    """Row chunks give bit for bit the whole-tensor search, and the choice (errors in fp32)
-    is the float64 search's best candidate up to fp32 rounding of the error."""
+    """Row chunks give bit for bit the whole-tensor search (that the search takes the best of
+    its candidates is tests/calibration/test_rtn.py's float64 test)."""
     W = weight(29, out=48)
     gs = 128 if spec.group_size == -1 else spec.group_size
     Wg = W.reshape(48, 128 // gs, gs)  # [out, G, gs]
@@ -226,10 +192,5 @@ def test_chunked_clip_search_equals_the_whole_tensor_search(spec, chunk, monkeyp
         s, z = params_for_groups(Wg, spec, mse_clip=True, col_weight=col_weight)
         monkeypatch.undo()
         assert torch.equal(s, whole[0]) and torch.equal(z, whole[1])
-        s_ref, z_ref = mse_clip_reference(Wg, spec, col_weight)
-        err = weighted_error_f64(Wg, s, z, spec, col_weight)  # [out, G]
-        err_ref = weighted_error_f64(Wg, s_ref, z_ref, spec, col_weight)
-        assert (err <= err_ref * (1 + 1e-6)).all()
-        assert (s == s_ref).float().mean() > 0.9  # ties within fp32 rounding may differ
         if spec.bits == 4:  # (8 bits: min-max is already best on these Gaussian rows)
             assert not torch.equal(s, params_for_groups(Wg, spec)[0])  # it did shrink
