@@ -320,32 +320,36 @@ def producer_rows(n_cols: int, n_rows: int, head_dim: int) -> torch.Tensor:
     return (c // head_dim) // n_rep * head_dim + c % head_dim
 
 
+def rtn_proxy(Ws: list[torch.Tensor], H: torch.Tensor, sc: torch.Tensor, sym: bool) -> float:
+    """The consumers' summed RTN INT8 proxy loss with their columns times sc [in]."""
+    Hs = H / (sc[:, None] * sc[None, :])  # [in, in]: the Hessian of x / sc
+    return sum(rtn(W * sc, QuantSpec(8, -1, sym), H=Hs).loss for W in Ws)
+
+
+def diag_by_row(H: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[n_rows] fp64: diag(H) summed over the consumer columns each producer row feeds."""
+    return torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows,
+                                                               torch.diagonal(H).double())
+
+
 def search_scale(Ws: list[torch.Tensor], H: torch.Tensor, rows: torch.Tensor, n_rows: int,
                  sym: bool) -> tuple[torch.Tensor, float]:
     """AWQ's search (arXiv 2306.00978, sec. 3.3), scored by INT8 per channel: the producer's
     scales s = rms(x)^alpha [n_rows] (normalised to a geometric mid-range of 1) whose RTN proxy
     loss tr(dW H' dW^T) summed over the consumers, with W' = W diag(s[rows]) and H' the
     Hessian of x / s, is smallest; alpha = 0 (no scaling) is a candidate."""
-    d = torch.diagonal(H).double()  # [in] mean x^2 times 2
-    count = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, torch.ones_like(d))
-    stat = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, d) / count
+    count = torch.zeros(n_rows, dtype=torch.float64).index_add_(
+        0, rows, torch.ones(rows.numel(), dtype=torch.float64))
+    stat = diag_by_row(H, rows, n_rows) / count  # [n_rows] mean x^2 times 2
     stat = stat.sqrt().clamp_min(float(stat[stat > 0].min().sqrt()))  # [n_rows]: dead kept > 0
     best = (float("inf"), None, 0.0)
     for alpha in SMOOTH_ALPHAS:
         s = stat.pow(alpha)
         s = (s / (s.max() * s.min()).sqrt()).float()  # [n_rows]
-        sc = s[rows]  # [in] per consumer column
-        Hs = H / (sc[:, None] * sc[None, :])  # [in, in]: the Hessian of x / s
-        loss = sum(rtn(W * sc, QuantSpec(8, -1, sym), H=Hs).loss for W in Ws)
+        loss = rtn_proxy(Ws, H, s[rows], sym)  # s[rows]: [in] per consumer column
         if loss < best[0]:
             best = (loss, s, alpha)
     return best[1], best[2]
-
-
-def rtn_proxy(Ws: list[torch.Tensor], H: torch.Tensor, sc: torch.Tensor, sym: bool) -> float:
-    """The consumers' summed RTN INT8 proxy loss with their columns times sc [in]."""
-    Hs = H / (sc[:, None] * sc[None, :])  # [in, in]: the Hessian of x / sc
-    return sum(rtn(W * sc, QuantSpec(8, -1, sym), H=Hs).loss for W in Ws)
 
 
 def refined_scale(Ws: list[torch.Tensor], H: torch.Tensor, rows: torch.Tensor, s: torch.Tensor,
@@ -355,8 +359,7 @@ def refined_scale(Ws: list[torch.Tensor], H: torch.Tensor, rows: torch.Tensor, s
     multiple 2^(k/2), k = -2..6, of its scale with the smallest RTN proxy loss, the others
     fixed; s [n_rows] -> refined copy."""
     s = s.clone()
-    d = torch.diagonal(H).double()  # [in]
-    stat = torch.zeros(s.numel(), dtype=torch.float64).index_add_(0, rows, d)  # [n_rows]
+    stat = diag_by_row(H, rows, s.numel())  # [n_rows]
     best = rtn_proxy(Ws, H, s[rows], sym)
     for j in stat.argsort(descending=True)[:top].tolist():
         base = keep = float(s[j])
