@@ -333,9 +333,11 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.plan import PlanSpec, make_plan
-    from quantpipe.core.io import write_json_atomic
+    from quantpipe.core.io import check_output_file, write_json_atomic
 
     try:
+        if json_out:
+            check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
         plan = make_plan(read_calibration(calib_dir),
                          PlanSpec(int(bits), budget_bits, tuple(overrides), damage))
     except ValueError as exc:
@@ -366,20 +368,20 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
 def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out,
              allow_other_source, stream):
     """KL divergence, top-token agreement and perplexity of CANDIDATE vs REFERENCE."""
-    from quantpipe.core.io import write_json_atomic
+    from quantpipe.core.io import check_output_file, write_json_atomic
     from quantpipe.reports.eval import (
         EvalSpec,
-        check_output_file,
         eval_context,
+        eval_inputs,
         format_result,
         load_texts,
         run_eval,
     )
 
     if json_out:
-        check_output_file(json_out, "--json")
+        check_output_file(json_out, "--json", eval_inputs(reference, candidate, text_file, prompts))
     ctx = eval_context(reference, ctx)
-    texts = load_texts(reference, text_file, prompts)
+    texts = load_texts(reference, text_file, prompts, max_tokens, ctx)
     res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx, allow_other_source,
                             stream))
     click.echo(format_result(res))
@@ -490,8 +492,11 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
 def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats, request_rate,
                     shared_prefix_len, warmup, ttft_slo, tpot_slo, allow_remote, json_out):
     """Load-test a running server (metrics as `vllm bench serve` defines them)."""
+    from quantpipe.core.io import check_output_file
     from quantpipe.runtime.loadgen import BenchSpec, format_table, run_bench
 
+    if json_out:
+        check_output_file(json_out, "--json")
     try:
         conc = tuple(int(c) for c in concurrency.split(",") if c.strip())
     except ValueError:
@@ -652,9 +657,11 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, samples, seq_len,
             prompts, eval_tokens, speed):
     """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
+    from quantpipe.core.io import check_output_path
     from quantpipe.stages.run import RunSpec, run_pipeline
 
     try:
+        check_output_path(out)
         res = run_pipeline(RunSpec(source, out, int(bits), budget_bits, tuple(overrides), algo,
                                    group_size, sym, samples, seq_len, prompts,
                                    eval_tokens=eval_tokens, speed=tuple(speed)))
