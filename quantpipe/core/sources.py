@@ -128,13 +128,11 @@ def reading(path: Path, what: str) -> Iterator[None]:
         yield
     except (OSError, json.JSONDecodeError):
         raise
-    except ValueError as exc:
-        if str(path) in str(exc):
-            raise
-        raise ValueError(f"{path}: cannot be read as {what} ({type(exc).__name__}: {exc}); "
-                         "the file is corrupt or of another kind: restore it") from exc
     except Exception as exc:  # noqa: BLE001 (parsers raise many types; all mean a bad file)
-        raise ValueError(f"{path}: cannot be read as {what} ({type(exc).__name__}: {exc}); "
+        if isinstance(exc, ValueError) and str(path) in str(exc):
+            raise
+        why = " ".join(str(exc).split())  # transformers' messages span several lines
+        raise ValueError(f"{path}: cannot be read as {what} ({type(exc).__name__}: {why}); "
                          "the file is corrupt or of another kind: restore it") from exc
 
 
