@@ -337,10 +337,11 @@ def atomic_output_dir(
             raise
 
 
-def parse_size(text: str | int) -> int:
-    """'2GB' -> 2_000_000_000, '500MiB' -> 524_288_000, 1024 -> 1024."""
+def parse_size(text: str | int, option: str | None = None) -> int:
+    """'2GB' -> 2_000_000_000, '500MiB' -> 524_288_000, 1024 -> 1024; errors name ``option``."""
     if isinstance(text, int):
         return text
+    named = f"{option}: " if option else ""
     s = text.strip().upper().replace(" ", "")
     units = {
         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -355,12 +356,13 @@ def parse_size(text: str | int) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise ValueError(f"cannot read size {text!r}; write it like 2GB, 500MB or 1GiB") from None
+        raise ValueError(f"{named}cannot read size {text!r}; write it like 2GB, 500MB or "
+                         "1GiB") from None
     if not math.isfinite(value) or value * mult >= 2**63:  # inf, nan, 1e400GB
-        raise ValueError(f"size {text!r} is not a finite number of bytes; write it like 2GB, "
-                         "500MB or 1GiB")
+        raise ValueError(f"{named}size {text!r} is not a finite number of bytes; write it like "
+                         "2GB, 500MB or 1GiB")
     if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"{named}size {text!r} must be positive")
     return int(value * mult)
 
 

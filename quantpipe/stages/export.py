@@ -41,10 +41,7 @@ class ExportSpec:
         check_bits(self.bits, "--bits ")
         if self.fmt not in FORMAT_NAMES:
             raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
-        try:
-            parse_size(self.max_shard_size)
-        except ValueError as exc:
-            raise ValueError(f"--max-shard-size: {exc}") from None
+        parse_size(self.max_shard_size, "--max-shard-size")  # before any slow work
 
 
 @dataclass(frozen=True)

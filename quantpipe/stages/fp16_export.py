@@ -47,10 +47,7 @@ class Fp16ExportSpec:
     def __post_init__(self) -> None:
         if self.dtype not in ("fp16", "bf16"):
             raise ValueError(f"dtype {self.dtype!r} is not supported; use fp16 or bf16")
-        try:
-            parse_size(self.max_shard_size)
-        except ValueError as exc:
-            raise ValueError(f"--max-shard-size: {exc}") from None
+        parse_size(self.max_shard_size, "--max-shard-size")  # before any slow work
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,20 @@ def test_max_shard_size_not_finite(dirs, tmp_path, size):
     assert leftovers(tmp_path) == []
 
 
+def test_other_sizes_not_finite_name_their_option(dirs, tmp_path):
+    r = invoke("calibrate", dirs["fp16"], "--out", tmp_path / "c", "--max-memory", "inf")
+    assert_one_line_error(r, "--max-memory", "'inf'", "not a finite number")
+    r = invoke("plan-memory", dirs["fp16"], "--device-memory", "nan")
+    assert_one_line_error(r, "--device-memory", "'nan'")
+
+
+def test_manifest_with_an_invalid_utf8_byte_is_named(dirs, tmp_path):
+    calib = copy_of(dirs["calib"], tmp_path, "calib")
+    (calib / "quantpipe.json").write_bytes(b'{"format": "quantpipe", "x": "\xff"}')
+    r = invoke("plan", calib)
+    assert_one_line_error(r, str(calib / "quantpipe.json"), "not UTF-8")
+
+
 def test_pickle_checkpoint_with_python_objects(dirs, tmp_path):
     from safetensors.torch import load_file
 
