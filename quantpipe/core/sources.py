@@ -123,10 +123,10 @@ def reading(path: Path, what: str) -> Iterator[None]:
     """Turn a parser's failure on ``path`` (tokenizers' plain ``Exception``, gguf's
     ``struct.error``, a ``KeyError`` on a missing field, a bad UTF-8 string) into one
     ValueError naming the file. Missing files (OSError) and invalid JSON, which the CLI
-    already names, pass through."""
+    already names, and a missing optional package (ImportError) pass through."""
     try:
         yield
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, ImportError):  # named already / a missing package
         raise
     except Exception as exc:  # noqa: BLE001 (parsers raise many types; all mean a bad file)
         if isinstance(exc, ValueError) and str(path) in str(exc):

@@ -281,7 +281,8 @@ def test_out_naming_the_working_folder_is_refused_early(dirs, tmp_path, monkeypa
         assert_one_line_error(r, "--out")
     for args in (("plan", dirs["calib"], "--json", out),
                  ("eval", "--reference", dirs["fp16"], "--candidate", dirs["int4"], "--text",
-                  dirs["prompts"], "--json", out)):
+                  dirs["prompts"], "--json", out),
+                 ("bench-serve", "--duration", "0.1", "--json", out)):
         assert_one_line_error(invoke(*args), "--json")
     assert leftovers(work) == [] and leftovers(tmp_path) == ["work"]
 
