@@ -59,7 +59,8 @@ def rtn_quantize(fp16_dir: Path, out: Path, spec: QuantSpec) -> Path:
     from quantpipe.core.formats.writers import write_checkpoint
     from quantpipe.core.qformat import QuantizedWeight, resolve_group_size
 
-    model = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(fp16_dir, dtype=torch.float32,
+                                                 trust_remote_code=False)
     weights = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear) or name == "lm_head":
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     int4 = args.int4 or rtn_quantize(args.fp16, tmp / "int4", QuantSpec(4, 64, True))
     int8 = None if args.quick else (
         args.int8 or rtn_quantize(args.fp16, tmp / "int8", QuantSpec(8, -1, True)))
-    tok = AutoTokenizer.from_pretrained(args.fp16)
+    tok = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     fp_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     head = args.head_dtype if dev.type == "cpu" else "fp32"
 
@@ -172,14 +173,14 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     # name -> (build the model, decode function)
     builders = {
         "hf_fp16": (lambda: AutoModelForCausalLM.from_pretrained(
-            args.fp16, dtype=torch.float16).to(dev), hf_decode),
+            args.fp16, dtype=torch.float16, trust_remote_code=False).to(dev), hf_decode),
         "dequant_int4": (lambda: load_dequantized_model(int4, dtype=fp_dtype).to(dev), hf_decode),
         "engine_fp": (ours(args.fp16), our_decode),
         "runtime_int4": (ours(int4), our_decode),
     }
     if dev.type == "cpu":
         builders["hf_fp32"] = (lambda: AutoModelForCausalLM.from_pretrained(
-            args.fp16, dtype=torch.float32), hf_decode)
+            args.fp16, dtype=torch.float32, trust_remote_code=False), hf_decode)
     if int8 is not None:
         builders["dequant_int8"] = (lambda: load_dequantized_model(int8, dtype=fp_dtype).to(dev),
                                     hf_decode)

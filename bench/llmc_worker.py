@@ -96,8 +96,8 @@ def main() -> None:
     dataset, shape = calibration_dataset(args.tokens)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.fp16, dtype=torch.float32,
-                                                 use_safetensors=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.fp16)
+                                                 use_safetensors=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     t_load = time.perf_counter()
     oneshot(
         model=model,

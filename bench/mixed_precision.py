@@ -160,7 +160,7 @@ def main() -> None:
     if args.oracle:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(args.fp16)
+        tok = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
         ids = {"input_ids": corpus_ids(tok, args.fp16, "sotu", args.sens_tokens,
                                        args.sens_seq_len),
                "validate_ids": corpus_ids(tok, args.fp16, "sotu-dev", args.sens_validate_tokens,
@@ -183,7 +183,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.fp16)
+    tok = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     texts = {c: eval_texts(c, args.fp16, tok) for c in corpora}
     results = {}
     for name, cfg in configs.items():

@@ -185,7 +185,7 @@ def main() -> None:
 
     calib = read_calibration(args.calib)
     settings, layers = _settings(args.calib, args)
-    tok = AutoTokenizer.from_pretrained(calib.fp16_dir)
+    tok = AutoTokenizer.from_pretrained(calib.fp16_dir, trust_remote_code=False)
     corpora = args.corpora.split(",")
     ids = {c: corpus_ids(c, calib, settings, tok, args.sotu_docs) for c in corpora}
     configs = configurations(calib, args)

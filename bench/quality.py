@@ -164,7 +164,7 @@ def main() -> None:
                for i, c in enumerate(configs)]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.fp16)
+    tokenizer = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     labels = [(r, k) for r in results for k in r["models"]]
     cands = [load_eval_model(r["models"][k]["path"]) for r, k in labels]
     ref = load_eval_model(args.fp16)

@@ -105,7 +105,7 @@ def make_source(shape: str, out: Path) -> int:
                                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                                pad_token_id=2, dtype="float16", **kw)
     with init_empty_weights():  # shapes only: no memory for the weights
-        skeleton = AutoModelForCausalLM.from_config(cfg)
+        skeleton = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

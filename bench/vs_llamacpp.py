@@ -113,8 +113,9 @@ def _hf_worker(folder: str, threads: int):
     from quantpipe.runtime.generate import greedy_decode
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 trust_remote_code=False).eval()
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
     def decode(tokens: int) -> float:
         ids = tok(PROMPT, return_tensors="pt").input_ids
@@ -293,7 +294,8 @@ def quality(int4: Path, fp16_dir: Path, max_tokens: int, out: Path) -> None:
         cpu_ext.reset()
         cands.append(load_model_for_serving(int4, "cpu", head_dtype=head)[0])
         names.append(f"quantpipe-{isa}-act-{act}-head-{head}")
-    res = evaluate_many(load_eval_model(fp16_dir), cands, AutoTokenizer.from_pretrained(fp16_dir),
+    tokenizer = AutoTokenizer.from_pretrained(fp16_dir, trust_remote_code=False)
+    res = evaluate_many(load_eval_model(fp16_dir), cands, tokenizer,
                         spec, names)
     doc = {"int4": str(int4), "fp16": str(fp16_dir), "prompts": "business-eval",
            "results": [{"name": r.candidate, "tokens": r.tokens, "kld_mean": r.kld["mean"],

@@ -69,7 +69,7 @@ def calibration_tokens(fp16: Path, prompts: str, samples: int, seq_len: int, see
     """Build the calibration set as ``calibrate`` does and save input_ids [n, L] int64."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(fp16)
+    tokenizer = AutoTokenizer.from_pretrained(fp16, trust_remote_code=False)
     calib = build_calibration_set(
         tokenizer, load_prompt_records(prompts),
         CalibDataSpec(n_samples=samples, seq_len=seq_len, min_tokens=MIN_TOKENS, seed=seed),
@@ -205,6 +205,7 @@ def load_llmc_model(folder: Path, loader: str):
         return AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32,
             quantization_config=CompressedTensorsConfig(run_compressed=False),
+            trust_remote_code=False,
         ).eval()
     if loader != "quantpipe":
         raise ValueError(f"--llmc-loader {loader!r}: use quantpipe or transformers")
@@ -380,7 +381,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.fp16)
+    tokenizer = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     texts = {c: eval_texts(c, args.fp16, tokenizer) for c in args.corpus_list}
     ref_model = load_eval_model(args.fp16)
     results = [run_scheme(scheme, args, tokens, texts, tokenizer, ref_model, reuse)

@@ -159,7 +159,7 @@ def calibration_tokens(fp16: Path, samples: int, seq_len: int, seed: int) -> tor
     """[samples, seq_len] int64: the windows `calibrate` packs from business-calib."""
     from transformers import AutoTokenizer
 
-    calib = build_calibration_set(AutoTokenizer.from_pretrained(fp16),
+    calib = build_calibration_set(AutoTokenizer.from_pretrained(fp16, trust_remote_code=False),
                                   load_prompt_records("business-calib"),
                                   CalibDataSpec(n_samples=samples, seq_len=seq_len, seed=seed))
     return calib.input_ids
@@ -428,7 +428,7 @@ class Scorer:
     def __init__(self, fp16: Path, work: Path, corpora: list[str], ctx: int):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(fp16)
+        tokenizer = AutoTokenizer.from_pretrained(fp16, trust_remote_code=False)
         self.model = load_eval_model(fp16)  # fp32; its linears are replaced per candidate
         self.windows, self.ref = {}, {}
         for corpus in corpora:

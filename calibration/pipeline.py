@@ -338,13 +338,12 @@ def layer_group_size(spec: CalibrateSpec, name: str, in_features: int) -> int:
 
 def _check_inputs(spec: CalibrateSpec) -> _Inputs:
     """Every check on the options and inputs, before CALIB_DIR (or its lock) is touched."""
-    from transformers import AutoTokenizer
-
     from quantpipe.calibration.prompts import (
         CalibDataSpec,
         build_calibration_set,
         load_prompt_records,
     )
+    from quantpipe.core.sources import load_folder_tokenizer
 
     prompts_path = None if spec.prompts in SHIPPED_SETS else spec.prompts
     check_not_overlapping(spec.out, {"FP16_DIR": spec.fp16_dir, "--prompts": prompts_path})
@@ -366,7 +365,7 @@ def _check_inputs(spec: CalibrateSpec) -> _Inputs:
         raise ValueError(f"--seq-len {spec.seq_len} is above the model's "
                          f"max_position_embeddings {max_pos}; use at most {max_pos}")
     calib = build_calibration_set(
-        AutoTokenizer.from_pretrained(spec.fp16_dir), records,
+        load_folder_tokenizer(spec.fp16_dir), records,
         CalibDataSpec(n_samples=spec.samples, seq_len=spec.seq_len,
                       min_tokens=spec.min_tokens, seed=spec.seed),
     )

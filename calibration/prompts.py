@@ -41,6 +41,11 @@ ROLES = ("system", "user", "assistant")
 _EXPECTED = (
     'expected {"prompt": "<text>"} or {"messages": [{"role": "user", "content": "<text>"}, ...]}'
 )
+# Caps on a prompt file (or a save_to_disk folder's files together) and on one of its lines:
+# prompt sets are megabytes, and a wrong file (a dump, a one-line gigabyte) would otherwise
+# take several times its size in memory in the readers before any error.
+MAX_PROMPT_FILE_BYTES = 256 * 2**20
+MAX_PROMPT_LINE_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,8 @@ def _read_dataset(path: Path, fmt: str):
     if fmt == "tsv":
         builder, kwargs = "csv", {"delimiter": "\t"}
     elif fmt == "txt":
-        # blocks separated by an empty line ("\n\n") are one prompt each
-        builder, kwargs = "text", {"sample_by": "paragraph"}
+        # blocks separated by an empty line ("\n\n") are one prompt each; a BOM is dropped
+        builder, kwargs = "text", {"sample_by": "paragraph", "encoding": "utf-8-sig"}
     elif fmt in ("json", "csv", "parquet"):
         builder = fmt
     else:
@@ -122,13 +127,23 @@ def _first_bad_jsonl_line(path: Path) -> str:
                 return f"line {n} is not valid JSON ({exc.msg})"
             if not isinstance(obj, dict):
                 return f"line {n} is a JSON {type(obj).__name__}, not an object"
+            try:  # JSON may escape a lone surrogate (an escape such as \ud800), which is no text
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                return (f"line {n} holds a lone surrogate escape (\\ud800-\\udfff), which is "
+                        "not text; fix or remove that escape")
     return "no single bad line found (mixed value types across lines?)"
 
 
-def _check_utf8(path: Path) -> None:
-    """Text formats must be UTF-8; some readers would otherwise silently mangle the text."""
+def _check_utf8(path: Path, max_line: int | None) -> None:
+    """Text formats must be UTF-8 (some readers would otherwise silently mangle the text),
+    in lines of at most ``max_line`` bytes (None: any), read a bounded line at a time."""
+    limit = -1 if max_line is None else max_line + 1
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
+        for n, raw in enumerate(iter(lambda: f.readline(limit), b""), start=1):
+            if max_line is not None and len(raw) > max_line:
+                raise ValueError(f"{path}: line {n} is longer than {max_line:,} bytes, the most "
+                                 "a prompt line may hold; split the text into shorter prompts")
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -229,13 +244,22 @@ def _check_readable(p: Path) -> str:
     if not p.exists():
         raise ValueError(f"{p}: no such file or folder; give a prompt file or one of "
                          f"{sorted(SHIPPED_SETS)}")
+    if not (p.is_dir() or p.is_file()):
+        raise ValueError(f"{p}: not a regular file (a pipe, device or socket); save the "
+                         "prompts to a file and pass that")
     fmt = _format_of(p)
     if not os.access(p, os.R_OK):
         raise ValueError(f"{p}: not readable (permission denied); fix its permissions")
-    if fmt != "disk" and p.stat().st_size == 0:
+    size = (sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if fmt == "disk"
+            else p.stat().st_size)
+    if fmt != "disk" and size == 0:
         raise ValueError(f"{p}: file is empty; {_EXPECTED}")
+    if size > MAX_PROMPT_FILE_BYTES:
+        raise ValueError(f"{p}: {size:,} bytes, above the {MAX_PROMPT_FILE_BYTES:,} bytes a "
+                         "prompt set may hold; pass a sample of it")
     if fmt in ("json", "csv", "tsv", "txt"):
-        _check_utf8(p)
+        # a .json file may hold all its records on one line: only the file cap applies there
+        _check_utf8(p, None if p.suffix.lower() == ".json" else MAX_PROMPT_LINE_BYTES)
     return fmt
 
 

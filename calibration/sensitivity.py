@@ -243,9 +243,11 @@ def _check_fp16_source(calib: Calibration, spec: SensitivitySpec) -> None:
 def _load_model(calib: Calibration):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    attn = attn_implementation(AutoConfig.from_pretrained(calib.fp16_dir).model_type)
+    attn = attn_implementation(
+        AutoConfig.from_pretrained(calib.fp16_dir, trust_remote_code=False).model_type)
     model = AutoModelForCausalLM.from_pretrained(
-        calib.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation=attn
+        calib.fp16_dir, dtype=torch.float32, use_safetensors=True, attn_implementation=attn,
+        trust_remote_code=False,
     ).eval()
     # AWQ folds scales into norms and linears: the stored weights quantize the *scaled*
     # linears, so the reference is the folded FP model (the same function up to fp16 rounding).
@@ -266,20 +268,19 @@ def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec,
                      split: str = "measure") -> torch.Tensor:
     """Packed token ids [n, seq_len] of the measured split ("measure"; every record when the
     spec does not validate) or of the held-out split ("validate")."""
-    from transformers import AutoTokenizer
-
     from quantpipe.calibration.prompts import (
         CalibDataSpec,
         build_calibration_set,
         load_prompt_records,
     )
+    from quantpipe.core.sources import load_folder_tokenizer
 
     records = load_prompt_records(PROMPT_SET)
     tokens = spec.tokens
     if spec.validates:
         records = records[0::2] if split == "measure" else records[1::2]
         tokens = spec.tokens if split == "measure" else spec.validate_tokens
-    tok = AutoTokenizer.from_pretrained(fp16_dir)
+    tok = load_folder_tokenizer(fp16_dir)
     data = build_calibration_set(
         tok, records,
         CalibDataSpec(n_samples=-(-tokens // spec.seq_len), seq_len=spec.seq_len, min_tokens=16,

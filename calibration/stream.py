@@ -34,10 +34,11 @@ class ModelStream:
 
         self.folder = Path(fp16_dir)
         self.dtype = dtype
-        config = AutoConfig.from_pretrained(self.folder)
+        config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
         with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                          attn_implementation=attn_implementation(config.model_type))
+            self.model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation(config.model_type),
+                trust_remote_code=False)
         self.model.eval()
         self._where = self._weight_map()  # tensor name -> shard file
 

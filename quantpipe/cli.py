@@ -144,6 +144,10 @@ def _describe_failure(exc: Exception, params: dict) -> str:
         what = f"not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
         return _corrupt_file(exc, params, ".json", _json_ok, "a JSON file", what,
                              "restore it or re-run the step that wrote it")
+    if isinstance(exc, UnicodeDecodeError):  # a JSON file (manifest, config) with a bad byte
+        return _corrupt_file(exc, params, ".json", _json_ok, "a file",
+                             f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                             "restore it or re-run the step that wrote it")
     if isinstance(exc, SafetensorError) and (m := _OS_ERROR_IN_TEXT.search(str(exc))):
         # safetensors' writer reports a full disk as its own error type, errno in the text
         return _describe_os_error(OSError(int(m.group(1) or m.group(2)), str(exc)), params)
@@ -274,7 +278,8 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
             strict_group_size, samples, seq_len, min_tokens, seed, batch_size,
             static_groups=static_groups, force=force,
             per_channel_if_larger=per_channel_if_larger, min_expert_tokens=min_expert_tokens,
-            max_memory=None if max_memory is None else parse_size(max_memory), device=device,
+            max_memory=None if max_memory is None else parse_size(max_memory, "--max-memory"),
+            device=device,
         )
         res = calibrate(spec)
     except ValueError as exc:
@@ -333,9 +338,11 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.plan import PlanSpec, make_plan
-    from quantpipe.core.io import write_json_atomic
+    from quantpipe.core.io import check_output_file, write_json_atomic
 
     try:
+        if json_out:
+            check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
         plan = make_plan(read_calibration(calib_dir),
                          PlanSpec(int(bits), budget_bits, tuple(overrides), damage))
     except ValueError as exc:
@@ -366,20 +373,20 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
 def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out,
              allow_other_source, stream):
     """KL divergence, top-token agreement and perplexity of CANDIDATE vs REFERENCE."""
-    from quantpipe.core.io import write_json_atomic
+    from quantpipe.core.io import check_output_file, write_json_atomic
     from quantpipe.reports.eval import (
         EvalSpec,
-        check_output_file,
         eval_context,
+        eval_inputs,
         format_result,
         load_texts,
         run_eval,
     )
 
     if json_out:
-        check_output_file(json_out, "--json")
+        check_output_file(json_out, "--json", eval_inputs(reference, candidate, text_file, prompts))
     ctx = eval_context(reference, ctx)
-    texts = load_texts(reference, text_file, prompts)
+    texts = load_texts(reference, text_file, prompts, max_tokens, ctx)
     res = run_eval(EvalSpec(reference, candidate, texts, max_tokens, ctx, allow_other_source,
                             stream))
     click.echo(format_result(res))
@@ -453,10 +460,12 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
     try:  # every option and the folder are checked here, before the model loads
         spec = ServeSpec(
             model_dir, host=host, port=port, max_num_seqs=max_num_seqs, max_queue=max_queue,
-            kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
+            kv_cache_memory=(parse_size(kv_cache_memory, "--kv-cache-memory")
+                             if kv_cache_memory else None),
             block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=not no_prefix_caching, device=device, head_dtype=head_dtype,
-            kv_dtype=kv_dtype, max_request_bytes=parse_size(max_request_bytes),
+            kv_dtype=kv_dtype,
+            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
             max_prompt_chars=max_prompt_chars, request_timeout=request_timeout,
         )
         click.echo(f"serving {model_dir} on http://{host}:{port}/v1", err=True)
@@ -490,8 +499,11 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
 def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats, request_rate,
                     shared_prefix_len, warmup, ttft_slo, tpot_slo, allow_remote, json_out):
     """Load-test a running server (metrics as `vllm bench serve` defines them)."""
+    from quantpipe.core.io import check_output_file
     from quantpipe.runtime.loadgen import BenchSpec, format_table, run_bench
 
+    if json_out:
+        check_output_file(json_out, "--json")
     try:
         conc = tuple(int(c) for c in concurrency.split(",") if c.strip())
     except ValueError:
@@ -528,8 +540,9 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
 
     try:
         spec = MemoryPlanSpec(model_dir, context=context, concurrency=concurrency,
-                              device_memory=parse_size(device_memory), utilization=utilization,
-                              block_size=block_size, runtime_reserve=parse_size(reserve),
+                              device_memory=parse_size(device_memory, "--device-memory"),
+                              utilization=utilization, block_size=block_size,
+                              runtime_reserve=parse_size(reserve, "--reserve"),
                               kv_dtype=kv_dtype)
         click.echo(format_plan(plan_memory(spec)))
     except ValueError as exc:
@@ -652,9 +665,11 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, samples, seq_len,
             prompts, eval_tokens, speed):
     """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
+    from quantpipe.core.io import check_output_path
     from quantpipe.stages.run import RunSpec, run_pipeline
 
     try:
+        check_output_path(out)
         res = run_pipeline(RunSpec(source, out, int(bits), budget_bits, tuple(overrides), algo,
                                    group_size, sym, samples, seq_len, prompts,
                                    eval_tokens=eval_tokens, speed=tuple(speed)))

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.calibration.prompts import PromptRecord, load_prompt_records
+from quantpipe.calibration.prompts import SHIPPED_SETS, PromptRecord, load_prompt_records
+from quantpipe.core.io import check_output_file
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
@@ -28,7 +29,6 @@ from quantpipe.reports.data import (
 from quantpipe.reports.eval import (
     EvalSpec,
     check_candidate,
-    check_output_file,
     evaluate_models,
     load_eval_model,
     load_texts,
@@ -171,8 +171,13 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
     """Cheap checks first, so that a typo fails at once rather than after the models ran:
     outputs writable, speed and eval JSON readable, prompts readable, candidates made from
     the reference (see :func:`reports.eval.check_candidate`)."""
-    check_output_file(spec.out, "--out")
-    check_output_file(spec.out.with_suffix(".json"), "--out (its .json beside it)")
+    reads = {"--reference": spec.reference, "--text": spec.text,
+             "--prompts": None if spec.prompts in SHIPPED_SETS else Path(spec.prompts),
+             **{f"--candidate {i + 1}": p for i, p in enumerate(spec.candidates)},
+             **{f"--speed {i + 1}": p for i, p in enumerate(spec.speed)},
+             **{f"eval result {i + 1}": p for i, p in enumerate(spec.evals)}}
+    check_output_file(spec.out, "--out", reads)
+    check_output_file(spec.out.with_suffix(".json"), "--out (its .json beside it)", reads)
     speed = tuple(r for p in spec.speed for r in _read_speed(Path(p)))
     reuse = dict(_read_eval(Path(p)) for p in spec.evals)
     records = load_prompt_records(spec.prompts)
@@ -184,14 +189,14 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:
-    from transformers import AutoTokenizer
+    from quantpipe.core.sources import load_folder_tokenizer
 
     t0 = time.perf_counter()
     inputs = check_report_inputs(spec)
-    tokenizer = AutoTokenizer.from_pretrained(spec.reference)
+    tokenizer = load_folder_tokenizer(spec.reference)
     measure = [q for q in spec.candidates if str(Path(q).resolve()) not in inputs.reuse]
-    texts = (load_texts(spec.reference, spec.text, None if spec.text else spec.prompts)
-             if measure else ())
+    texts = (load_texts(spec.reference, spec.text, None if spec.text else spec.prompts,
+                        spec.eval_max_tokens) if measure else ())
     chosen = spread(inputs.records, spec.max_prompts)
     ref = load_eval_model(spec.reference)
     log.info("generating %d reference answers", len(chosen))

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.core.io import MANIFEST_NAME
+from quantpipe.core.io import MANIFEST_NAME, check_output_file  # noqa: F401 (re-exported)
 from quantpipe.core.metrics import mean_kld, token_kld
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,8 @@ def load_eval_model(folder: str | Path, dtype: torch.dtype = torch.float32):
         from quantpipe.core.formats.loader import load_dequantized_model
 
         return load_dequantized_model(folder, dtype)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True,
+                                                trust_remote_code=False).eval()
 
 
 @torch.no_grad()
@@ -239,10 +240,10 @@ def use_streaming(spec: EvalSpec) -> tuple[bool, str]:
 
 
 def run_eval(spec: EvalSpec) -> EvalResult:
-    from transformers import AutoTokenizer
+    from quantpipe.core.sources import load_folder_tokenizer
 
     check_candidate(spec.reference, spec.candidate, spec.allow_other_source)
-    tokenizer = AutoTokenizer.from_pretrained(spec.reference)
+    tokenizer = load_folder_tokenizer(spec.reference)
     stream, why = use_streaming(spec)
     if stream:
         log.info("eval: running both models block by block (%s)", why)
@@ -313,23 +314,6 @@ def eval_context(reference: str | os.PathLike, ctx: int | None) -> int:
     return ctx
 
 
-def check_output_file(path: str | os.PathLike, option: str) -> None:
-    """Before any slow work: ``path`` is not a folder and its folder is (or can be made)
-    writable, so that results are not lost at the end."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{option} {path} is an existing folder; give a file path inside it")
-    parent = path.parent
-    while not parent.exists():  # the first existing ancestor: folders below it get created
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path}: {parent} is a file, not a folder; choose another "
-                         "path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: {parent} is not writable (read-only file system or "
-                         "no permission); choose a writable location")
-
-
 def _shards_key(shards: list[dict]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(s["file"]), str(s["sha256"])) for s in shards))
 
@@ -389,9 +373,30 @@ def check_same_source(reference: str | os.PathLike, candidate: str | os.PathLike
                      "--reference, or --allow-other-source to compare anyway")
 
 
+def _manifest_stage(folder: str | os.PathLike) -> str | None:
+    """The stage a quantpipe folder's manifest names (fp16, quantized, ...); None without one."""
+    path = Path(folder) / MANIFEST_NAME
+    return read_json_file(path, "the manifest").get("stage") if path.is_file() else None
+
+
+def check_roles(reference: str | os.PathLike, candidate: str | os.PathLike) -> None:
+    """Refuse a quantized --reference: the reference is the FP16 export the candidate is
+    measured against (with the two swapped, the source check passes, as both name the same
+    FP16 weights, and the report would show the FP16 model's numbers as the damage)."""
+    if _manifest_stage(reference) != "quantized" and not is_quantized(reference):
+        return
+    if _manifest_stage(candidate) == "fp16":
+        raise ValueError(f"--reference {reference} is a quantized export and --candidate "
+                         f"{candidate} an FP16 export: they look swapped; pass --reference "
+                         f"{candidate} --candidate {reference}")
+    raise ValueError(f"--reference {reference} is a quantized model; the reference must be the "
+                     "FP16 folder (export-fp16) the candidate was made from")
+
+
 def check_candidate(reference: str | os.PathLike, candidate: str | os.PathLike,
                     allow_other_source: bool = False) -> None:
     """Everything about a candidate that can be checked without loading a model."""
+    check_roles(reference, candidate)
     check_same_source(reference, candidate, allow_other_source)
     ref_vocab = model_config(reference).get("vocab_size")
     cand_vocab = model_config(candidate).get("vocab_size")
@@ -418,20 +423,55 @@ def format_result(r: EvalResult) -> str:
     return "\n".join(lines)
 
 
-def load_texts(reference: Path, text_file: Path | None, prompts: str | None) -> tuple[str, ...]:
-    """The documents to score: a UTF-8 text file, or prompts rendered with the chat template."""
+# --text is read whole only up to this size (a larger file needs --max-tokens); tokenizing a
+# text takes several times its size in memory
+MAX_TEXT_BYTES = 64 * 2**20
+# with --max-tokens N, at most this many characters per token needed are read (a token is
+# about 4 characters of English; 32 leaves room for long whitespace or symbol runs)
+TEXT_CHARS_PER_TOKEN = 32
+
+
+def read_text_file(path: str | os.PathLike, max_tokens: int = 0, ctx: int = DEFAULT_CTX) -> str:
+    """A --text file as text: a regular UTF-8 file (a BOM is dropped), whole up to
+    :data:`MAX_TEXT_BYTES`, or with ``max_tokens`` only its start, enough for that many
+    scored tokens in windows of ``ctx``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--text {path} is not a regular file (a pipe, device or folder); "
+                         "save the text to a file and pass that")
+    size = path.stat().st_size
+    if not max_tokens and size > MAX_TEXT_BYTES:
+        raise ValueError(f"--text {path} is {size:,} bytes, above the {MAX_TEXT_BYTES:,} bytes "
+                         "read whole; pass --max-tokens N to score only its start, or split it")
+    # scoring N tokens takes N + one per window (its first token is not scored) tokens
+    need_tokens = max_tokens + max_tokens // max(1, ctx - 1) + 1
+    limit = min(need_tokens * TEXT_CHARS_PER_TOKEN, MAX_TEXT_BYTES) if max_tokens else -1
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return f.read(limit)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--text {path} is not UTF-8 text ({exc}); re-save it as UTF-8") from None
+
+
+def eval_inputs(reference: Path, candidate: Path, text_file: Path | None,
+                prompts: str | None) -> dict[str, Path | None]:
+    """What eval reads (label -> path), for the check that its output overwrites none."""
+    from quantpipe.calibration.prompts import SHIPPED_SETS
+
+    return {"--reference": reference, "--candidate": candidate, "--text": text_file,
+            "--prompts": None if prompts is None or prompts in SHIPPED_SETS else Path(prompts)}
+
+
+def load_texts(reference: Path, text_file: Path | None, prompts: str | None,
+               max_tokens: int = 0, ctx: int = DEFAULT_CTX) -> tuple[str, ...]:
+    """The documents to score: a UTF-8 text file (only as much as ``max_tokens`` needs), or
+    prompts rendered with the chat template."""
     if (text_file is None) == (prompts is None):
         raise ValueError("give exactly one of --text FILE or --prompts (a file or business-eval)")
     if text_file is not None:
-        try:
-            text = Path(text_file).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{text_file} is not UTF-8 text ({exc})") from None
-        return (text,)
-    from transformers import AutoTokenizer
-
+        return (read_text_file(text_file, max_tokens, ctx),)
     from quantpipe.calibration.prompts import load_prompt_records, render_eval_texts
+    from quantpipe.core.sources import load_folder_tokenizer
 
     records = load_prompt_records(prompts)  # a bad prompt file fails before the tokenizer loads
-    tokenizer = AutoTokenizer.from_pretrained(reference)
-    return tuple(render_eval_texts(tokenizer, records))
+    return tuple(render_eval_texts(load_folder_tokenizer(reference), records))

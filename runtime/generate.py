@@ -44,6 +44,11 @@ class GenerateSpec:
             raise ValueError("max_new_tokens must be >= 1")
         if not self.prompt:
             raise ValueError("prompt is empty; pass --prompt TEXT")
+        try:  # bytes that are not UTF-8 reach here from argv as lone surrogates (PEP 383)
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"--prompt is not UTF-8 text (at character {exc.start}); pass UTF-8 "
+                             "text (check the terminal's or script's encoding)") from None
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head dtype {self.head_dtype!r}: use one of {HEAD_DTYPES}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

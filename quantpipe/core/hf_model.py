@@ -42,7 +42,7 @@ def build_causal_lm(
     hf_config = AutoConfig.for_model(
         **{k: v for k, v in config.items() if k != "quantization_config"})
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=False)
     for name, module in modules:  # consumed one at a time: the caller may build them lazily
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)

@@ -109,7 +109,51 @@ def _raise_write_error(exc: BaseException, path: Path) -> None:
     raise exc
 
 
+def check_output_path(out: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse an output that is empty ('' reaches here as '.'), the current folder, a folder
+    above it, the home folder or the root: a stage builds its output beside the target and
+    renames it into place, so such a target fails late, or with --force would replace the
+    folder the user is working in."""
+    raw = os.fspath(out)
+    if not raw.strip():
+        raise ValueError(f"{option} is empty; give the path of a new folder or file")
+    real = Path(raw).resolve()
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        what = "the current folder" if real == cwd else "a folder that holds the current folder"
+    elif real == Path.home().resolve():
+        what = "the home folder"
+    elif real.parent == real:
+        what = "the root folder"
+    else:
+        return
+    raise ValueError(f"{option} {raw!r} names {what} ({real}); give a path inside it, such as "
+                     f"{option} {Path(raw) / 'out'}")
+
+
+def check_output_file(path: str | os.PathLike, option: str,
+                      inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
+    """Before any slow work: ``path`` is not a folder, not one of ``inputs`` nor inside one
+    (label -> path, see :func:`check_not_overlapping`), and its folder is (or can be made)
+    writable, so that results are not lost at the end."""
+    check_output_path(path, option)
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is an existing folder; give a file path inside it")
+    check_not_overlapping(path, inputs or {}, option)
+    parent = path.parent
+    while not parent.exists():  # the first existing ancestor: folders below it get created
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: {parent} is a file, not a folder; choose another "
+                         "path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {parent} is not writable (read-only file system or "
+                         "no permission); choose a writable location")
+
+
 def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
+    check_output_path(out)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a folder; choose another --out")
@@ -121,9 +165,10 @@ def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
 
 
 def check_not_overlapping(
-    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]
+    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None], option: str = "--out"
 ) -> None:
-    """Refuse an output folder that is, is inside, or contains one of ``inputs``.
+    """Refuse an output (folder or file, given as ``option``) that is, is inside, or contains
+    one of ``inputs``.
 
     ``inputs``: label shown to the user (e.g. "FP16_DIR") -> an input file or folder (None:
     skipped). Symlinks are resolved, so two spellings of one folder are caught.
@@ -142,8 +187,8 @@ def check_not_overlapping(
         else:
             continue
         raise ValueError(
-            f"--out {out} {relation} the input {label} ({inp}); writing it would overwrite or "
-            "delete that input: choose another --out"
+            f"{option} {out} {relation} the input {label} ({inp}); writing it would overwrite "
+            f"or delete that input: choose another {option.split()[0]}"
         )
 
 
@@ -286,16 +331,17 @@ def atomic_output_dir(
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders
             yield tmp
+            replace_dir(tmp, out)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a model-sized folder: never left behind
             raise
-        replace_dir(tmp, out)
 
 
-def parse_size(text: str | int) -> int:
-    """'2GB' -> 2_000_000_000, '500MiB' -> 524_288_000, 1024 -> 1024."""
+def parse_size(text: str | int, option: str | None = None) -> int:
+    """'2GB' -> 2_000_000_000, '500MiB' -> 524_288_000, 1024 -> 1024; errors name ``option``."""
     if isinstance(text, int):
         return text
+    named = f"{option}: " if option else ""
     s = text.strip().upper().replace(" ", "")
     units = {
         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -310,9 +356,13 @@ def parse_size(text: str | int) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise ValueError(f"cannot read size {text!r}; write it like 2GB, 500MB or 1GiB") from None
+        raise ValueError(f"{named}cannot read size {text!r}; write it like 2GB, 500MB or "
+                         "1GiB") from None
+    if not math.isfinite(value) or value * mult >= 2**63:  # inf, nan, 1e400GB
+        raise ValueError(f"{named}size {text!r} is not a finite number of bytes; write it like "
+                         "2GB, 500MB or 1GiB")
     if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"{named}size {text!r} must be positive")
     return int(value * mult)
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,14 +82,67 @@ def _packaged_names() -> str:
     return ", ".join(repr(name) for name in packaged.PACKAGED_MODELS)
 
 
+# files whose "auto_map" makes transformers import Python code shipped with the model
+_AUTO_MAP_FILES = ("config.json", "tokenizer_config.json")
+
+
+def check_remote_code(src: ModelSource, trust_remote_code: bool) -> None:
+    """Refuse a folder that ships its own model or tokenizer code unless the user asked to run
+    it (without this, transformers asks "run custom code? [y/N]" on stdin)."""
+    if trust_remote_code or src.kind != "folder":
+        return
+    for name in _AUTO_MAP_FILES:
+        path = src.path / name
+        if not path.is_file():
+            continue
+        try:
+            auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map")
+        except (ValueError, AttributeError):  # unreadable here: transformers names the problem
+            continue
+        if auto_map:
+            raise ValueError(f"{path}: the model ships its own Python code (auto_map: "
+                             f"{', '.join(sorted(auto_map))}), which quantpipe runs only with "
+                             "--trust-remote-code; read the folder's .py files, then pass it")
+
+
+@contextlib.contextmanager
+def reading(path: Path, what: str) -> Iterator[None]:
+    """Turn a parser's failure on ``path`` (tokenizers' plain ``Exception``, gguf's
+    ``struct.error``, a ``KeyError`` on a missing field, a bad UTF-8 string) into one
+    ValueError naming the file. Missing files (OSError) and invalid JSON, which the CLI
+    already names, and a missing optional package (ImportError) pass through."""
+    try:
+        yield
+    except (OSError, json.JSONDecodeError, ImportError):  # named already / a missing package
+        raise
+    except Exception as exc:  # noqa: BLE001 (parsers raise many types; all mean a bad file)
+        if isinstance(exc, ValueError) and str(path) in str(exc):
+            raise
+        why = " ".join(str(exc).split())  # transformers' messages span several lines
+        raise ValueError(f"{path}: cannot be read as {what} ({type(exc).__name__}: {why}); "
+                         "the file is corrupt or of another kind: restore it") from exc
+
+
 def load_tokenizer(src: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if src.kind == "gguf":
-        return AutoTokenizer.from_pretrained(
-            str(src.folder), gguf_file=src.path.name, trust_remote_code=trust_remote_code
-        )
-    return AutoTokenizer.from_pretrained(str(src.path), trust_remote_code=trust_remote_code)
+        with reading(src.path, "a GGUF file's tokenizer"):
+            return AutoTokenizer.from_pretrained(
+                str(src.folder), gguf_file=src.path.name, trust_remote_code=trust_remote_code
+            )
+    return load_folder_tokenizer(src.path, trust_remote_code)
+
+
+def load_folder_tokenizer(folder: str | Path, trust_remote_code: bool = False):
+    """The tokenizer of a model folder (an FP16 export or a Hugging Face folder); a corrupt
+    tokenizer file is a ValueError naming it."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    target = folder / "tokenizer.json"
+    with reading(target if target.is_file() else folder, "a tokenizer"):
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
 
 
 def load_model(
@@ -94,13 +151,14 @@ def load_model(
     """Load a causal LM from a source. ``.bin`` weights are read with ``weights_only=True``."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
     if src.kind == "gguf":
         # GGUF tensors are dequantized by transformers; fp32 keeps them exact.
-        kwargs["dtype"] = torch.float32 if dtype == "auto" else dtype
-        model = AutoModelForCausalLM.from_pretrained(
-            str(src.folder), gguf_file=src.path.name, **kwargs
-        )
+        with reading(src.path, "a GGUF model"):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(src.folder), gguf_file=src.path.name, low_cpu_mem_usage=True,
+                dtype=torch.float32 if dtype == "auto" else dtype,
+                trust_remote_code=trust_remote_code,
+            )
         # transformers dequantizes GGUF tensors into plain nn.Linear weights; the model is no
         # longer quantized, so drop the loader's markers (they block .to(dtype) and saving).
         if hasattr(model.config, "quantization_config"):
@@ -110,8 +168,19 @@ def load_model(
         model.quantization_method = None
         return model
     has_st = any(src.path.glob("*.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(src.path), use_safetensors=has_st, **kwargs
-    )
-    return model
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(src.path), use_safetensors=has_st, dtype=dtype, low_cpu_mem_usage=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) met a Python object
+        bins = [p.name for p in sorted(src.path.glob("*.bin"))]
+        where = src.path / bins[0] if len(bins) == 1 else f"{src.path} ({', '.join(bins)})"
+        # torch's message advises weights_only=False (running the pickle): show only its cause
+        why = next((line.strip().split(" Please use")[0] for line in str(exc).splitlines()
+                    if "Unpickler" in line), type(exc).__name__)
+        raise ValueError(f"{where}: a pickle checkpoint holding Python objects, not only "
+                         f"tensors ({why}); quantpipe never runs pickled code: convert "
+                         "it to safetensors where you trust its source, then export that "
+                         "folder") from None
 

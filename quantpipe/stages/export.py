@@ -15,7 +15,12 @@ from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.plan import Plan, PlanSpec, make_plan
 from quantpipe.core.formats.registry import FORMAT_NAMES
 from quantpipe.core.formats.writers import write_checkpoint
-from quantpipe.core.io import check_not_overlapping, check_output_dir, output_lock
+from quantpipe.core.io import (
+    check_not_overlapping,
+    check_output_dir,
+    output_lock,
+    parse_size,
+)
 from quantpipe.core.qformat import check_bits
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,7 @@ class ExportSpec:
         check_bits(self.bits, "--bits ")
         if self.fmt not in FORMAT_NAMES:
             raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
+        parse_size(self.max_shard_size, "--max-shard-size")  # before any slow work
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,21 @@ from tqdm.auto import tqdm
 from quantpipe.core.io import (
     LazyTensors,
     atomic_output_dir,
+    parse_size,
     save_sharded,
     sha256_file,
     write_manifest,
     write_shards,
 )
-from quantpipe.core.sources import DTYPES, ModelSource, load_model, load_tokenizer, resolve_source
+from quantpipe.core.sources import (
+    DTYPES,
+    ModelSource,
+    check_remote_code,
+    load_model,
+    load_tokenizer,
+    reading,
+    resolve_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +47,7 @@ class Fp16ExportSpec:
     def __post_init__(self) -> None:
         if self.dtype not in ("fp16", "bf16"):
             raise ValueError(f"dtype {self.dtype!r} is not supported; use fp16 or bf16")
+        parse_size(self.max_shard_size, "--max-shard-size")  # before any slow work
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     """
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
+    check_remote_code(src, spec.trust_remote_code)
     dtype = DTYPES[spec.dtype]
     # checks --out (not the source, not inside or around it; empty unless --force) and takes
     # the output lock before the slow load; SOURCE is the model folder or the .gguf file
@@ -168,6 +179,7 @@ class StreamPlan:
         from transformers import GenerationConfig
 
         try:
+            # no trust_remote_code: it runs no model code, and would store the key as a setting
             return GenerationConfig.from_pretrained(self.folder)
         except OSError:  # no generation_config.json: derive it from the model config
             return GenerationConfig.from_model_config(self.config)
@@ -203,7 +215,7 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
         return None
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(src.path)
+    config = AutoConfig.from_pretrained(src.path, trust_remote_code=False)
     if getattr(config, "quantization_config", None):
         return None  # transformers dequantizes it while loading
     where, dtypes = _source_tensors(src.path)
@@ -219,7 +231,7 @@ def _skeleton(config):
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):  # shapes only; buffers stay real
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     skeleton.tie_weights()  # from_config leaves tied embeddings as two meta tensors
     return skeleton
 
@@ -297,13 +309,16 @@ def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
         read_field,
     )
 
-    reader = GGUFReader(str(src.path))
-    arch = read_field(reader, "general.architecture")[0]
+    with reading(src.path, "a GGUF file"):
+        reader = GGUFReader(str(src.path))
+        arch = read_field(reader, "general.architecture")[0]
     processor_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     if processor_cls.__name__ not in _GGUF_TENSOR_BY_TENSOR:
         log.info("%s: GGUF %s tensors are converted together; loading it whole", src.path, arch)
         return None
-    config = AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name)
+    with reading(src.path, "a GGUF file"):
+        config = AutoConfig.from_pretrained(str(src.folder), gguf_file=src.path.name,
+                                            trust_remote_code=False)
     if hasattr(config, "quantization_config"):  # the file's types, dequantized here
         del config.quantization_config
     skeleton = _skeleton(config)
