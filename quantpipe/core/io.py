@@ -121,12 +121,14 @@ def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
 
 
 def check_not_overlapping(
-    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]
+    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
+    out_label: str = "--out",
 ) -> None:
     """Refuse an output folder that is, is inside, or contains one of ``inputs``.
 
     ``inputs``: label shown to the user (e.g. "FP16_DIR") -> an input file or folder (None:
-    skipped). Symlinks are resolved, so two spellings of one folder are caught.
+    skipped). Symlinks are resolved, so two spellings of one folder are caught. ``out_label``
+    names ``out`` in the error (a folder the command writes beside ``--out``).
     """
     out_real = Path(out).resolve()
     for label, inp in inputs.items():
@@ -142,8 +144,8 @@ def check_not_overlapping(
         else:
             continue
         raise ValueError(
-            f"--out {out} {relation} the input {label} ({inp}); writing it would overwrite or "
-            "delete that input: choose another --out"
+            f"{out_label} {out} {relation} the input {label} ({inp}); writing it would "
+            "overwrite or delete that input: choose another --out"
         )
 
 
