@@ -148,6 +148,7 @@ def spills(shape: tuple[int, int, int], live_sets: int, budget: int) -> bool:
 
 STATE_FILE = "hidden.safetensors"  # in-RAM sets and the token ids, saved after each block
 IDS_FILE = "input_ids.safetensors"  # the token ids of a spilled run
+BLOCK_KEY = "block"  # metadata of either file: the block whose inputs the state holds
 
 
 class ActivationSpace:
@@ -156,8 +157,12 @@ class ActivationSpace:
     In RAM (``spill`` False) the sets are tensors and, after each block, the next block's
     inputs are saved with the token ids in ``folder/hidden.safetensors`` (atomically). Spilled,
     each set is ``folder/<key>-<block>.f32`` (the inputs of ``block``), already on disk when the
-    block that made it finishes; saving writes the token ids once and deletes the previous
-    block's files. A resume reads either layout, whichever this run uses."""
+    block that made it finishes; saving rewrites the token ids (atomically) and then deletes
+    the previous block's files. A resume reads either layout, whichever this run uses.
+
+    The state names the block whose inputs it holds (``block`` in the metadata of the file
+    written last, :func:`saved_block`): a run killed after saving but before its progress file
+    moved on resumes from the state's block, never from another block's inputs."""
 
     def __init__(self, folder: Path, shape: tuple[int, int, int], spill: bool) -> None:
         self.folder = folder
@@ -184,28 +189,45 @@ class ActivationSpace:
         from quantpipe.core.io import save_safetensors_atomic
 
         self.folder.mkdir(parents=True, exist_ok=True)
+        # the rename of this one file moves the state to ``block`` (its sets are on disk by
+        # now); only then are the files of the earlier state removed
+        meta = {BLOCK_KEY: str(block)}
         if not self.spill:
             save_safetensors_atomic({**{k: a.materialize() for k, a in hiddens.items()},
-                                     "input_ids": input_ids}, self.folder / STATE_FILE)
-        elif not (self.folder / IDS_FILE).is_file():
-            save_safetensors_atomic({"input_ids": input_ids}, self.folder / IDS_FILE)
+                                     "input_ids": input_ids}, self.folder / STATE_FILE, meta)
+        else:
+            save_safetensors_atomic({"input_ids": input_ids}, self.folder / IDS_FILE, meta)
         keep = {a.path.name for a in hiddens.values() if not a.in_memory}
         for f in self.folder.glob("*.f32*"):  # earlier blocks' sets, unfinished temporaries
             if f.name not in keep:
                 f.unlink()
-        if self.spill:
-            (self.folder / STATE_FILE).unlink(missing_ok=True)
+        # the other layout's file (a run resumed with another --max-memory) is stale now
+        (self.folder / (STATE_FILE if self.spill else IDS_FILE)).unlink(missing_ok=True)
 
     @staticmethod
-    def saved(folder: Path) -> bool:
-        """Whether ``folder`` holds a resume state of either layout."""
-        return (folder / STATE_FILE).is_file() or (folder / IDS_FILE).is_file()
+    def saved_block(folder: Path) -> int | None:
+        """The block whose inputs ``folder``'s resume state holds (either layout; the in-RAM
+        file first, as :meth:`load` reads it), or None: no state, or one written before
+        states named their block (it cannot be matched to a block, so it is not resumed)."""
+        from safetensors import safe_open
+
+        for name in (STATE_FILE, IDS_FILE):
+            if (folder / name).is_file():
+                with safe_open(str(folder / name), framework="pt") as f:
+                    block = (f.metadata() or {}).get(BLOCK_KEY)
+                return int(block) if block is not None else None
+        return None
 
     def load(self, block: int, keys: tuple[str, ...]
              ) -> tuple[dict[str, Activations], torch.Tensor]:
         """The saved inputs of ``block`` (either layout) as this space holds sets, and the ids."""
         from safetensors.torch import load_file
 
+        saved = self.saved_block(self.folder)
+        if saved != block:
+            raise ValueError(f"{self.folder}: the saved calibration state holds the inputs of "
+                             f"block {saved}, not of block {block}; delete the calibration's "
+                             "work folder to start again")
         if (self.folder / STATE_FILE).is_file():
             saved = load_file(str(self.folder / STATE_FILE))
             ids = saved.pop("input_ids")

@@ -5,8 +5,10 @@ CALIB_DIR (:func:`work_dir`), which holds the resume state, and renames it to CA
 it is complete (an existing CALIB_DIR is replaced only then). Layout::
 
     CALIB_DIR/
-      progress.json                 settings + finished blocks (while running; resume point)
-      state/hidden.safetensors      inputs of the next block (while running; deleted at the end)
+      quantpipe-work.json           marks the work folder as quantpipe's (removed at the end)
+      progress.json                 settings + finished blocks (while running)
+      state/hidden.safetensors      inputs of the next block, named in its metadata: the
+                                    resume point (while running; deleted at the end)
       state/hidden-N.f32 + input_ids.safetensors   the same when the activations exceed
                                     --max-memory: raw fp32 [samples, seq_len, hidden] files
                                     (calibration.activations; GPTAQ adds hidden_fp-N.f32)
@@ -43,6 +45,21 @@ def work_dir(calib_dir: str | Path) -> Path:
     """The hidden folder beside CALIB_DIR where `calibrate` builds (and resumes) it."""
     out = Path(os.path.abspath(calib_dir))
     return out.parent / f".{out.name}.work"
+
+
+# the file that marks a work folder as quantpipe's own: only such a folder is ever removed
+# or resumed (a folder of that name made by someone else is refused, never deleted)
+WORK_MARKER = "quantpipe-work.json"
+
+
+def check_work_dir(work: Path, calib_dir: str | Path) -> None:
+    """Refuse a file, link or unmarked folder at the path of CALIB_DIR's work folder."""
+    if work.is_symlink() or (work.exists() and not (work / WORK_MARKER).is_file()):
+        raise ValueError(
+            f"{work}: in the way of the work folder of --out {calib_dir}, and not one that "
+            "quantpipe calibrate made (no quantpipe-work.json), so it is left untouched; move "
+            "or rename it, or choose another --out"
+        )
 
 
 def block_file(calib_dir: Path, index: int, ext: str) -> Path:

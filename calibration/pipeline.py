@@ -58,7 +58,13 @@ from quantpipe.calibration.activations import (
     activation_budget,
     spills,
 )
-from quantpipe.calibration.artifact import block_file, save_block, work_dir
+from quantpipe.calibration.artifact import (
+    WORK_MARKER,
+    block_file,
+    check_work_dir,
+    save_block,
+    work_dir,
+)
 from quantpipe.calibration.awq import awq_quantize, scale_block, scale_shared_input
 from quantpipe.calibration.capture import (
     BlockContext,
@@ -346,7 +352,13 @@ def _check_inputs(spec: CalibrateSpec) -> _Inputs:
     from quantpipe.core.sources import load_folder_tokenizer
 
     prompts_path = None if spec.prompts in SHIPPED_SETS else spec.prompts
-    check_not_overlapping(spec.out, {"FP16_DIR": spec.fp16_dir, "--prompts": prompts_path})
+    inputs = {"FP16_DIR": spec.fp16_dir, "--prompts": prompts_path}
+    check_not_overlapping(spec.out, inputs)
+    # the work folder is written and removed like CALIB_DIR itself
+    check_not_overlapping(work_dir(spec.out), inputs,
+                          option=f"the work folder of --out {spec.out},",
+                          remedy="choose another --out")
+    check_work_dir(work_dir(spec.out), spec.out)
     check_output_dir(spec.out, spec.force)
     records = load_prompt_records(spec.prompts, column=spec.column)
     manifest = read_manifest(spec.fp16_dir, "fp16")
@@ -393,15 +405,16 @@ def _prepare_work(run: _Run, num_blocks: int) -> int:
     """Find the resume point in the work folder, or start it afresh; returns the first block.
 
     Same settings: resume (with or without --force). Other settings: an error naming them,
-    or with --force the unfinished run is discarded. CALIB_DIR itself is never touched here.
+    or with --force the unfinished run is discarded. CALIB_DIR itself is never touched here,
+    and neither is a folder at the work folder's path that quantpipe did not mark as its own.
     """
+    check_work_dir(run.work, run.spec.out)
     progress = run.work / "progress.json"
     if progress.is_file():
         state = json.loads(progress.read_text())
         diffs = _differences(state.get("spec", {}), run.settings)
-        nxt = int(state["next_block"])
-        has_state = ActivationSpace.saved(run.work / "state")
-        if not diffs and (has_state or nxt >= num_blocks):
+        nxt = _resume_point(run.work, int(state["next_block"]), num_blocks)
+        if not diffs and nxt is not None:
             log.info("resuming %s at block %d (work folder %s)", run.spec.out, nxt, run.work)
             return nxt
         if diffs and not run.spec.force:
@@ -414,7 +427,23 @@ def _prepare_work(run: _Run, num_blocks: int) -> int:
     if run.work.exists():
         shutil.rmtree(run.work)
     run.work.mkdir(parents=True)
+    write_json_atomic(run.work / WORK_MARKER, {"version": 1, "calib_dir": str(run.spec.out)})
     return 0
+
+
+def _resume_point(work: Path, progress_next: int, num_blocks: int) -> int | None:
+    """The first block to calibrate when resuming from ``work``, or None (nothing to resume).
+
+    The saved state names the block whose inputs it holds: that block is where the run
+    continues, whatever the progress file says (a run killed after saving the next inputs but
+    before writing its progress is one block behind in it). With no state left, the run was
+    killed while finishing: every block is done. Either way every earlier block's results
+    must be on disk (they are written before the state moves on)."""
+    saved = ActivationSpace.saved_block(work / "state")
+    nxt = saved if saved is not None else (num_blocks if progress_next >= num_blocks else None)
+    if nxt is None or not all(block_file(work, j, "json").is_file() for j in range(nxt)):
+        return None
+    return nxt
 
 
 def _save_progress(run: _Run, next_block: int, extra: dict) -> None:
@@ -613,12 +642,13 @@ def calibrate(spec: CalibrateSpec) -> CalibrateResult:
             result = _finish(run, inputs, data_summary,  # 5: the manifest
                              earlier_seconds + time.perf_counter() - t0, start)
         except BaseException:
-            if not (run.work / "progress.json").is_file():
-                shutil.rmtree(run.work, ignore_errors=True)  # nothing to resume from
+            if not (run.work / "progress.json").is_file():  # nothing to resume from
+                shutil.rmtree(run.work, ignore_errors=True)  # (made by _prepare_work)
             raise
         replace_dir(run.work, spec.out)  # 5: the finished folder replaces CALIB_DIR
         with contextlib.suppress(FileNotFoundError):  # the resume point, kept as a record
             os.replace(spec.out / "progress.json", spec.out / "blocks" / "progress-final.json")
+        (spec.out / WORK_MARKER).unlink(missing_ok=True)  # a finished CALIB_DIR, no work folder
     return result
 
 

@@ -94,6 +94,21 @@ class Override:
         return name == self.pattern
 
 
+# the fewest bits per weight a plan can reach is INT4's 4 plus its scales (the exact floor
+# depends on the layers' group sizes: greedy_budget_plan names it); the most is FP16's 16
+MIN_BUDGET_BITS, MAX_BUDGET_BITS = 4.0, 16.0
+
+
+def check_budget_bits(budget_bits: float | None) -> None:
+    """Refuse a --budget-bits no plan can meet, before anything is computed for it."""
+    if budget_bits is not None and not MIN_BUDGET_BITS < budget_bits <= MAX_BUDGET_BITS:
+        raise ValueError(
+            f"--budget-bits {budget_bits} is outside the range a plan can reach, "
+            f"({MIN_BUDGET_BITS:g}, {MAX_BUDGET_BITS:g}]: INT4, the smallest format, stores "
+            f"{MIN_BUDGET_BITS:g} bits per weight plus its scales, and {MAX_BUDGET_BITS:g} "
+            "keeps everything FP16; use e.g. 4.5")
+
+
 @dataclass(frozen=True)
 class PlanSpec:
     bits: int = 4  # default precision
@@ -104,9 +119,7 @@ class PlanSpec:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits {self.bits} is not supported; use 4 or 8")
-        if self.budget_bits is not None and not 0 < self.budget_bits <= 16:
-            raise ValueError(f"--budget-bits {self.budget_bits} must be in (0, 16]: 16 keeps "
-                             "everything FP16")
+        check_budget_bits(self.budget_bits)
         if self.damage not in ("auto", "kld", "proxy"):
             raise ValueError("damage must be auto, kld or proxy")
         for o in self.overrides:

@@ -165,13 +165,15 @@ def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
 
 
 def check_not_overlapping(
-    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None], option: str = "--out"
+    out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None], option: str = "--out",
+    remedy: str | None = None,
 ) -> None:
     """Refuse an output (folder or file, given as ``option``) that is, is inside, or contains
     one of ``inputs``.
 
     ``inputs``: label shown to the user (e.g. "FP16_DIR") -> an input file or folder (None:
-    skipped). Symlinks are resolved, so two spellings of one folder are caught.
+    skipped). Symlinks are resolved, so two spellings of one folder are caught. ``remedy``
+    replaces "choose another OPTION" (for a folder the command writes beside ``--out``).
     """
     out_real = Path(out).resolve()
     for label, inp in inputs.items():
@@ -188,7 +190,7 @@ def check_not_overlapping(
             continue
         raise ValueError(
             f"{option} {out} {relation} the input {label} ({inp}); writing it would overwrite "
-            f"or delete that input: choose another {option.split()[0]}"
+            f"or delete that input: {remedy or 'choose another ' + option.split()[0]}"
         )
 
 

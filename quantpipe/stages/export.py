@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.plan import Plan, PlanSpec, make_plan
+from quantpipe.calibration.plan import Plan, PlanSpec, check_budget_bits, make_plan
 from quantpipe.core.formats.registry import FORMAT_NAMES
 from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.io import (
@@ -39,6 +39,7 @@ class ExportSpec:
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
+        check_budget_bits(self.budget_bits)  # before CALIB_DIR is read
         if self.fmt not in FORMAT_NAMES:
             raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
         parse_size(self.max_shard_size, "--max-shard-size")  # before any slow work

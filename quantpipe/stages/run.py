@@ -5,18 +5,27 @@ WORKDIR/fp16 (export-fp16) -> WORKDIR/calib (calibrate) -> WORKDIR/int{bits} (ex
 
 A stage whose output is complete (its manifest exists) is skipped, so re-running after an
 interruption continues where it stopped; calibration itself resumes at its last finished block.
+That reuse is safe only for the same run: WORKDIR/run.json records the sha256 of the source
+(and of a prompt or speed file) and every option, written before the first stage; a run into a
+WORKDIR whose record differs is refused, listing each difference. A WORKDIR without that record
+(a folder of the user's) is used only when empty, a stage output that exists unfinished was not
+made by quantpipe (every stage writes atomically) and is refused by name, and no stage is ever
+forced: nothing in WORKDIR that quantpipe run did not make is modified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantpipe.calibration.plan import check_budget_bits
 from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
 from quantpipe.core.qformat import check_bits
+from quantpipe.core.sources import resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
+        check_budget_bits(self.budget_bits)
 
 
 @dataclass(frozen=True)
@@ -52,8 +62,87 @@ class RunResult:
     stages: dict[str, float]  # stage -> seconds (0.0 when reused)
 
 
+RUN_FILE = "run.json"  # WORKDIR's record of the run's settings (see the module docstring)
+RUN_FILE_VERSION = 1
+_CHUNK = 1 << 22  # bytes hashed at a time: a multi-GB source is streamed, never held
+
+
 def _done(folder: Path) -> bool:
     return (folder / MANIFEST_NAME).is_file()
+
+
+def sha256_tree(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (relative names, sizes and contents, in name
+    order; hidden files and folders such as a hub cache's are left out)."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(
+        f for f in path.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts))
+    for f in files:
+        h.update(f"{f.relative_to(path) if f != path else f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def run_settings(spec: RunSpec) -> dict[str, str]:
+    """What a run into an existing WORKDIR must match to reuse its stages: every option, the
+    source's sha256 (a folder's files, the .gguf file, or the packaged default model's file),
+    and the sha256 of a prompt file and of every speed file. Paths are not compared: the same
+    bytes moved elsewhere are the same run."""
+    t0 = time.perf_counter()
+    src = resolve_source(spec.source)
+    settings = {k: json.dumps(v, sort_keys=True) for k, v in asdict(spec).items()
+                if k not in ("source", "out", "speed")}
+    settings["source_sha256"] = sha256_tree(src.path)
+    for key, name in (("prompts", spec.prompts), ("eval_prompts", spec.eval_prompts)):
+        path = Path(name).expanduser()
+        if path.exists():  # a file or dataset folder; a shipped set's name stays a name
+            settings[key] = json.dumps({"sha256": sha256_tree(path)})
+    settings["speed"] = json.dumps([sha256_tree(Path(p)) for p in spec.speed])
+    log.info("hashed the run's source %s and inputs in %.1fs", src.path,
+             time.perf_counter() - t0)
+    return settings
+
+
+def _differences(before: dict, now: dict) -> list[str]:
+    return [f"{k}: {before.get(k)} before, {now.get(k)} now"
+            for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+
+
+def _check_workdir(out: Path, settings: dict[str, str], outputs: tuple[Path, ...]) -> bool:
+    """Whether WORKDIR may hold this run (see the module docstring); True when its record
+    must be written. Raises, touching nothing, where it may not."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder; choose another --out")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    record = out / RUN_FILE
+    if not record.is_file():
+        if entries:
+            raise ValueError(
+                f"{out} holds {', '.join(entries[:8])}{' ...' if len(entries) > 8 else ''} "
+                f"but no {RUN_FILE}: not a WORKDIR made by quantpipe run, and nothing in it is "
+                "touched; choose a new or empty --out")
+        return True
+    try:
+        before = json.loads(record.read_text(encoding="utf-8"))["settings"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{record}: not a quantpipe run record ({exc}); choose another "
+                         "--out") from None
+    diffs = _differences(before, settings)
+    made = [e for e in entries if e != RUN_FILE and not e.startswith(".")]  # (locks are hidden)
+    if diffs and made:  # with only the record of a run that made nothing yet, start anew
+        raise ValueError(
+            f"{out} holds a run with other settings (" + "; ".join(diffs) + "); re-run with "
+            "the earlier settings to continue it, or choose another --out")
+    foreign = [str(p) for p in outputs if p.exists() and not _done(p)]
+    if foreign:
+        raise ValueError(
+            f"{', '.join(foreign)}: exists without a quantpipe manifest, so quantpipe run did "
+            "not make it (its stages write complete folders only) and will not replace it; "
+            "move it away or choose another --out")
+    return bool(diffs)
 
 
 def run_pipeline(spec: RunSpec) -> RunResult:
@@ -66,14 +155,19 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     out = Path(spec.out)
     fp16, calib = out / "fp16", out / "calib"
     qdir = out / (f"int{spec.bits}" if spec.budget_bits is None else f"mixed-{spec.budget_bits}")
-    # every stage's spec is built (and its options validated) before the first stage runs
-    fp16_spec = Fp16ExportSpec(spec.source, fp16, force=fp16.exists())
+    # every stage's spec is built (and its options validated) before the first stage runs;
+    # no stage is forced: an output quantpipe did not make is refused, never replaced
+    fp16_spec = Fp16ExportSpec(spec.source, fp16)
     calib_spec = CalibrateSpec(fp16, calib, spec.prompts, algo=spec.algo,
                                group_size=spec.group_size, sym=spec.sym, samples=spec.samples,
                                seq_len=spec.seq_len)
     export_spec = ExportSpec(calib, qdir, bits=spec.bits, budget_bits=spec.budget_bits,
-                             overrides=spec.overrides, force=qdir.exists())
-    out.mkdir(parents=True, exist_ok=True)
+                             overrides=spec.overrides)
+    settings = run_settings(spec)
+    if _check_workdir(out, settings, (fp16, calib, qdir)):
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / RUN_FILE, {"version": RUN_FILE_VERSION, "source": spec.source,
+                                           "settings": settings})
     stages: dict[str, float] = {}
 
     def stage(name: str, done: bool, fn) -> None:

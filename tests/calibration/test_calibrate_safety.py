@@ -5,6 +5,7 @@ a time, and failed writes leave nothing that looks valid."""
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,49 @@ def test_calibrate_refuses_out_containing_the_prompt_file(fp16_dir, tmp_path):
     with pytest.raises(ValueError, match="contains the input --prompts"):
         calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(prompts), force=True, **KW))
     assert prompts.read_text() == json.dumps({"prompt": "keep me"}) + "\n"
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("kind", ["user folder", "input folder", "file", "link"])
+def test_calibrate_never_removes_a_work_folder_it_did_not_make(fp16_dir, prompt_file, tmp_path,
+                                                               kind, force):
+    """``.NAME.work`` beside --out NAME is removed or resumed only when quantpipe marked it as
+    its own: a user's folder (even one holding a progress.json), an input folder, a file or a
+    link of that name is refused, naming it, and left as it was (issue #29)."""
+    work = work_dir(tmp_path / "calib")
+    if kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        work.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    elif kind == "file":
+        work.write_text("mine")
+    else:
+        shutil.copytree(fp16_dir, work) if kind == "input folder" else work.mkdir()
+        (work / "progress.json").write_text('{"next_block": 1}')
+    prompts = str(work / "p.jsonl") if kind == "input folder" else str(prompt_file)
+    if kind == "input folder":
+        shutil.copy(prompt_file, prompts)
+    before = _snapshot(work) if work.is_dir() else work.read_text()
+    match = (rf"^{re.escape(str(work))}: in the way of the work folder .*left untouched; move "
+             "or rename it, or choose another --out$")
+    if kind == "input folder":  # the overlap check names the input first
+        match = rf"the work folder of --out .*{re.escape(str(work))} contains the input --prompts"
+    with pytest.raises(ValueError, match=match):
+        calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", prompts, force=force, **KW))
+    assert (_snapshot(work) if work.is_dir() else work.read_text()) == before
+    assert not (tmp_path / "calib").exists()
+
+
+def test_calibrate_refuses_an_fp16_dir_inside_its_work_folder(fp16_dir, prompt_file, tmp_path):
+    """The work folder is part of the overlap check: its inputs may not lie in it."""
+    work = work_dir(tmp_path / "calib")
+    inside = _copy(fp16_dir, work / "fp16")
+    (work / "quantpipe-work.json").write_text("{}")  # even one that looks like quantpipe's
+    before = _snapshot(work)
+    with pytest.raises(ValueError, match=r"the work folder of --out .* contains the input "
+                       "FP16_DIR"):
+        calibrate(CalibrateSpec(inside, tmp_path / "calib", str(prompt_file), force=True,
+                                **KW))
+    assert _snapshot(work) == before
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -1,10 +1,20 @@
-"""`quantpipe run` on a tiny model: every stage, then a resumed run that reuses them all."""
+"""`quantpipe run` on a tiny model: every stage, then a resumed run that reuses them all; a
+run with another source or other options, or into folders quantpipe did not make, is refused."""
 
 import json
+import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from quantpipe.cli import main
+from tests.quantpipe.test_cli_errors import assert_one_line_error
+from tests.tiny_models import make_model, save_model
+
+
+def _snapshot(folder):
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*"))
+            if f.is_file()}
 
 
 def test_run_end_to_end_and_resume(tiny_llama_dir, tmp_path):
@@ -24,6 +34,52 @@ def test_run_end_to_end_and_resume(tiny_llama_dir, tmp_path):
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0, again.output
     assert "export-fp16 0s, calibrate 0s, export 0s, eval 0s, report 0s" in again.output
+
+    # another source (same layout, other weights) or other options: refused, naming each
+    # difference, before anything is touched (it used to return the first model's report)
+    before = _snapshot(out)
+    model, tok = make_model("llama", seed=1)
+    other = save_model(model, tok, tmp_path / "other")
+    r = CliRunner().invoke(main, ["run", str(other), *args[2:]])
+    assert_one_line_error(r, f"{out} holds a run with other settings (source_sha256: ")
+    r = CliRunner().invoke(main, [*args, "--samples", "8", "--bits", "8"])
+    assert_one_line_error(r, "other settings (bits: 4 before, 8 now; samples: 4 before, 8 now)")
+    assert _snapshot(out) == before
+
+    # a stage folder quantpipe did not make (no manifest) is never replaced
+    shutil.rmtree(out / "int4")
+    (out / "int4").mkdir()
+    (out / "int4" / "mine.txt").write_text("keep")
+    r = CliRunner().invoke(main, args)
+    assert_one_line_error(r, f"{out / 'int4'}: exists without a quantpipe manifest")
+    assert (out / "int4" / "mine.txt").read_text() == "keep"
+    assert json.loads((out / "run.json").read_text())["settings"]["samples"] == "4"
+
+
+def test_run_touches_nothing_in_a_folder_it_did_not_make(tiny_llama_dir, tmp_path):
+    """A WORKDIR holding the user's own fp16/ (no run record) is refused, not overwritten."""
+    out = tmp_path / "work"
+    (out / "fp16").mkdir(parents=True)
+    (out / "fp16" / "config.json").write_text("{}")
+    before = _snapshot(out)
+    r = CliRunner().invoke(main, ["run", str(tiny_llama_dir), "--out", str(out), "--samples",
+                                  "4", "--seq-len", "64", "--group-size", "32"])
+    assert_one_line_error(r, f"{out} holds fp16 but no run.json: not a WORKDIR made by "
+                          "quantpipe run")
+    assert _snapshot(out) == before
+
+
+def test_run_refuses_an_unreachable_budget_before_any_stage(tiny_llama_dir, tmp_path):
+    """INT4 alone is 4 bits per weight: a budget of 1 used to calibrate and measure
+    sensitivity before export refused it."""
+    from quantpipe.stages.export import ExportSpec
+
+    r = CliRunner().invoke(main, ["run", str(tiny_llama_dir), "--out", str(tmp_path / "w"),
+                                  "--group-size", "32", "--budget-bits", "1"])
+    assert_one_line_error(r, "--budget-bits 1.0 is outside the range a plan can reach, (4, 16]")
+    assert not (tmp_path / "w").exists()
+    with pytest.raises(ValueError, match="outside the range"):  # before CALIB_DIR is read
+        ExportSpec(tmp_path / "missing", tmp_path / "q", budget_bits=1)
 
 
 def test_run_with_budget_measures_sensitivity(tiny_llama_dir, tmp_path):
