@@ -26,19 +26,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hmac
 import json
 import logging
 import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,6 +53,7 @@ from prometheus_client import (
 )
 from prometheus_client import Counter as PromCounter
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from quantpipe.core.io import MANIFEST_NAME, read_manifest
 from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
@@ -62,6 +65,15 @@ from quantpipe.runtime.engine import (
     SamplingParams,
 )
 from quantpipe.runtime.fp_head import HEAD_DTYPES
+from quantpipe.runtime.http_guard import (
+    ACCEPT_BATCH,
+    ConnectionGuard,
+    ConnectionLimits,
+    accept_error_handler,
+    connection_cap,
+    open_fds,
+    raise_fd_limit,
+)
 from quantpipe.runtime.openai_protocol import (
     ChatCompletionResponse,
     ChatRequest,
@@ -113,12 +125,19 @@ class ServeSpec:
     max_request_bytes: int = DEFAULTS.max_request_bytes  # RequestLimits.max_request_bytes
     max_prompt_chars: int = DEFAULTS.max_prompt_chars  # RequestLimits.max_prompt_chars
     request_timeout: float = DEFAULTS.request_timeout  # RequestLimits.request_timeout
+    max_connections: int = DEFAULTS.max_connections  # ConnectionLimits.max_connections
+    header_timeout: float = DEFAULTS.header_timeout  # ConnectionLimits.header_timeout
+    # every endpoint but /health needs "Authorization: Bearer <api_key>"; None: no key
+    api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] = ()  # Host header values served ("*.x.com" ok); () -> any
 
     def __post_init__(self) -> None:
         # Everything here is cheap and runs before the model loads (minutes for a big one).
         self._check_options()
         self.engine_config()  # EngineConfig's own checks
         self.request_limits()
+        self.connection_limits()
+        check_access(self.api_key, self.allowed_hosts)
         check_model_dir(Path(self.model_dir))
 
     def _check_options(self) -> None:
@@ -152,6 +171,19 @@ class ServeSpec:
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(self.max_request_bytes, self.max_prompt_chars, self.request_timeout)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.max_connections, self.header_timeout)
+
+
+def check_access(api_key: str | None, allowed_hosts: tuple[str, ...]) -> None:
+    if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
+        raise ValueError("--api-key / QUANTPIPE_API_KEY must be printable ASCII without spaces "
+                         "(it travels in an HTTP header); e.g. openssl rand -hex 32")
+    for pattern in allowed_hosts:
+        if not pattern or "*" in pattern[1:] or (pattern[0] == "*" and pattern[:2] != "*."):
+            raise ValueError(f"--allowed-host {pattern!r}: write a host name such as "
+                             "api.example.com, *.example.com or 127.0.0.1")
 
 
 def check_model_dir(folder: Path) -> None:
@@ -421,12 +453,23 @@ class _Server:
 
 
 def build_app(engine: LLMEngine, model_name: str, max_queue: int = DEFAULTS.max_queue,
-              limits: RequestLimits | None = None) -> FastAPI:
-    """The FastAPI app; the engine loop starts and stops with the app's lifespan."""
+              limits: RequestLimits | None = None, api_key: str | None = None,
+              allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app; the engine loop starts and stops with the app's lifespan.
+
+    Middleware, outermost first: the Host check (``allowed_hosts``), the API key, the body
+    limits; so a request with a wrong host or key is answered before its body is read.
+    """
     limits = limits or RequestLimits()
+    check_access(api_key, allowed_hosts)
     srv = _Server(engine, model_name, max_queue, limits)
     app = FastAPI(title="quantpipe", lifespan=srv.lifespan)
-    app.add_middleware(_BodyLimit, limits=limits)
+    app.add_middleware(_BodyLimit, limits=limits)  # add_middleware: the last added is outermost
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
+    if allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts),
+                           www_redirect=False)
     _add_error_handlers(app)
     tighten_openapi(app, model_name, engine.max_model_len,
                     engine.runner.decoder.embed_tokens.num_embeddings, limits.max_prompt_chars)
@@ -649,6 +692,37 @@ def _chunk(out: RequestOutput, head: _Head, is_first: bool) -> dict[str, Any]:
     return event
 
 
+# --- access: the API key -------------------------------------------------------------------------
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' health checks)
+
+
+class _ApiKey:
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``.
+
+    A missing or wrong key gets 401 with OpenAI's body (code ``invalid_api_key``). The key is
+    compared with ``hmac.compare_digest``, whose time does not depend on where they differ.
+    """
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization")
+        scheme, _, token = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        msg = ("no API key: send the header 'Authorization: Bearer <key>' with the key the "
+               "server was started with (--api-key / QUANTPIPE_API_KEY)" if given is None else
+               "incorrect API key provided in the Authorization header")
+        err = ApiError(401, msg, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await err.response()(scope, receive, send)
+
+
 # --- request bodies: size and time limits ------------------------------------------------------
 class _BodyTooLarge(Exception):
     pass
@@ -749,19 +823,54 @@ def _check_listen(host: str, port: int) -> None:
                              "--port or stop the process using it") from None
 
 
-def serve(spec: ServeSpec) -> None:
-    """Check the address, load the model, build the app and run uvicorn until interrupted."""
+def serve(spec: ServeSpec, on_listening: Callable[[str], None] | None = None) -> None:
+    """Check the address, load the model, build the app and run uvicorn until interrupted.
+
+    ``on_listening(url)`` is called once the socket listens (every check passed).
+    """
     import torch
-    import uvicorn
 
     from quantpipe.runtime.engine import load_model_for_serving
 
-    if spec.host not in LOOPBACK_HOSTS:
-        log.warning("binding to %s exposes the server beyond this machine", spec.host)
+    _warn_exposure(spec)
     _check_listen(spec.host, spec.port)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {spec.device}: no CUDA device is visible; use --device cpu")
+    fd_limit, _ = raise_fd_limit()
     model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype)
     engine = LLMEngine(model, tok, spec.engine_config())
-    app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits())
-    uvicorn.run(app, host=spec.host, port=spec.port, log_level="warning")
+    app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits(),
+                    spec.api_key, spec.allowed_hosts)
+    cap = connection_cap(spec.max_connections, fd_limit, open_fds())
+    guard = ConnectionGuard(replace(spec.connection_limits(), max_connections=cap))
+    config = uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
+                            http=guard.protocol_class(), backlog=ACCEPT_BATCH)
+    _ListeningServer(config, on_listening).run()
+
+
+def _warn_exposure(spec: ServeSpec) -> None:
+    if spec.host in LOOPBACK_HOSTS:
+        return
+    if spec.api_key is None:
+        log.warning("binding to %s exposes the server beyond this machine to anyone, with no "
+                    "API key: set QUANTPIPE_API_KEY (or --api-key)", spec.host)
+    else:
+        log.warning("binding to %s exposes the server beyond this machine (API key required)",
+                    spec.host)
+
+
+class _ListeningServer(uvicorn.Server):
+    """uvicorn's Server that calls ``on_listening(url)`` once its socket listens, with
+    asyncio's traceback per failed accept() summarised (http_guard.accept_error_handler)."""
+
+    def __init__(self, config: uvicorn.Config,
+                 on_listening: Callable[[str], None] | None) -> None:
+        super().__init__(config)
+        self.on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(accept_error_handler(loop))
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening(f"http://{self.config.host}:{self.config.port}/v1")
