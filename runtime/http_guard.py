@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +39,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger(__name__)
 
 LOG_EVERY = 10.0  # seconds between two summary lines (closed connections, accept errors)
-ACCEPT_BATCH = 128  # listen backlog; asyncio accepts up to this many connections per loop pass
+ACCEPT_BATCH = 32  # asyncio accepts up to this many connections per loop pass
+LISTEN_QUEUE = 2048  # connections the kernel queues before accept() (uvicorn's default backlog)
 FD_HEADROOM = 64  # descriptors kept free beyond those open at start (files, pipes, the log)
 
 
@@ -90,6 +93,20 @@ def connection_cap(requested: int, fd_limit: int, fds_open: int) -> int:
         log.warning("--max-connections %d lowered to %d to fit the open-file limit of %d "
                     "(raise it with ulimit -n)", requested, room, fd_limit)
     return min(requested, room)
+
+
+def widen_listen_queue(listening: list) -> None:
+    """Let the kernel queue ``LISTEN_QUEUE`` connections on sockets asyncio listens on.
+
+    asyncio uses one ``backlog`` both for ``listen()`` and for the accepts per loop pass; the
+    latter must stay small (``ACCEPT_BATCH``: descriptors are taken before the cap can close
+    them), but a queue that small overflows when a flood of reconnecting clients meets a busy
+    loop, and the kernel then drops new connections, a health check's too (its retry comes a
+    second later). ``listen()`` again on a listening socket only resizes its queue.
+    """
+    for sock in listening:  # asyncio's TransportSocket wrappers: listen on a duplicate
+        with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+            dup.listen(LISTEN_QUEUE)
 
 
 class _Summary:

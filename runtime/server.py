@@ -73,6 +73,7 @@ from quantpipe.runtime.http_guard import (
     connection_cap,
     open_fds,
     raise_fd_limit,
+    widen_listen_queue,
 )
 from quantpipe.runtime.openai_protocol import (
     ChatCompletionResponse,
@@ -872,5 +873,7 @@ class _ListeningServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(accept_error_handler(loop))
         await super().startup(sockets)
+        if self.started:
+            widen_listen_queue([s for server in self.servers for s in server.sockets])
         if self.started and self.on_listening is not None:
             self.on_listening(f"http://{self.config.host}:{self.config.port}/v1")

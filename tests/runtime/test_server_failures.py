@@ -32,10 +32,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app) -> Iterator[str]:
+def serve_app(app, **config) -> Iterator[str]:
     """Run ``app`` with uvicorn on a free loopback port; yields the base URL."""
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                        **config))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     deadline = time.time() + 20
