@@ -63,6 +63,7 @@ from quantpipe.runtime.engine import (
     LLMEngine,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 from quantpipe.runtime.fp_head import HEAD_DTYPES
 from quantpipe.runtime.http_guard import (
@@ -76,12 +77,12 @@ from quantpipe.runtime.http_guard import (
     widen_listen_queue,
 )
 from quantpipe.runtime.openai_protocol import (
+    UNSUPPORTED,
     ChatCompletionResponse,
     ChatRequest,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    GenerationRequest,
     HealthStatus,
     ModelList,
     generation_responses,
@@ -238,14 +239,24 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return ApiError(status, message, headers=headers).response()
 
 
-def _sampling(req: GenerationRequest, default_max: int) -> SamplingParams:
+def _sampling(req: CompletionRequest | ChatRequest, default_max: int) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                          top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                          logprobs=_logprobs_asked(req))
 
 
-def _max_tokens_given(req: GenerationRequest) -> bool:
+def _logprobs_asked(req: CompletionRequest | ChatRequest) -> int | None:
+    """Alternatives per token the response reports; None: no logprobs (OpenAI's fields)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ValueError("top_logprobs needs logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _max_tokens_given(req: CompletionRequest | ChatRequest) -> bool:
     return req.max_tokens is not None or getattr(req, "max_completion_tokens", None) is not None
 
 
@@ -473,7 +484,8 @@ def build_app(engine: LLMEngine, model_name: str, max_queue: int = DEFAULTS.max_
                            www_redirect=False)
     _add_error_handlers(app)
     tighten_openapi(app, model_name, engine.max_model_len,
-                    engine.runner.decoder.embed_tokens.num_embeddings, limits.max_prompt_chars)
+                    engine.runner.decoder.embed_tokens.num_embeddings, limits.max_prompt_chars,
+                    api_key=api_key is not None)
 
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -528,9 +540,13 @@ def _validation_message(errors) -> str:
     for e in errors:
         # loc: ("body", field, ...); pydantic adds union member tags such as "constrained-str"
         path = [str(x) for x in e["loc"][1:] if isinstance(x, int) or str(x).isidentifier()]
+        msg = e["msg"]
+        if path and path[0] in UNSUPPORTED:  # the field as a whole, whatever part was wrong
+            path, msg = path[:1], (f"not supported by this server; omit it (or send "
+                                   f"{UNSUPPORTED[path[0]]})")
         msgs = by_field.setdefault(".".join(path) or "body", [])
-        if e["msg"] not in msgs:
-            msgs.append(e["msg"])
+        if msg not in msgs:
+            msgs.append(msg)
     return "; ".join(f"{field}: {' or '.join(msgs)}" for field, msgs in by_field.items())
 
 
@@ -599,10 +615,13 @@ async def _disconnected(request: Request) -> None:
 async def _complete(outputs: AsyncGenerator[RequestOutput, None], head: _Head) -> Response:
     """Collect a whole completion; 500 if the engine failed it."""
     text: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
     last: RequestOutput | None = None
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             text.append(out.new_text)
+            if out.logprobs is not None:
+                logprobs = (logprobs or []) + list(out.logprobs)
             last = out
     assert last is not None and last.finished, "a request's last output is finished"
     if last.finish_reason == "error":
@@ -610,11 +629,12 @@ async def _complete(outputs: AsyncGenerator[RequestOutput, None], head: _Head) -
     usage = _usage(last)
     usage["prompt_tokens_details"] = {"cached_tokens": last.cached_prompt_tokens}
     body_text = "".join(text)
+    lp_body = _LogprobsBody(head.chat).body(logprobs)
     if head.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": body_text},
-                  "finish_reason": last.finish_reason}
+                  "logprobs": lp_body, "finish_reason": last.finish_reason}
     else:
-        choice = {"index": 0, "text": body_text, "logprobs": None,
+        choice = {"index": 0, "text": body_text, "logprobs": lp_body,
                   "finish_reason": last.finish_reason}
     return JSONResponse({
         "id": head.rid, "object": "chat.completion" if head.chat else "text_completion",
@@ -661,29 +681,33 @@ async def _sse(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None],
     """One SSE event per output, the last with finish_reason and usage, then [DONE]; a
     failure is one error event and the end of the stream (no [DONE]: it did not complete)."""
     out = first
+    logprobs = _LogprobsBody(head.chat)  # completions' text_offset goes on across chunks
     while True:
         if out.finish_reason == "error":
             err = _generation_failed(out)
             body = {"message": err.message, "type": "server_error", "param": None, "code": 500}
             yield f"data: {json.dumps({'error': body}, ensure_ascii=False)}\n\n"
             return
-        yield f"data: {json.dumps(_chunk(out, head, out is first), ensure_ascii=False)}\n\n"
+        event = _chunk(out, head, out is first, logprobs)
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         if out.finished:
             break
         out = await anext(rest)
     yield "data: [DONE]\n\n"
 
 
-def _chunk(out: RequestOutput, head: _Head, is_first: bool) -> dict[str, Any]:
+def _chunk(out: RequestOutput, head: _Head, is_first: bool,
+           logprobs: _LogprobsBody) -> dict[str, Any]:
     """One streamed chunk: the non-streamed body's shape with a delta."""
     reason = out.finish_reason if out.finished else None
+    lp_body = logprobs.body(None if out.logprobs is None else list(out.logprobs))
     if head.chat:
         delta: dict[str, str] = {"content": out.new_text}
         if is_first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": lp_body, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": out.new_text, "logprobs": lp_body, "finish_reason": reason}
     event: dict[str, Any] = {
         "id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
         "created": head.created, "model": head.model_name, "choices": [choice],
@@ -691,6 +715,56 @@ def _chunk(out: RequestOutput, head: _Head, is_first: bool) -> dict[str, Any]:
     if out.finished:
         event["usage"] = _usage(out)
     return event
+
+
+# --- logprobs: OpenAI's shapes -------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this instead
+
+
+def _token_text(token: bytes) -> str:
+    """A token's text; one holding part of a UTF-8 character shows its bytes as \\xNN."""
+    return token.decode("utf-8", errors="backslashreplace")
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+class _LogprobsBody:
+    """``choice.logprobs`` for the tokens of one or more outputs, as OpenAI writes it.
+
+    Completions: ``{tokens, token_logprobs, top_logprobs: [{token: logprob}] (the sampled
+    token and the ``logprobs`` most likely), text_offset}``, the offsets going on across the
+    chunks of a stream. Chat: ``{content: [{token, logprob, bytes, top_logprobs: [{token,
+    logprob, bytes}]}], refusal: null}``.
+    """
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.offset = 0  # characters of the token texts so far (completions' text_offset)
+
+    def body(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**_chat_logprob(e.token, e.logprob), "top_logprobs": [
+                _chat_logprob(tok, lp) for tok, lp in e.top]} for e in entries], "refusal": None}
+        tokens = [_token_text(e.token) for e in entries]
+        top = []
+        for e, text in zip(entries, tokens):
+            alternatives = {_token_text(tok): _lp(lp) for tok, lp in e.top}
+            alternatives.setdefault(text, _lp(e.logprob))
+            top.append(alternatives)
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprob(token: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": _token_text(token), "logprob": _lp(logprob), "bytes": list(token)}
 
 
 # --- access: the API key -------------------------------------------------------------------------
