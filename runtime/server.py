@@ -18,7 +18,11 @@ What protects the server (docs/serving.md, "Failure behaviour"):
 * admission control: at most ``max_num_seqs + max_queue`` requests in flight, the rest get 429
   with ``Retry-After``; an unknown ``model`` gets 404;
 * a request the engine fails gets 500 (or, once its SSE stream has started, an error event and
-  the end of the stream); the engine goes on. /health is 503 only once the engine loop died.
+  the end of the stream); the engine goes on. /health is 503 only once the engine loop died;
+* with an API key, every path but /health needs ``Authorization: Bearer <key>`` (401), and
+  ``allowed_hosts`` limits the Host header (400), both before a body is read;
+* below HTTP, :mod:`runtime.http_guard`: a deadline for request headers, a connection cap that
+  keeps /health reachable under a flood of slow clients, the open-file limit raised at start.
 """
 
 from __future__ import annotations

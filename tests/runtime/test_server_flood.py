@@ -9,6 +9,7 @@ server's log must stay small (no traceback per failed accept). Bounded: FLOOD_SE
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import resource
@@ -220,3 +221,18 @@ def test_header_deadline_and_connection_cap_in_process():
         assert guard.summary.total["evicted"] >= 1
         for s in idle:
             s.close()
+
+
+def test_soft_fd_limit_is_raised_to_the_hard_one():
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard open-file limit is only {hard}")
+    code = ("import json, resource\n"
+            "from quantpipe.runtime.http_guard import raise_fd_limit\n"
+            "r = resource.RLIMIT_NOFILE\n"
+            "resource.setrlimit(r, (256, resource.getrlimit(r)[1]))\n"
+            "print(json.dumps([raise_fd_limit(), resource.getrlimit(r)]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    (soft, hard_seen), now = json.loads(out)
+    assert soft == hard_seen == hard and now == [hard, hard], out
