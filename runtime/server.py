@@ -954,4 +954,6 @@ class _ListeningServer(uvicorn.Server):
         if self.started:
             widen_listen_queue([s for server in self.servers for s in server.sockets])
         if self.started and self.on_listening is not None:
-            self.on_listening(f"http://{self.config.host}:{self.config.port}/v1")
+            host = self.config.host
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+            self.on_listening(f"http://{host}:{self.config.port}/v1")

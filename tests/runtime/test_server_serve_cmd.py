@@ -116,7 +116,10 @@ def test_api_key_from_the_environment(model_dir, monkeypatch):
     seen = {}
     monkeypatch.setattr(server_mod, "_warn_exposure", lambda spec: seen.setdefault("spec", spec))
     monkeypatch.setenv("QUANTPIPE_API_KEY", "s3cret-key")
-    res = _serve(model_dir, "--port", "8000")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = _serve(model_dir, "--port", str(port))
     assert isinstance(res.exception, _Loaded), res.output
     assert seen["spec"].api_key == "s3cret-key"
     assert "s3cret-key" not in repr(seen["spec"])  # never in logs or tracebacks
