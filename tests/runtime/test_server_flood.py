@@ -195,7 +195,7 @@ def _closed_after(s: socket.socket) -> float:
     return time.perf_counter() - t0
 
 
-def test_header_deadline_and_connection_cap_in_process():
+def test_header_deadline_and_connection_cap_in_process(caplog):
     guard = http_guard.ConnectionGuard(http_guard.ConnectionLimits(max_connections=3,
                                                                    header_timeout=0.5))
     with serve_app(build_app(tiny_engine(), "tiny"), http=guard.protocol_class()) as url:
@@ -224,6 +224,12 @@ def test_header_deadline_and_connection_cap_in_process():
         assert guard.summary.total["evicted"] >= 1
         for s in idle:
             s.close()
+    with caplog.at_level(logging.WARNING, logger="quantpipe.runtime.http_guard"):
+        guard.summary.flush()  # what its timer does LOG_EVERY seconds after the first close
+    assert len(caplog.records) == 1, caplog.text
+    msg = caplog.records[0].getMessage()
+    assert "2 whose request headers did not arrive within 0.5 s" in msg, msg
+    assert "at the 3-connection cap" in msg, msg
 
 
 def test_soft_fd_limit_is_raised_to_the_hard_one():
