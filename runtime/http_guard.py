@@ -68,6 +68,8 @@ def raise_fd_limit() -> tuple[int, int]:
             soft = hard
         except (ValueError, OSError) as exc:  # e.g. macOS refuses RLIM_INFINITY
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    unlimited = 2**31  # RLIM_INFINITY (-1 on Linux) as a number the cap arithmetic can use
+    soft, hard = (unlimited if v == resource.RLIM_INFINITY else v for v in (soft, hard))
     return soft, hard
 
 
