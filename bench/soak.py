@@ -12,6 +12,10 @@ the count of each status code per kind of request, and every 5xx or unexpected s
 
     python bench/soak.py --duration 600                       # tiny random model
     python bench/soak.py --model /tmp/qp/fp16 --duration 600  # an FP16 export
+    python bench/soak.py --duration 60 --api-key KEY          # server started with a key
+
+With --api-key the server gets the key through QUANTPIPE_API_KEY, every request carries it,
+and a "wrong_api_key" kind must get 401.
 
 Writes bench/results/soak.json (--out). Exit status 1 if anything failed. Not a test: numbers
 depend on the machine and its load.
@@ -48,6 +52,8 @@ PROMPTS = ["The customer reports that the invoice", "Summarise the contract in o
 KINDS: dict[str, tuple[int, set[int]]] = {
     "completion": (20, {200, 429}),
     "completion_stream": (15, {200, 429}),
+    "completion_logprobs": (6, {200, 429}),
+    "wrong_api_key": (4, {401}),  # only with --api-key
     "chat": (10, {200, 429}),
     "chat_stream": (8, {200, 429}),
     "tiny_temperature": (5, {200, 429}),
@@ -74,10 +80,16 @@ def tiny_model(tmp: Path) -> Path:
 
 
 def start_server(args, folder: Path, port: int, log: Path) -> subprocess.Popen:
+    if args.api_key:  # through the environment: arguments show in `ps`
+        os.environ["QUANTPIPE_API_KEY"] = args.api_key
     return server_proc.start_server(
         [str(folder), "--max-num-seqs", str(args.max_num_seqs), "--max-queue",
          str(args.max_queue), "--kv-cache-memory", args.kv_cache_memory,
          "--request-timeout", str(args.request_timeout)], port, args.threads, log)
+
+
+def auth(args) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 def metric(text: str, name: str) -> float:
@@ -90,12 +102,12 @@ def metric(text: str, name: str) -> float:
 class Sampler(threading.Thread):
     """RSS of the server process and its /metrics gauges every ``every`` seconds."""
 
-    def __init__(self, pid: int, url: str, every: float) -> None:
+    def __init__(self, pid: int, url: str, every: float, headers: dict[str, str]) -> None:
         super().__init__(daemon=True)
         import psutil
 
         self.proc = psutil.Process(pid)
-        self.url, self.every = url, every
+        self.url, self.every, self.headers = url, every, headers
         self.samples: list[dict] = []
         self.t0 = time.time()
         self.done = threading.Event()
@@ -106,7 +118,7 @@ class Sampler(threading.Thread):
         s: dict = {"t": round(time.time() - self.t0, 1)}
         try:
             s["rss_mib"] = round(self.proc.memory_info().rss / 2**20, 1)
-            m = httpx.get(f"{self.url}/metrics", timeout=10).text
+            m = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
             s["kv_blocks_used"] = metric(m, "quantpipe_kv_blocks_used")
             s["in_flight"] = metric(m, "quantpipe_in_flight_requests")
             s["health_s"] = round(self._health_seconds(), 3)
@@ -149,7 +161,7 @@ class Tally:
 async def one_request(client, url: str, kind: str, rng: random.Random, args) -> tuple[int, str]:
     """Send one request of ``kind``; (status, detail). Status 0: no HTTP answer at all."""
     if kind == "half_sent_body":
-        return await half_sent(url)
+        return await half_sent(url, auth(args))
     chat = kind.startswith("chat")
     prompt = rng.choice(PROMPTS)
     body: dict = ({"messages": [{"role": "user", "content": prompt}]} if chat
@@ -162,6 +174,11 @@ async def one_request(client, url: str, kind: str, rng: random.Random, args) -> 
         body[rng.choice(["temperature", "top_p", "max_tokens", "n"])] = -1
     elif kind == "unknown_model":
         body["model"] = "gpt-4o"
+    elif kind == "completion_logprobs":
+        body["logprobs"] = rng.randint(0, 5)
+    elif kind == "wrong_api_key":
+        r = await client.post(url + path, json=body, headers={"Authorization": "Bearer wrong"})
+        return r.status_code, r.text
     if kind in ("bad_json", "oversize_body"):
         raw = (b'{"prompt": "x' + b"a" * (2 * 2**20) + b'"}' if kind == "oversize_body"
                else b'{"prompt": "Hello", "max_tokens": ')
@@ -192,12 +209,14 @@ async def streamed(client, url: str, body: dict, hang_up: bool) -> tuple[int, st
         return 200, ""
 
 
-async def half_sent(url: str) -> tuple[int, str]:
+async def half_sent(url: str, headers: dict[str, str]) -> tuple[int, str]:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
     try:
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: 200\r\n\r\n{\"prompt\": ")
+                     b"application/json\r\n" + extra + b"Content-Length: 200\r\n\r\n"
+                     b"{\"prompt\": ")
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout=120)
         return (int(line.split()[1]), "") if line else (0, "closed without an answer")
@@ -209,8 +228,9 @@ async def client_loop(url: str, stop_at: float, seed: int, tally: Tally, args) -
     import httpx
 
     rng = random.Random(seed)
-    kinds, weights = list(KINDS), [w for w, _ in KINDS.values()]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+    kinds = [k for k in KINDS if args.api_key or k != "wrong_api_key"]
+    weights = [KINDS[k][0] for k in kinds]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), headers=auth(args)) as client:
         while time.time() < stop_at:
             kind = rng.choices(kinds, weights)[0]
             try:
@@ -261,7 +281,7 @@ def run(args, folder: Path) -> dict:
     proc = start_server(args, folder, port, args.server_log)
     tally = Tally(proc)
     try:
-        sampler = Sampler(proc.pid, url, args.sample_every)
+        sampler = Sampler(proc.pid, url, args.sample_every, auth(args))
         sampler.sample()
         sampler.start()
         t0 = time.time()
@@ -276,7 +296,7 @@ def run(args, folder: Path) -> dict:
 
         health = httpx.get(f"{url}/health", timeout=10).status_code
         after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4},
-                           timeout=300).status_code
+                           headers=auth(args), timeout=300).status_code
     finally:
         stop_server(proc)
     codes = {k: dict(sorted(c.items())) for k, c in sorted(tally.codes.items())}
@@ -287,6 +307,7 @@ def run(args, folder: Path) -> dict:
         "model": str(folder), "duration_s": round(sent_s, 1), "clients": clients,
         "max_num_seqs": args.max_num_seqs, "max_queue": args.max_queue,
         "max_tokens": args.max_tokens, "server_threads": args.threads,
+        "api_key": bool(args.api_key),
         "requests": sum(totals.values()), "status_counts": dict(sorted(totals.items())),
         "status_counts_by_kind": codes, "server_errors": tally.server_errors,
         "unexpected": tally.unexpected, "rss": rss_summary(sampler.samples),
@@ -329,6 +350,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--request-timeout", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=1, help="server OMP_NUM_THREADS")
+    ap.add_argument("--api-key", default=None,
+                    help="start the server with this key (QUANTPIPE_API_KEY) and send it")
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     ap.add_argument("--server-log", type=Path, default=None,

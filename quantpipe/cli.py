@@ -450,9 +450,22 @@ def verify_cmd(qdir):
 @click.option("--request-timeout", default=DEFAULTS.request_timeout, show_default=True,
               type=float,
               help="Seconds for a request body to arrive in full; a stalled client gets 408.")
+@click.option("--header-timeout", default=DEFAULTS.header_timeout, show_default=True, type=float,
+              help="Seconds for a request's headers to arrive (from the connection's start or "
+                   "its previous response); then the connection is closed.")
+@click.option("--max-connections", default=DEFAULTS.max_connections, show_default=True, type=int,
+              help="Open client connections at most (lowered to fit the open-file limit); one "
+                   "more closes the oldest connection still waiting for its headers.")
+@click.option("--api-key", envvar="QUANTPIPE_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
+                   "otherwise). Prefer the environment variable: arguments show in `ps`.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help="Answer only requests whose Host header is this name (repeat it; "
+                   "'*.example.com' matches subdomains); others get 400. Default: any.")
 def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
               max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype,
-              max_request_bytes, max_prompt_chars, request_timeout):
+              max_request_bytes, max_prompt_chars, request_timeout, header_timeout,
+              max_connections, api_key, allowed_hosts):
     """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
     from quantpipe.core.io import parse_size
     from quantpipe.runtime.server import ServeSpec, serve
@@ -467,9 +480,12 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
             kv_dtype=kv_dtype,
             max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
             max_prompt_chars=max_prompt_chars, request_timeout=request_timeout,
+            header_timeout=header_timeout, max_connections=max_connections, api_key=api_key,
+            allowed_hosts=tuple(allowed_hosts),
         )
-        click.echo(f"serving {model_dir} on http://{host}:{port}/v1", err=True)
-        serve(spec)
+        # printed once the socket listens: every check and the model load have passed
+        serve(spec, on_listening=lambda url: click.echo(f"serving {model_dir} on {url}",
+                                                        err=True))
     except ValueError as exc:
         _fail(exc)
 

@@ -32,6 +32,8 @@ class RuntimeDefaults:
     max_request_bytes: int = 2**20  # request body bytes; more -> 413
     max_prompt_chars: int = 2**18  # prompt characters (chat: all messages); more -> 400
     request_timeout: float = 30.0  # seconds for a request body to arrive in full; then 408
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive; then closed
+    max_connections: int = 1000  # open client connections (lowered to fit the fd limit)
     completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     chat_max_tokens: int = 256  # /v1/chat/completions without max_tokens
     # --- generate (GenerateSpec) --------------------------------------------------------------
@@ -59,9 +61,10 @@ class RuntimeDefaults:
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "port",
-                    "max_request_bytes", "max_prompt_chars", "completion_max_tokens",
-                    "chat_max_tokens", "max_new_tokens", "plan_context", "plan_concurrency",
-                    "device_memory", "bench_prompt_len", "bench_output_len", "bench_repeats")
+                    "max_request_bytes", "max_prompt_chars", "max_connections",
+                    "completion_max_tokens", "chat_max_tokens", "max_new_tokens", "plan_context",
+                    "plan_concurrency", "device_memory", "bench_prompt_len", "bench_output_len",
+                    "bench_repeats")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"RuntimeDefaults.{name} must be >= 1, got {getattr(self, name)}")

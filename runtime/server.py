@@ -18,7 +18,11 @@ What protects the server (docs/serving.md, "Failure behaviour"):
 * admission control: at most ``max_num_seqs + max_queue`` requests in flight, the rest get 429
   with ``Retry-After``; an unknown ``model`` gets 404;
 * a request the engine fails gets 500 (or, once its SSE stream has started, an error event and
-  the end of the stream); the engine goes on. /health is 503 only once the engine loop died.
+  the end of the stream); the engine goes on. /health is 503 only once the engine loop died;
+* with an API key, every path but /health needs ``Authorization: Bearer <key>`` (401), and
+  ``allowed_hosts`` limits the Host header (400), both before a body is read;
+* below HTTP, :mod:`runtime.http_guard`: a deadline for request headers, a connection cap that
+  keeps /health reachable under a flood of slow clients, the open-file limit raised at start.
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hmac
 import json
 import logging
 import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,6 +57,7 @@ from prometheus_client import (
 )
 from prometheus_client import Counter as PromCounter
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from quantpipe.core.io import MANIFEST_NAME, read_manifest
 from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
@@ -60,15 +67,26 @@ from quantpipe.runtime.engine import (
     LLMEngine,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 from quantpipe.runtime.fp_head import HEAD_DTYPES
+from quantpipe.runtime.http_guard import (
+    ACCEPT_BATCH,
+    ConnectionGuard,
+    ConnectionLimits,
+    accept_error_handler,
+    connection_cap,
+    open_fds,
+    raise_fd_limit,
+    widen_listen_queue,
+)
 from quantpipe.runtime.openai_protocol import (
+    UNSUPPORTED,
     ChatCompletionResponse,
     ChatRequest,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    GenerationRequest,
     HealthStatus,
     ModelList,
     generation_responses,
@@ -113,12 +131,19 @@ class ServeSpec:
     max_request_bytes: int = DEFAULTS.max_request_bytes  # RequestLimits.max_request_bytes
     max_prompt_chars: int = DEFAULTS.max_prompt_chars  # RequestLimits.max_prompt_chars
     request_timeout: float = DEFAULTS.request_timeout  # RequestLimits.request_timeout
+    max_connections: int = DEFAULTS.max_connections  # ConnectionLimits.max_connections
+    header_timeout: float = DEFAULTS.header_timeout  # ConnectionLimits.header_timeout
+    # every endpoint but /health needs "Authorization: Bearer <api_key>"; None: no key
+    api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] = ()  # Host header values served ("*.x.com" ok); () -> any
 
     def __post_init__(self) -> None:
         # Everything here is cheap and runs before the model loads (minutes for a big one).
         self._check_options()
         self.engine_config()  # EngineConfig's own checks
         self.request_limits()
+        self.connection_limits()
+        check_access(self.api_key, self.allowed_hosts)
         check_model_dir(Path(self.model_dir))
 
     def _check_options(self) -> None:
@@ -152,6 +177,19 @@ class ServeSpec:
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(self.max_request_bytes, self.max_prompt_chars, self.request_timeout)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.max_connections, self.header_timeout)
+
+
+def check_access(api_key: str | None, allowed_hosts: tuple[str, ...]) -> None:
+    if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
+        raise ValueError("--api-key / QUANTPIPE_API_KEY must be printable ASCII without spaces "
+                         "(it travels in an HTTP header); e.g. openssl rand -hex 32")
+    for pattern in allowed_hosts:
+        if not pattern or "*" in pattern[1:] or (pattern[0] == "*" and pattern[:2] != "*."):
+            raise ValueError(f"--allowed-host {pattern!r}: write a host name such as "
+                             "api.example.com, *.example.com or 127.0.0.1")
 
 
 def check_model_dir(folder: Path) -> None:
@@ -205,14 +243,24 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return ApiError(status, message, headers=headers).response()
 
 
-def _sampling(req: GenerationRequest, default_max: int) -> SamplingParams:
+def _sampling(req: CompletionRequest | ChatRequest, default_max: int) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos)
+                          top_k=req.top_k, seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
+                          logprobs=_logprobs_asked(req))
 
 
-def _max_tokens_given(req: GenerationRequest) -> bool:
+def _logprobs_asked(req: CompletionRequest | ChatRequest) -> int | None:
+    """Alternatives per token the response reports; None: no logprobs (OpenAI's fields)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ValueError("top_logprobs needs logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _max_tokens_given(req: CompletionRequest | ChatRequest) -> bool:
     return req.max_tokens is not None or getattr(req, "max_completion_tokens", None) is not None
 
 
@@ -421,15 +469,27 @@ class _Server:
 
 
 def build_app(engine: LLMEngine, model_name: str, max_queue: int = DEFAULTS.max_queue,
-              limits: RequestLimits | None = None) -> FastAPI:
-    """The FastAPI app; the engine loop starts and stops with the app's lifespan."""
+              limits: RequestLimits | None = None, api_key: str | None = None,
+              allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app; the engine loop starts and stops with the app's lifespan.
+
+    Middleware, outermost first: the Host check (``allowed_hosts``), the API key, the body
+    limits; so a request with a wrong host or key is answered before its body is read.
+    """
     limits = limits or RequestLimits()
+    check_access(api_key, allowed_hosts)
     srv = _Server(engine, model_name, max_queue, limits)
     app = FastAPI(title="quantpipe", lifespan=srv.lifespan)
-    app.add_middleware(_BodyLimit, limits=limits)
+    app.add_middleware(_BodyLimit, limits=limits)  # add_middleware: the last added is outermost
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
+    if allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts),
+                           www_redirect=False)
     _add_error_handlers(app)
     tighten_openapi(app, model_name, engine.max_model_len,
-                    engine.runner.decoder.embed_tokens.num_embeddings, limits.max_prompt_chars)
+                    engine.runner.decoder.embed_tokens.num_embeddings, limits.max_prompt_chars,
+                    api_key=api_key is not None)
 
     @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -484,9 +544,13 @@ def _validation_message(errors) -> str:
     for e in errors:
         # loc: ("body", field, ...); pydantic adds union member tags such as "constrained-str"
         path = [str(x) for x in e["loc"][1:] if isinstance(x, int) or str(x).isidentifier()]
+        msg = e["msg"]
+        if path and path[0] in UNSUPPORTED:  # the field as a whole, whatever part was wrong
+            path, msg = path[:1], (f"not supported by this server; omit it (or send "
+                                   f"{UNSUPPORTED[path[0]]})")
         msgs = by_field.setdefault(".".join(path) or "body", [])
-        if e["msg"] not in msgs:
-            msgs.append(e["msg"])
+        if msg not in msgs:
+            msgs.append(msg)
     return "; ".join(f"{field}: {' or '.join(msgs)}" for field, msgs in by_field.items())
 
 
@@ -555,10 +619,13 @@ async def _disconnected(request: Request) -> None:
 async def _complete(outputs: AsyncGenerator[RequestOutput, None], head: _Head) -> Response:
     """Collect a whole completion; 500 if the engine failed it."""
     text: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
     last: RequestOutput | None = None
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             text.append(out.new_text)
+            if out.logprobs is not None:
+                logprobs = (logprobs or []) + list(out.logprobs)
             last = out
     assert last is not None and last.finished, "a request's last output is finished"
     if last.finish_reason == "error":
@@ -566,11 +633,12 @@ async def _complete(outputs: AsyncGenerator[RequestOutput, None], head: _Head) -
     usage = _usage(last)
     usage["prompt_tokens_details"] = {"cached_tokens": last.cached_prompt_tokens}
     body_text = "".join(text)
+    lp_body = _LogprobsBody(head.chat).body(logprobs)
     if head.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": body_text},
-                  "finish_reason": last.finish_reason}
+                  "logprobs": lp_body, "finish_reason": last.finish_reason}
     else:
-        choice = {"index": 0, "text": body_text, "logprobs": None,
+        choice = {"index": 0, "text": body_text, "logprobs": lp_body,
                   "finish_reason": last.finish_reason}
     return JSONResponse({
         "id": head.rid, "object": "chat.completion" if head.chat else "text_completion",
@@ -617,29 +685,33 @@ async def _sse(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None],
     """One SSE event per output, the last with finish_reason and usage, then [DONE]; a
     failure is one error event and the end of the stream (no [DONE]: it did not complete)."""
     out = first
+    logprobs = _LogprobsBody(head.chat)  # completions' text_offset goes on across chunks
     while True:
         if out.finish_reason == "error":
             err = _generation_failed(out)
             body = {"message": err.message, "type": "server_error", "param": None, "code": 500}
             yield f"data: {json.dumps({'error': body}, ensure_ascii=False)}\n\n"
             return
-        yield f"data: {json.dumps(_chunk(out, head, out is first), ensure_ascii=False)}\n\n"
+        event = _chunk(out, head, out is first, logprobs)
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         if out.finished:
             break
         out = await anext(rest)
     yield "data: [DONE]\n\n"
 
 
-def _chunk(out: RequestOutput, head: _Head, is_first: bool) -> dict[str, Any]:
+def _chunk(out: RequestOutput, head: _Head, is_first: bool,
+           logprobs: _LogprobsBody) -> dict[str, Any]:
     """One streamed chunk: the non-streamed body's shape with a delta."""
     reason = out.finish_reason if out.finished else None
+    lp_body = logprobs.body(None if out.logprobs is None else list(out.logprobs))
     if head.chat:
         delta: dict[str, str] = {"content": out.new_text}
         if is_first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": lp_body, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": out.new_text, "logprobs": lp_body, "finish_reason": reason}
     event: dict[str, Any] = {
         "id": head.rid, "object": "chat.completion.chunk" if head.chat else "text_completion",
         "created": head.created, "model": head.model_name, "choices": [choice],
@@ -647,6 +719,87 @@ def _chunk(out: RequestOutput, head: _Head, is_first: bool) -> dict[str, Any]:
     if out.finished:
         event["usage"] = _usage(out)
     return event
+
+
+# --- logprobs: OpenAI's shapes -------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI and vLLM report this instead
+
+
+def _token_text(token: bytes) -> str:
+    """A token's text; one holding part of a UTF-8 character shows its bytes as \\xNN."""
+    return token.decode("utf-8", errors="backslashreplace")
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+class _LogprobsBody:
+    """``choice.logprobs`` for the tokens of one or more outputs, as OpenAI writes it.
+
+    Completions: ``{tokens, token_logprobs, top_logprobs: [{token: logprob}] (the sampled
+    token and the ``logprobs`` most likely), text_offset}``, the offsets going on across the
+    chunks of a stream. Chat: ``{content: [{token, logprob, bytes, top_logprobs: [{token,
+    logprob, bytes}]}], refusal: null}``.
+    """
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.offset = 0  # characters of the token texts so far (completions' text_offset)
+
+    def body(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**_chat_logprob(e.token, e.logprob), "top_logprobs": [
+                _chat_logprob(tok, lp) for tok, lp in e.top]} for e in entries], "refusal": None}
+        tokens = [_token_text(e.token) for e in entries]
+        top = []
+        for e, text in zip(entries, tokens):
+            alternatives = {_token_text(tok): _lp(lp) for tok, lp in e.top}
+            alternatives.setdefault(text, _lp(e.logprob))
+            top.append(alternatives)
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprob(token: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": _token_text(token), "logprob": _lp(logprob), "bytes": list(token)}
+
+
+# --- access: the API key -------------------------------------------------------------------------
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' health checks)
+
+
+class _ApiKey:
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``.
+
+    A missing or wrong key gets 401 with OpenAI's body (code ``invalid_api_key``). The key is
+    compared with ``hmac.compare_digest``, whose time does not depend on where they differ.
+    """
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization")
+        scheme, _, token = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        msg = ("no API key: send the header 'Authorization: Bearer <key>' with the key the "
+               "server was started with (--api-key / QUANTPIPE_API_KEY)" if given is None else
+               "incorrect API key provided in the Authorization header")
+        err = ApiError(401, msg, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await err.response()(scope, receive, send)
 
 
 # --- request bodies: size and time limits ------------------------------------------------------
@@ -749,19 +902,58 @@ def _check_listen(host: str, port: int) -> None:
                              "--port or stop the process using it") from None
 
 
-def serve(spec: ServeSpec) -> None:
-    """Check the address, load the model, build the app and run uvicorn until interrupted."""
+def serve(spec: ServeSpec, on_listening: Callable[[str], None] | None = None) -> None:
+    """Check the address, load the model, build the app and run uvicorn until interrupted.
+
+    ``on_listening(url)`` is called once the socket listens (every check passed).
+    """
     import torch
-    import uvicorn
 
     from quantpipe.runtime.engine import load_model_for_serving
 
-    if spec.host not in LOOPBACK_HOSTS:
-        log.warning("binding to %s exposes the server beyond this machine", spec.host)
+    _warn_exposure(spec)
     _check_listen(spec.host, spec.port)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {spec.device}: no CUDA device is visible; use --device cpu")
+    fd_limit, _ = raise_fd_limit()
     model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype)
     engine = LLMEngine(model, tok, spec.engine_config())
-    app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits())
-    uvicorn.run(app, host=spec.host, port=spec.port, log_level="warning")
+    app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits(),
+                    spec.api_key, spec.allowed_hosts)
+    cap = connection_cap(spec.max_connections, fd_limit, open_fds())
+    guard = ConnectionGuard(replace(spec.connection_limits(), max_connections=cap))
+    config = uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
+                            http=guard.protocol_class(), backlog=ACCEPT_BATCH)
+    _ListeningServer(config, on_listening).run()
+
+
+def _warn_exposure(spec: ServeSpec) -> None:
+    if spec.host in LOOPBACK_HOSTS:
+        return
+    if spec.api_key is None:
+        log.warning("binding to %s exposes the server beyond this machine to anyone, with no "
+                    "API key: set QUANTPIPE_API_KEY (or --api-key)", spec.host)
+    else:
+        log.warning("binding to %s exposes the server beyond this machine (API key required)",
+                    spec.host)
+
+
+class _ListeningServer(uvicorn.Server):
+    """uvicorn's Server that calls ``on_listening(url)`` once its socket listens, with
+    asyncio's traceback per failed accept() summarised (http_guard.accept_error_handler)."""
+
+    def __init__(self, config: uvicorn.Config,
+                 on_listening: Callable[[str], None] | None) -> None:
+        super().__init__(config)
+        self.on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(accept_error_handler(loop))
+        await super().startup(sockets)
+        if self.started:
+            widen_listen_queue([s for server in self.servers for s in server.sockets])
+        if self.started and self.on_listening is not None:
+            host = self.config.host
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+            self.on_listening(f"http://{host}:{self.config.port}/v1")

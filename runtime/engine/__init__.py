@@ -6,7 +6,7 @@ background thread, with an async generator of outputs per request), ``loading`` 
 ``kv_cache``, ``model_runner``, ``sampling``.
 """
 
-from quantpipe.runtime.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from quantpipe.runtime.engine.engine import EngineConfig, LLMEngine, RequestOutput, TokenLogprob
 from quantpipe.runtime.engine.engine_loop import EngineLoop
 from quantpipe.runtime.engine.loading import load_model_for_serving
 from quantpipe.runtime.engine.sampling import SamplingParams
@@ -17,5 +17,6 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprob",
     "load_model_for_serving",
 ]

@@ -7,7 +7,9 @@ string, or that ends in an incomplete UTF-8 character, is held back until it can
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -84,3 +86,42 @@ class Detokenizer:
         while end > self.emitted and self.text[end - 1] == "\ufffd":
             end -= 1
         return end
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (a printable character per byte) back to the bytes."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
+    """The bytes each token stands for on its own (OpenAI's logprobs ``bytes``).
+
+    Decoding one token alone gives U+FFFD for a token that holds part of a UTF-8 character,
+    so the bytes come from the vocabulary: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM)
+    maps each character of a token back to a byte; SentencePiece writes a space as U+2581 and
+    a byte as ``<0xNN>``; added (special) tokens are their own text.
+    """
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+    table = _byte_level_decoder()
+    out = []
+    for tid, piece in zip(ids, pieces):
+        piece = piece or ""
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if tid in added:
+            out.append(piece.encode())
+        elif byte_level and all(ch in table for ch in piece):
+            out.append(bytes(table[ch] for ch in piece))
+        elif fallback:
+            out.append(bytes([int(fallback.group(1), 16)]))
+        else:
+            out.append(piece.replace("\u2581", " ").encode())
+    return out

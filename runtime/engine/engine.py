@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
-from quantpipe.runtime.engine.detokenize import Detokenizer, eos_ids
+from quantpipe.runtime.engine.detokenize import Detokenizer, eos_ids, token_bytes
 from quantpipe.runtime.engine.kv_cache import BlockPool
 from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
-from quantpipe.runtime.engine.sampling import SamplingParams, sample_token
+from quantpipe.runtime.engine.sampling import SamplingParams, sample_token, token_logprobs
 from quantpipe.runtime.engine.scheduler import Scheduler, SchedulerLimits, Sequence
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,16 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens' (``SamplingParams.logprobs``
+    of them), each token as the bytes it stands for."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...]  # most likely first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]  # tokens generated since the previous output of this request
@@ -75,6 +85,7 @@ class RequestOutput:
     completion_tokens: int
     cached_prompt_tokens: int
     error: str | None = None  # what failed, when finish_reason == "error"
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, if asked for
 
 
 def failed_output(request_id: str, message: str, prompt_tokens: int = 0,
@@ -200,8 +211,9 @@ class LLMEngine:
                 continue  # a prefill chunk with more to come: nothing to sample yet
             try:
                 tok = sample_token(logits[row], seq.params, seq.generator)
+                logprobs = self._logprobs(logits[row], tok, seq.params.logprobs)
                 seq.output_ids.append(tok)
-                outputs.append(self._emit(seq, tok))
+                outputs.append(self._emit(seq, tok, logprobs))
             except Exception as exc:  # this request fails alone
                 log.exception("sampling request %s failed", seq.request_id)
                 outputs.append(self._fail(seq, f"sampling failed: {type(exc).__name__}: {exc}"))
@@ -215,7 +227,16 @@ class LLMEngine:
         self.num_failed += 1
         return failed_output(seq.request_id, message, len(seq.prompt_ids), len(seq.output_ids))
 
-    def _emit(self, seq: Sequence, tok: int) -> RequestOutput:
+    def _logprobs(self, logits: torch.Tensor, tok: int,
+                  k: int | None) -> tuple[TokenLogprob, ...] | None:
+        if k is None:
+            return None
+        lp = token_logprobs(logits, tok, k)
+        chosen, *top = token_bytes(self.tokenizer, [tok, *lp.top_ids])
+        return (TokenLogprob(chosen, lp.logprob, tuple(zip(top, lp.top_logprobs))),)
+
+    def _emit(self, seq: Sequence, tok: int,
+              logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
         new_text, reason = self._detok[seq.request_id].emit(self.tokenizer, seq.output_ids,
                                                             seq.params, self.eos_ids)
         if reason is not None:
@@ -224,7 +245,7 @@ class LLMEngine:
             del self._detok[seq.request_id]
         return RequestOutput(seq.request_id, [tok], new_text, reason is not None, reason,
                              len(seq.prompt_ids), len(seq.output_ids),
-                             seq.num_cached_prompt_tokens)
+                             seq.num_cached_prompt_tokens, logprobs=logprobs)
 
     # --- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

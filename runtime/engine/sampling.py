@@ -1,4 +1,5 @@
-"""Sampling parameters and the token sampler (greedy, temperature, top-k, top-p, seed)."""
+"""Sampling parameters, the token sampler (greedy, temperature, top-k, top-p, seed) and the
+log-probabilities reported with each sampled token (OpenAI's ``logprobs``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from quantpipe.runtime.config import DEFAULTS
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit integer
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,15 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed (reproducible sampling)
     stop: tuple[str, ...] = ()  # stop strings (not included in the output text)
     ignore_eos: bool = False  # keep generating after EOS (benchmarks)
+    logprobs: int | None = None  # report each token's logprob and this many alternatives
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS} alternatives, got "
+                             f"{self.logprobs}")
+
+    def _check_sampling(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -95,3 +104,26 @@ def sample_token(
         return int(torch.argmax(logits.float()))
     probs = token_probs(logits, params)  # [vocab] fp32
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the ``k`` most likely tokens' (ids, no text)."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...]  # most likely first
+    top_logprobs: tuple[float, ...]
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+    """Log-probabilities of the model's own distribution, ``log_softmax(logits)``: before the
+    temperature and top-k / top-p (what vLLM reports by default), so they do not depend on how
+    the token was drawn. ``logits: [vocab]`` (any float dtype; computed in fp32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [vocab] fp32
+    top = torch.topk(logp, k) if k > 0 else None  # values/indices: [k], sorted descending
+    return TokenLogprobs(
+        token_id, float(logp[token_id]),
+        tuple(top.indices.tolist()) if top is not None else (),
+        tuple(top.values.tolist()) if top is not None else (),
+    )

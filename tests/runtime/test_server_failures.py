@@ -32,10 +32,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app) -> Iterator[str]:
+def serve_app(app, **config) -> Iterator[str]:
     """Run ``app`` with uvicorn on a free loopback port; yields the base URL."""
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                        **config))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     deadline = time.time() + 20
@@ -55,11 +56,11 @@ def tiny_engine(**over) -> LLMEngine:
                                               max_num_batched_tokens=64, num_kv_blocks=200))
 
 
-def wait_idle(url: str, engine: LLMEngine) -> None:
+def wait_idle(url: str, engine: LLMEngine, headers: dict[str, str] | None = None) -> None:
     """In-flight requests drained and no KV block referenced (cached free blocks may stay)."""
     deadline = time.time() + 10
     while engine.pool.num_used or engine.has_work() or "quantpipe_in_flight_requests 0.0" not in \
-            httpx.get(f"{url}/metrics").text:
+            httpx.get(f"{url}/metrics", headers=headers).text:
         assert time.time() < deadline, "server did not go idle"
         time.sleep(0.05)
 

@@ -48,6 +48,10 @@ def _serve(folder, *opts: str):
     (["--max-prompt-chars", "0"], "--max-prompt-chars"),
     (["--request-timeout", "0"], "--request-timeout"),
     (["--device", "tpu"], "--device"),
+    (["--max-connections", "0"], "--max-connections"),
+    (["--header-timeout", "0"], "--header-timeout"),
+    (["--api-key", "two words"], "--api-key"),
+    (["--allowed-host", "api.*.com"], "--allowed-host"),
 ])
 def test_bad_options_fail_before_the_model_loads(model_dir, opts, fragment):
     res = _serve(model_dir, *opts)
@@ -99,5 +103,39 @@ def test_good_options_reach_the_model_load(model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     res = _serve(model_dir, "--port", str(port), "--max-request-bytes", "64KiB",
-                 "--max-prompt-chars", "5000", "--request-timeout", "5")
+                 "--max-prompt-chars", "5000", "--request-timeout", "5", "--header-timeout", "3",
+                 "--max-connections", "50", "--allowed-host", "*.example.com")
     assert isinstance(res.exception, _Loaded), res.output
+    # "serving ..." means the server listens: a run that stopped before must not print it
+    assert "serving" not in res.output, res.output
+
+
+def test_api_key_from_the_environment(model_dir, monkeypatch):
+    import quantpipe.runtime.server as server_mod
+
+    seen = {}
+    monkeypatch.setattr(server_mod, "_warn_exposure", lambda spec: seen.setdefault("spec", spec))
+    monkeypatch.setenv("QUANTPIPE_API_KEY", "s3cret-key")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = _serve(model_dir, "--port", str(port))
+    assert isinstance(res.exception, _Loaded), res.output
+    assert seen["spec"].api_key == "s3cret-key"
+    assert "s3cret-key" not in repr(seen["spec"])  # never in logs or tracebacks
+
+
+@pytest.mark.parametrize("host, api_key, warned", [
+    ("127.0.0.1", None, None),
+    ("0.0.0.0", None, "with no API key"),
+    ("0.0.0.0", "k", "API key required"),
+])
+def test_binding_beyond_loopback_warns(model_dir, caplog, host, api_key, warned):
+    from quantpipe.runtime.server import ServeSpec, _warn_exposure
+
+    with caplog.at_level("WARNING", logger="quantpipe.runtime.server"):
+        _warn_exposure(ServeSpec(model_dir, host=host, api_key=api_key))
+    if warned is None:
+        assert not caplog.records
+    else:
+        assert len(caplog.records) == 1 and warned in caplog.records[0].getMessage()
