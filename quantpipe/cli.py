@@ -173,6 +173,17 @@ class _Group(click.Group):
     command_class = _Command
 
 
+def _group_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    """``auto`` -> None (calibration.pipeline plans each layer's size), else the integer
+    (calibration checks it against the sizes it supports)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not auto or an integer such as 64") from None
+
+
 # calibration.pipeline.ALGOS, written here so --help does not import torch
 # (tests/calibration/test_pipeline.py checks they are equal)
 CALIBRATE_ALGOS = ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
@@ -228,8 +239,10 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
               help="auto: gptaq for dense models, gptq for mixture-of-experts ones; gptaq: "
                    "GPTQ against the FP model's outputs (dense models); awq+gptq: AWQ's "
                    "scales, then GPTQ (docs/algorithms.md).")
-@click.option("--group-size", default=128, show_default=True,
-              help="INT4 group size: 16, 32, 64, 128, 256, 512, 1024 or -1 (per channel).")
+@click.option("--group-size", default="auto", show_default=True, callback=_group_size,
+              help="INT4 group size: auto (128 where it divides a layer's in_features, else "
+                   "the largest power of two below that does, chosen per layer), 16, 32, 64, "
+                   "128, 256, 512, 1024 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ family (gptq, gptaq, awq+gptq): columns by decreasing Hessian "
@@ -279,9 +292,11 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
         res = calibrate(spec)
     except ValueError as exc:
         _fail(exc)
+    fell_back = len(res.group_size_fallbacks)
     click.echo(f"wrote {res.out} in {res.seconds:.1f}s (peak RSS {res.peak_rss_mb:.0f} MB, "
-               f"group-size fallbacks on {len(res.group_size_fallbacks)} layers, "
-               f"damping raises {res.damp_raises})")
+               + (f"--group-size {group_size} did not divide {fell_back} layers, "
+                  if fell_back else "")
+               + f"damping raises {res.damp_raises})")
     if res.expert_fallbacks:
         click.echo(f"{len(res.expert_fallbacks)} expert linears got fewer than "
                    f"{min_expert_tokens} routed tokens and were quantized with RTN "
@@ -317,7 +332,7 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size
         _fail(exc)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
-               f"{res.plan.effective_bits():.3f} bits/weight over quantized layers; "
+               f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "
                f"int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
 
 
@@ -638,7 +653,8 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--algo", type=click.Choice(CALIBRATE_ALGOS), default="auto", show_default=True,
               help="As calibrate's --algo.")
-@click.option("--group-size", default=128, show_default=True)
+@click.option("--group-size", default="auto", show_default=True, callback=_group_size,
+              help="As calibrate's --group-size.")
 @click.option("--sym/--asym", default=True, show_default=True)
 @click.option("--samples", default=32, show_default=True,
               help="Calibration sequences (128 gives the best quality, 4x the time).")

@@ -29,7 +29,7 @@ class RunSpec:
     budget_bits: float | None = None  # mixed precision (runs `sensitivity` first)
     overrides: tuple[str, ...] = field(default_factory=tuple)
     algo: str = "gptq"
-    group_size: int = 128
+    group_size: int | None = None  # None: calibrate's auto (planned per layer)
     sym: bool = True
     samples: int = 32  # calibration sequences (the full `calibrate` default is 128)
     seq_len: int = 512

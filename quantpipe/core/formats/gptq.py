@@ -114,6 +114,13 @@ def expected_gptq(name: str, spec: QuantSpec, qweight_shape: tuple[int, ...]) ->
     }
 
 
+def layout(name: str, spec: QuantSpec, shape: tuple[int, int]) -> Expected:
+    """What :func:`write` stores for a layer ``[out, in]``: qzeros and g_idx always (GPTQ
+    loaders expect both, sym and sequential layers too)."""
+    out_f, in_f = shape
+    return expected_gptq(name, spec, (in_f // (32 // spec.bits), out_f))
+
+
 # ---- config ------------------------------------------------------------------------------
 
 
@@ -282,5 +289,5 @@ def manifest_problems(manifest: dict, qcfg: dict) -> list[str]:
 
 
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack,
+                          read_layers=read_layers, unpack=unpack, layout=layout,
                           manifest_problems=manifest_problems)
