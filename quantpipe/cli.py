@@ -343,8 +343,11 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
               show_default=True, help="What the budget planner minimises.")
+@click.option("--format", "fmt", type=click.Choice(["native", "gptq", "compressed-tensors"]),
+              default="native", show_default=True,
+              help="Count bits per weight as this export format stores them.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
-def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
+def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.plan import PlanSpec, make_plan
@@ -352,7 +355,7 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
 
     try:
         plan = make_plan(read_calibration(calib_dir),
-                         PlanSpec(int(bits), budget_bits, tuple(overrides), damage))
+                         PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt))
     except ValueError as exc:
         _fail(exc)
     click.echo(plan.table())
