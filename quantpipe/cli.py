@@ -189,6 +189,15 @@ def _group_size(ctx: click.Context, param: click.Parameter, value: str) -> int |
 CALIBRATE_ALGOS = ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
 
 
+def configure_logging(verbose: int) -> None:
+    """Default: warnings (what the user should act on) and the stages' progress bars (tqdm,
+    on stderr whatever the level); -v adds INFO (stage starts, choices made, timings); -vv
+    DEBUG."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="quantpipe")
 @click.option("-v", "--verbose", count=True,
@@ -198,9 +207,7 @@ def main(verbose: int) -> None:
 
     Stages: export-fp16 -> calibrate -> export -> eval / report; `run` does them all.
     """
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -82,7 +82,7 @@ def run_pipeline(spec: RunSpec) -> RunResult:
             stages[name] = 0.0
             return
         t0 = time.perf_counter()
-        log.warning("stage %s ...", name)
+        log.info("stage %s ...", name)  # -v; by default the stage's progress bars show
         fn()
         stages[name] = time.perf_counter() - t0
 
