@@ -189,8 +189,9 @@ def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
     if source in ("auto", "kld"):
         if sens is None:
             raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}: the budget planner needs "
-                             f"measured layer sensitivity; {run_it} (minutes on CPU), or plan "
-                             "on the unvalidated proxy loss with `quantpipe plan --damage proxy`")
+                             f"measured layer sensitivity; {run_it} (minutes on CPU), or add "
+                             "--damage proxy to this command (plan or export) to plan on the "
+                             "unvalidated proxy loss")
         layers = sens["layers"]
         lacking = [n for n in layer_infos
                    if n not in layers or "kld_w4" not in layers[n] or "kld_w8" not in layers[n]]

@@ -325,15 +325,17 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
 @click.option("--budget-bits", type=float, default=None,
               help="Average bits per weight; picks INT4/INT8/FP16 per layer.")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
+@click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
+              show_default=True, help="What --budget-bits minimises (as plan's --damage).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
-def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size, force):
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_shard_size, force):
     """Write a quantized checkpoint from CALIB_DIR."""
     from quantpipe.stages.export import ExportSpec, export_quantized
 
     try:
         spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
-                          max_shard_size, force)
+                          max_shard_size, force, damage)
         res = export_quantized(spec)
     except ValueError as exc:
         _fail(exc)
