@@ -136,3 +136,29 @@ def test_export_verify_plan_and_report_count_the_same_bits(calibrated, tmp_path,
         native_bits = make_plan(read_calibration(calibrated),
                                 PlanSpec(4, overrides=overrides)).effective_bits()
         assert exported != pytest.approx(native_bits, rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_export_reads_each_layer_once_and_shows_progress(tiny_llama_dir, tmp_path, fmt, capsys):
+    """Every format writes a calibration's layers reading each one once (GPTQ also reads the
+    asymmetric ones up front for their zero points), under a progress bar. Up to this test the
+    GPTQ and compressed-tensors writers read every layer four times."""
+    from quantpipe.core.qformat import LazyWeights
+
+    fp16 = export_tiny(tiny_llama_dir, tmp_path / "fp16")
+    weights = quantize_plan(fp16, [QuantSpec(4, 32, True), QuantSpec(8, -1, True),
+                                   QuantSpec(4, 64, False)])
+    reads: dict[str, int] = {}
+
+    def load(name):
+        reads[name] = reads.get(name, 0) + 1
+        return weights[name]
+
+    lazy = LazyWeights({n: qw.spec for n, qw in weights.items()},
+                       {n: qw.shape for n, qw in weights.items()}, load)
+    capsys.readouterr()
+    write_checkpoint(fmt, tmp_path / "q", fp16, lazy)
+    asym = {n for n, qw in weights.items() if not qw.spec.sym}
+    assert asym and reads == {n: 2 if fmt == "gptq" and n in asym else 1 for n in weights}
+    err = capsys.readouterr().err
+    assert f"export {fmt}: 100%" in err and f"{len(weights)}/{len(weights)}" in err

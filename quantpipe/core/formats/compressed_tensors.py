@@ -236,11 +236,11 @@ def ct_plan(
 
 def write(job: FolderToWrite) -> dict:
     """Write a compressed-tensors pack-quantized folder; returns the manifest."""
-    check_act_order(job.weights)
     plan = {n: weight_spec(job.weights, n) for n in job.weights}
     qcfg = ct_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)))
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        check_act_order(name, qw)
         try:
             packed = pack_ct(qw)
         except ValueError as exc:
