@@ -57,3 +57,20 @@ def test_default_logging_shows_warnings_and_v_shows_info():
         err = subprocess.run([sys.executable, "-c", code.format(v=v)], capture_output=True,
                              text=True, check=True).stderr
         assert [line.split(" ", 2)[2] for line in err.splitlines()] == want
+
+
+def test_group_size_default_is_the_same_auto_on_the_command_line_and_in_the_library():
+    import click
+    import pytest
+
+    from quantpipe.calibration.pipeline import CalibrateSpec
+    from quantpipe.stages.run import RunSpec
+
+    for command, spec in (("calibrate", CalibrateSpec), ("run", RunSpec)):
+        option = next(p for p in main.commands[command].params if p.name == "group_size")
+        ctx = click.Context(main.commands[command])
+        assert option.process_value(ctx, option.default) is None
+        assert spec.__dataclass_fields__["group_size"].default is None
+        assert option.process_value(ctx, "64") == 64
+        with pytest.raises(click.BadParameter, match="auto or an integer"):
+            option.process_value(ctx, "big")
