@@ -162,3 +162,19 @@ def test_export_reads_each_layer_once_and_shows_progress(tiny_llama_dir, tmp_pat
     assert asym and reads == {n: 2 if fmt == "gptq" and n in asym else 1 for n in weights}
     err = capsys.readouterr().err
     assert f"export {fmt}: 100%" in err and f"{len(weights)}/{len(weights)}" in err
+
+
+def test_a_converted_folder_counts_its_own_format(calibrated, tmp_path):
+    """convert_checkpoint re-counts the copied plan's bits in the new format."""
+    from quantpipe.core.formats import convert_checkpoint
+    from quantpipe.reports.build import calibration_facts
+    from quantpipe.stages.export import export_quantized
+
+    overrides = ("model.layers.0.mlp.up_proj=fp16",)
+    export_quantized(ExportSpec(calibrated, tmp_path / "n", 4, "native", overrides=overrides))
+    manifest = convert_checkpoint(tmp_path / "n", tmp_path / "g", "gptq")
+    verified = verify_checkpoint(tmp_path / "g").bits_per_weight
+    assert manifest["plan"]["checkpoint_format"] == "gptq"
+    assert manifest["plan"]["effective_bits_per_weight"] == pytest.approx(verified, rel=1e-12)
+    assert calibration_facts(tmp_path / "g").effective_bits == pytest.approx(verified, rel=1e-12)
+    assert verified > verify_checkpoint(tmp_path / "n").bits_per_weight  # qzeros, g_idx
