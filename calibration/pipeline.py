@@ -44,6 +44,7 @@ import re
 import resource
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -134,10 +135,14 @@ GPTQ_MSE_CLIP_DEFAULT = True
 # every writer stores and every kernel runs (quantpipe's CPU kernel needs multiples of 16,
 # torch's int4pack 32..256, Triton any size; other sizes take the dequantize path)
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
+# the default (group_size None, --group-size auto): this size where it divides a layer's
+# in_features, else the largest power of two below it that does (SmolLM2's 576 -> 64), chosen
+# per layer as a plan (recorded in the manifest's int4_group_sizes), not a fallback
+AUTO_GROUP_SIZE = 128
 
 
-def check_group_size(group_size: int) -> None:
-    if group_size not in GROUP_SIZES:
+def check_group_size(group_size: int | None) -> None:
+    if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; use one of "
                          f"{', '.join(map(str, GROUP_SIZES))} (-1: per output channel)")
 
@@ -151,7 +156,9 @@ class CalibrateSpec:
     # gptq | gptaq | awq | awq+gptq | rtn, or "auto" (the CLI's default): gptaq for dense
     # models, gptq for mixture-of-experts ones (resolved() reads FP16_DIR's config)
     algo: str = "gptq"
-    group_size: int = 128  # INT4 group size requested (falls back per layer, see below)
+    # INT4 group size requested (falls back per layer, see layer_group_size); None: auto,
+    # AUTO_GROUP_SIZE or the largest divisor below it, planned per layer
+    group_size: int | None = None
     sym: bool = True  # INT4 symmetric (mid-point zero) or asymmetric
     # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
     act_order: bool | None = None
@@ -230,7 +237,8 @@ class CalibrateSpec:
 
     @property
     def int4(self) -> QuantSpec:
-        return QuantSpec(4, self.group_size, self.sym, bool(self.resolved().act_order))
+        gs = AUTO_GROUP_SIZE if self.group_size is None else self.group_size
+        return QuantSpec(4, gs, self.sym, bool(self.resolved().act_order))
 
     def resume_settings(self) -> dict[str, str]:
         """The settings that must match for a partial run to resume (paths resolved)."""
@@ -326,8 +334,12 @@ def layer_group_size(spec: CalibrateSpec, name: str, in_features: int) -> int:
     A request that does not divide ``in_features`` falls back to the largest divisor below it
     (576 with 128 -> 64; an error with ``strict_group_size``); a request above ``in_features``
     is an error unless ``per_channel_if_larger``, which quantizes that layer per channel.
+    The default (``group_size`` None) makes the same choice as a request for
+    AUTO_GROUP_SIZE, planned: never an error, never a fallback.
     """
     gs = spec.group_size
+    if gs is None:
+        return resolve_group_size(AUTO_GROUP_SIZE, in_features)
     if gs != -1 and gs > in_features:
         if spec.per_channel_if_larger:
             return -1
@@ -929,13 +941,27 @@ def _quantize_fallback(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch
     return fallback_quantize(W, qspec, H)
 
 
+def _log_group_sizes(spec: CalibrateSpec, group_sizes: dict[str, int],
+                     fallbacks: dict[str, int]) -> None:
+    """Say what the INT4 group sizes are: a plan (the default) or, where an explicit
+    --group-size did not divide a layer, a substitution the user should know about."""
+    if fallbacks:
+        log.warning("--group-size %d does not divide the in_features of %d layer(s); used %s "
+                    "there (recorded per layer; --strict-group-size makes it an error)",
+                    spec.group_size, len(fallbacks), sorted(set(fallbacks.values())))
+    elif spec.group_size is None:
+        counts = Counter(group_sizes.values())
+        log.info("INT4 group sizes (auto, planned per layer): %s",
+                 ", ".join(f"{gs} on {n} layer(s)" for gs, n in sorted(counts.items())))
+
+
 def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
             start: int) -> CalibrateResult:
     """Write the manifest (last file; it marks the folder valid) and drop the resume state."""
     spec = run.spec
     peak = _peak_rss_mb()
     # after a resume, this process saw only some blocks: the block files are the record
-    fallbacks, total_raises, expert_fallbacks = {}, 0, {}
+    fallbacks, total_raises, expert_fallbacks, group_sizes = {}, 0, {}, {}
     devices: dict[str, int] = {}  # device -> blocks calibrated there (a resume may switch)
     for j in range(inputs.num_blocks):
         info = json.loads(block_file(run.work, j, "json").read_text())
@@ -944,13 +970,10 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
         devices[device] = devices.get(device, 0) + 1
         expert_fallbacks.update(info.get("expert_fallbacks", {}))
         for name, layer in info["layers"].items():
-            gs = layer["w4"]["spec"]["group_size"]
-            if gs != spec.group_size:
+            gs = group_sizes[name] = layer["w4"]["spec"]["group_size"]
+            if spec.group_size is not None and gs != spec.group_size:
                 fallbacks[name] = gs
-    if fallbacks:
-        sizes = sorted(set(fallbacks.values()))
-        log.warning("group size %d does not fit %d layer(s); used %s there "
-                    "(recorded per layer)", spec.group_size, len(fallbacks), sizes)
+    _log_group_sizes(spec, group_sizes, fallbacks)
     write_manifest(
         run.work,
         stage="calibration",
@@ -966,7 +989,8 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()},
         clip_search=clip_search_settings(),
         data=data_summary,
-        group_size_fallbacks=fallbacks,
+        int4_group_sizes=group_sizes,  # per layer, as planned (and fallen back)
+        group_size_fallbacks=fallbacks,  # only where an explicit --group-size did not divide
         damp_raises=total_raises,
         devices=devices,
         **({"expert_fallbacks": expert_fallbacks,

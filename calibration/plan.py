@@ -31,9 +31,10 @@ validation KLD is lowest: where that is the last checkpoint within the budget (v
 still improving), the full greedy plan is kept. The plan reports the summed per-layer
 prediction and the validated KLD of the whole model (see :func:`apply_validation`).
 
-Bits per weight are counted as stored in the native format: ``bits`` for the integer, plus
-16 / group_size for the fp16 scale, plus 8 / group_size for a uint8 zero (asymmetric only),
-plus 32 / out_features for an int32 g_idx (act-order only); FP16 layers count 16.
+Bits per weight are counted as the checkpoint format stores them (``PlanSpec.fmt``, the export's
+``--format``): every tensor written for a layer (codes, fp16 scales, zeros, g_idx, ...) over its
+weights, FP16 layers at 16 (:func:`quantpipe.core.formats.registry.layer_bits`, the one count
+that export, verify and the report share; docs/formats.md has the table per format).
 """
 
 from __future__ import annotations
@@ -45,26 +46,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
+from quantpipe.core.formats import registry
 from quantpipe.core.qformat import QuantSpec
 
 log = logging.getLogger(__name__)
 
 FP16 = None  # the plan's value for "keep this layer in FP16"
 PROXY_MIN_SPEARMAN = 0.8  # the proxy may drive a plan only if it ranks layers at least this well
+DEFAULT_FORMAT = registry.FORMAT_NAMES[0]  # whose layout counts the bits unless told otherwise
 
 
-def bits_per_weight(spec: QuantSpec | None, shape: tuple[int, int]) -> float:
-    """Stored bits per weight of one layer (see module docstring)."""
-    if spec is None:
-        return 16.0
-    out_f, in_f = shape
-    gs = spec.group_size_for(in_f)
-    bpw = spec.bits + 16.0 / gs
-    if not spec.sym:
-        bpw += 8.0 / gs
-    if spec.act_order:
-        bpw += 32.0 / out_f
-    return bpw
+def bits_per_weight(spec: QuantSpec | None, shape: tuple[int, int],
+                    fmt: str = DEFAULT_FORMAT) -> float:
+    """Stored bits per weight of one layer in format ``fmt`` (see module docstring)."""
+    return registry.bits_per_weight(spec, shape, fmt)
 
 
 @dataclass(frozen=True)
@@ -115,8 +110,10 @@ class PlanSpec:
     budget_bits: float | None = None  # average bits per weight (automatic plan)
     overrides: tuple[str, ...] = field(default_factory=tuple)  # parsed with Override.parse
     damage: str = "auto"  # "auto" (= kld; needs sensitivity.json), "kld" or "proxy"
+    fmt: str = DEFAULT_FORMAT  # checkpoint format whose stored bits the budget counts
 
     def __post_init__(self) -> None:
+        registry.format_named(self.fmt)  # ValueError listing the formats
         if self.bits not in (4, 8):
             raise ValueError(f"bits {self.bits} is not supported; use 4 or 8")
         check_budget_bits(self.budget_bits)
@@ -138,14 +135,14 @@ class Plan:
     # whole-model KLD on the held-out prompt split at the chosen checkpoint (None: not validated)
     validated_damage: float | None = None
     validation: str = ""  # how the validation decided the plan (or why there was none)
+    fmt: str = DEFAULT_FORMAT  # the checkpoint format whose stored bits are counted
 
     @property
     def params(self) -> int:
         return sum(o * i for o, i in self.shapes.values())
 
     def effective_bits(self) -> float:
-        total = sum(bits_per_weight(self.specs[n], s) * s[0] * s[1] for n, s in self.shapes.items())
-        return total / self.params
+        return registry.average_bits(self.specs, self.shapes, self.fmt)
 
     def counts(self) -> dict[str, int]:
         out = {"int4": 0, "int8": 0, "fp16": 0}
@@ -156,6 +153,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "budget_bits": self.budget_bits,
+            "checkpoint_format": self.fmt,  # whose stored bits are counted
             "effective_bits_per_weight": self.effective_bits(),
             "damage_source": self.damage_source,
             "predicted_damage": self.predicted_damage,
@@ -165,7 +163,7 @@ class Plan:
             "layers": {
                 n: {"bits": self.bits[n], "spec": None if self.specs[n] is None
                     else self.specs[n].to_dict(), "shape": list(self.shapes[n]),
-                    "bits_per_weight": bits_per_weight(self.specs[n], self.shapes[n]),
+                    "bits_per_weight": bits_per_weight(self.specs[n], self.shapes[n], self.fmt),
                     "reason": self.reasons[n]}
                 for n in self.bits
             },
@@ -176,10 +174,11 @@ class Plan:
         for n in self.bits:
             spec = self.specs[n]
             label = "fp16" if spec is None else spec.label()
-            rows.append(f"{n:<48} {label:<14} {bits_per_weight(spec, self.shapes[n]):>6.3f}  "
+            bpw = bits_per_weight(spec, self.shapes[n], self.fmt)
+            rows.append(f"{n:<48} {label:<14} {bpw:>6.3f}  "
                         f"{self.reasons[n]}")
         c = self.counts()
-        rows.append(f"effective bits per weight: {self.effective_bits():.4f} "
+        rows.append(f"effective bits per weight ({self.fmt} layout): {self.effective_bits():.4f} "
                     f"(int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
         if self.budget_bits is not None:
             rows.append(f"budget {self.budget_bits} bits per weight; minimised "
@@ -203,8 +202,9 @@ def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
     if source in ("auto", "kld"):
         if sens is None:
             raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}: the budget planner needs "
-                             f"measured layer sensitivity; {run_it} (minutes on CPU), or plan "
-                             "on the unvalidated proxy loss with `quantpipe plan --damage proxy`")
+                             f"measured layer sensitivity; {run_it} (minutes on CPU), or add "
+                             "--damage proxy to this command (plan or export) to plan on the "
+                             "unvalidated proxy loss")
         layers = sens["layers"]
         lacking = [n for n in layer_infos
                    if n not in layers or "kld_w4" not in layers[n] or "kld_w8" not in layers[n]]
@@ -259,11 +259,12 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
             reasons[n] = "default"
     else:
         damage, damage_source = _damage_table(calib, infos, spec.damage)
-        chosen = greedy_budget_plan(free, shapes, specs_of, damage, bits, spec.budget_bits)
+        chosen = greedy_budget_plan(free, shapes, specs_of, damage, bits, spec.budget_bits,
+                                    spec.fmt)
         if damage_source.startswith("measured"):
             chosen, validated, note = apply_validation(
                 _read_validation(calib), chosen, shapes, specs_of, damage, bits,
-                spec.budget_bits)
+                spec.budget_bits, spec.fmt)
         for n in free:
             bits[n] = chosen[n]
             reasons[n] = "budget"
@@ -271,7 +272,7 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
     ordered = {n: bits[n] for n in names}
     return Plan(ordered, {n: specs_of[n][bits[n]] for n in names}, shapes,
                 {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted,
-                validated, note)
+                validated, note, spec.fmt)
 
 
 def _read_validation(calib) -> dict | None:
@@ -287,6 +288,7 @@ def apply_validation(
     damage: dict[str, dict[int | None, float]],
     fixed: dict[str, int | None],
     budget: float,
+    fmt: str = DEFAULT_FORMAT,
 ) -> tuple[dict[str, int | None], float | None, str]:
     """Stop the greedy plan where the held-out validation KLD stops improving.
 
@@ -296,7 +298,8 @@ def apply_validation(
     checkpoints within ``budget``, the one with the lowest validated KLD (the earliest on
     ties) decides: if it is the last one within the budget, the greedy plan ``chosen`` is
     kept (validation was still improving when the budget ran out); otherwise the plan is the
-    first k moves of the path. Returns (plan, validated KLD of the checkpoint, a note).
+    first k moves of the path. A checkpoint's bits are counted again in ``fmt``'s layout (the
+    file's are the native layout's). Returns (plan, validated KLD of the checkpoint, a note).
     Without a usable validation the plan is returned unchanged with the reason in the note.
     """
     if not validation or not validation.get("checkpoints"):
@@ -304,11 +307,15 @@ def apply_validation(
     if fixed:
         return chosen, None, "not validated (overrides change the upgrade path)"
     stored = [(n, b) for n, b in validation["path"]]
-    now = [(n, b) for n, b, _ in upgrade_path(list(chosen), shapes, specs_of, damage)]
+    path = upgrade_path(list(chosen), shapes, specs_of, damage, fmt)
+    now = [(n, b) for n, b, _ in path]
     if now[: len(stored)] != stored:
         return chosen, None, ("not validated (the measured damages give another upgrade path "
                               "than the one validated; measure sensitivity again)")
-    within = [c for c in validation["checkpoints"] if c["bits"] <= budget * (1 + 1e-12)]
+    start = registry.average_bits({n: specs_of[n][4] for n in chosen}, shapes, fmt)
+    bits_at = [start] + [b for _, _, b in path]  # after k moves, in fmt's layout
+    checkpoints = [dict(c, bits=bits_at[c["moves"]]) for c in validation["checkpoints"]]
+    within = [c for c in checkpoints if c["bits"] <= budget * (1 + 1e-12)]
     if not within:
         return chosen, None, "not validated (no checkpoint within the budget)"
     best = min(within, key=lambda c: c["validated"])  # min keeps the earliest on ties
@@ -328,6 +335,7 @@ def upgrade_path(
     shapes: dict[str, tuple[int, int]],
     specs_of: dict[str, dict[int | None, QuantSpec | None]],
     damage: dict[str, dict[int | None, float]],
+    fmt: str = DEFAULT_FORMAT,
 ) -> list[tuple[str, int | None, float]]:
     """Every upgrade the budget planner would buy with an unlimited budget, in the order it
     buys them, starting from all-INT4 with no overrides: (layer, new precision, effective
@@ -335,9 +343,9 @@ def upgrade_path(
     whose bits fit B, plus smaller later moves that still fit (:func:`greedy_budget_plan`)."""
     params = {n: shapes[n][0] * shapes[n][1] for n in free}
     total = sum(params.values())
-    used = sum(bits_per_weight(specs_of[n][4], shapes[n]) * params[n] for n in free)
+    used = sum(registry.layer_bits(specs_of[n][4], shapes[n], fmt) for n in free)
     out = []
-    for ratio, n, _frm, to, extra in _hull_moves(free, shapes, specs_of, damage):
+    for ratio, n, _frm, to, extra in _hull_moves(free, shapes, specs_of, damage, fmt):
         if ratio <= 0:
             break
         used += extra
@@ -345,12 +353,13 @@ def upgrade_path(
     return out
 
 
-def _hull_moves(free, shapes, specs_of, damage) -> list[tuple[float, str, int, int | None, float]]:
+def _hull_moves(free, shapes, specs_of, damage,
+                fmt: str) -> list[tuple[float, str, int, int | None, float]]:
     """(ratio, layer, from, to, extra stored bits) sorted by decreasing damage drop per bit;
     see :func:`greedy_budget_plan` for why these moves and this order."""
 
     def cost(n, b):
-        return bits_per_weight(specs_of[n][b], shapes[n]) * shapes[n][0] * shapes[n][1]
+        return registry.layer_bits(specs_of[n][b], shapes[n], fmt)
 
     moves = []
     for n in free:
@@ -375,6 +384,7 @@ def greedy_budget_plan(
     damage: dict[str, dict[int | None, float]],
     fixed: dict[str, int | None],
     budget: float,
+    fmt: str = DEFAULT_FORMAT,
 ) -> dict[str, int | None]:
     """Greedy multiple-choice knapsack: one precision per free layer, average bits <= budget.
 
@@ -401,7 +411,7 @@ def greedy_budget_plan(
     total_params = sum(params.values())
 
     def cost(n, b):
-        return bits_per_weight(specs_of[n][b], shapes[n]) * params[n]
+        return registry.layer_bits(specs_of[n][b], shapes[n], fmt)
 
     used = sum(cost(n, b) for n, b in fixed.items()) + sum(cost(n, 4) for n in free)
     limit = budget * total_params
@@ -412,7 +422,7 @@ def greedy_budget_plan(
             "(every free layer at INT4, with scale and zero overhead, plus overrides); use "
             f"--budget-bits >= {min_bits:.4f}, fewer INT8/FP16 overrides or a larger group size"
         )
-    moves = _hull_moves(free, shapes, specs_of, damage)
+    moves = _hull_moves(free, shapes, specs_of, damage, fmt)
     state: dict[str, int | None] = {n: 4 for n in free}
     for ratio, n, frm, to, extra in moves:
         if ratio <= 0:

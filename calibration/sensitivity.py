@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
@@ -360,7 +361,8 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
     block_in: list[torch.Tensor] = []
     energy: dict[str, tuple[float, int]] = {}
     by_block: list[list[str]] = []
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(tqdm(blocks, desc="sensitivity: FP pass", unit="block",
+                                   leave=False)):
         names = [n for n in infos if n.startswith(f"{prefix}.{i}.")]
         by_block.append(names)
         handles = _output_energy_hooks(
@@ -371,8 +373,10 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
             h.remove()
     scorer = _Scorer(model, hidden, spec.chunk_rows)
 
-    # 2. one run per (layer, bits), from the layer's block onwards
+    # 2. one run per (layer, bits), from the layer's block onwards; the bar counts runs (a run
+    # of an early block's layer costs more: it runs every block after it)
     layers: dict[str, dict] = {}
+    bar = tqdm(total=len(infos) * len(spec.bits), desc="sensitivity", unit="run")
     for i, names in enumerate(by_block):
         if not names:
             continue
@@ -388,8 +392,10 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
                         _run_from(blocks, i, block_in[i], ctx, spec.batch_size))
                 finally:
                     lin.weight.data = original
+                bar.update()
             layers[name] = entry
         log.info("block %d/%d measured (%.0fs)", i + 1, len(blocks), time.perf_counter() - t0)
+    bar.close()
 
     missing = sorted(set(infos) - set(layers))
     if missing:  # fail loudly: a plan over unmeasured layers would be silently wrong
@@ -460,7 +466,7 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
             for n, w in calib.weights(dict.fromkeys(group, 4)).items():
                 linear(n).weight.data = w.dequantize(originals[n].dtype)
         done = 0
-        for k in ks:
+        for k in tqdm(ks, desc="sensitivity: validate plan", unit="checkpoint"):
             for n, to, _bits in path[done:k]:
                 state[n] = to
                 linear(n).weight.data = (originals[n] if to is None else

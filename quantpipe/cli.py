@@ -177,9 +177,29 @@ class _Group(click.Group):
     command_class = _Command
 
 
+def _group_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    """``auto`` -> None (calibration.pipeline plans each layer's size), else the integer
+    (calibration checks it against the sizes it supports)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not auto or an integer such as 64") from None
+
+
 # calibration.pipeline.ALGOS, written here so --help does not import torch
 # (tests/calibration/test_pipeline.py checks they are equal)
 CALIBRATE_ALGOS = ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
+
+
+def configure_logging(verbose: int) -> None:
+    """Default: warnings (what the user should act on) and the stages' progress bars (tqdm,
+    on stderr whatever the level); -v adds INFO (stage starts, choices made, timings); -vv
+    DEBUG."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -191,9 +211,7 @@ def main(verbose: int) -> None:
 
     Stages: export-fp16 -> calibrate -> export -> eval / report; `run` does them all.
     """
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -232,8 +250,10 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
               help="auto: gptaq for dense models, gptq for mixture-of-experts ones; gptaq: "
                    "GPTQ against the FP model's outputs (dense models); awq+gptq: AWQ's "
                    "scales, then GPTQ (docs/algorithms.md).")
-@click.option("--group-size", default=128, show_default=True,
-              help="INT4 group size: 16, 32, 64, 128, 256, 512, 1024 or -1 (per channel).")
+@click.option("--group-size", default="auto", show_default=True, callback=_group_size,
+              help="INT4 group size: auto (128 where it divides a layer's in_features, else "
+                   "the largest power of two below that does, chosen per layer), 16, 32, 64, "
+                   "128, 256, 512, 1024 or -1 (per channel).")
 @click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ family (gptq, gptaq, awq+gptq): columns by decreasing Hessian "
@@ -284,9 +304,11 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
         res = calibrate(spec)
     except ValueError as exc:
         _fail(exc)
+    fell_back = len(res.group_size_fallbacks)
     click.echo(f"wrote {res.out} in {res.seconds:.1f}s (peak RSS {res.peak_rss_mb:.0f} MB, "
-               f"group-size fallbacks on {len(res.group_size_fallbacks)} layers, "
-               f"damping raises {res.damp_raises})")
+               + (f"--group-size {group_size} did not divide {fell_back} layers, "
+                  if fell_back else "")
+               + f"damping raises {res.damp_raises})")
     if res.expert_fallbacks:
         click.echo(f"{len(res.expert_fallbacks)} expert linears got fewer than "
                    f"{min_expert_tokens} routed tokens and were quantized with RTN "
@@ -308,21 +330,23 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
 @click.option("--budget-bits", type=float, default=None,
               help="Average bits per weight; picks INT4/INT8/FP16 per layer.")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
+@click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
+              show_default=True, help="What --budget-bits minimises (as plan's --damage).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
-def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size, force):
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_shard_size, force):
     """Write a quantized checkpoint from CALIB_DIR."""
     from quantpipe.stages.export import ExportSpec, export_quantized
 
     try:
         spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
-                          max_shard_size, force)
+                          max_shard_size, force, damage)
         res = export_quantized(spec)
     except ValueError as exc:
         _fail(exc)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
-               f"{res.plan.effective_bits():.3f} bits/weight over quantized layers; "
+               f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "
                f"int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
 
 
@@ -333,8 +357,11 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, max_shard_size
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
               show_default=True, help="What the budget planner minimises.")
+@click.option("--format", "fmt", type=click.Choice(["native", "gptq", "compressed-tensors"]),
+              default="native", show_default=True,
+              help="Count bits per weight as this export format stores them.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
-def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
+def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.plan import PlanSpec, make_plan
@@ -344,7 +371,7 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, json_out):
         if json_out:
             check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
         plan = make_plan(read_calibration(calib_dir),
-                         PlanSpec(int(bits), budget_bits, tuple(overrides), damage))
+                         PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt))
     except ValueError as exc:
         _fail(exc)
     click.echo(plan.table())
@@ -667,7 +694,8 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--algo", type=click.Choice(CALIBRATE_ALGOS), default="auto", show_default=True,
               help="As calibrate's --algo.")
-@click.option("--group-size", default=128, show_default=True)
+@click.option("--group-size", default="auto", show_default=True, callback=_group_size,
+              help="As calibrate's --group-size.")
 @click.option("--sym/--asym", default=True, show_default=True)
 @click.option("--samples", default=32, show_default=True,
               help="Calibration sequences (128 gives the best quality, 4x the time).")

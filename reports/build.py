@@ -81,8 +81,9 @@ def spread(records: list[PromptRecord], k: int) -> list[PromptRecord]:
 
 @torch.no_grad()
 def generate_greedy(model, tokenizer, records: list[PromptRecord], max_new_tokens: int,
-                    batch_size: int = 8) -> list[str]:
-    """Greedy answers, chat template applied, batched with left padding."""
+                    batch_size: int = 8, desc: str = "generate") -> list[str]:
+    """Greedy answers, chat template applied, batched with left padding; a progress bar
+    ``desc`` counts the answers."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -92,13 +93,16 @@ def generate_greedy(model, tokenizer, records: list[PromptRecord], max_new_token
         for r in records
     ]
     outs: list[str] = []
-    for start in tqdm(range(0, len(texts), batch_size), desc="generate", leave=False):
+    bar = tqdm(total=len(texts), desc=desc, unit="answer")
+    for start in range(0, len(texts), batch_size):
         batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
                           add_special_tokens=False)
         gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
         new = gen[:, batch["input_ids"].shape[1]:]  # [b, new]
         outs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+        bar.update(new.shape[0])
+    bar.close()
     return outs
 
 
@@ -200,7 +204,8 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
     chosen = spread(inputs.records, spec.max_prompts)
     ref = load_eval_model(spec.reference)
     log.info("generating %d reference answers", len(chosen))
-    ref_outputs = generate_greedy(ref, tokenizer, chosen, spec.max_new_tokens)
+    ref_outputs = generate_greedy(ref, tokenizer, chosen, spec.max_new_tokens,
+                                  desc="report: FP16 answers")
     candidates = []
     for qdir in spec.candidates:
         cand = load_eval_model(qdir)
@@ -209,7 +214,8 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
             ev = evaluate_models(ref, cand, tokenizer,
                                  EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens))
             log.info("%s: KLD mean %.5f", qdir, ev.kld["mean"])
-        outputs = generate_greedy(cand, tokenizer, chosen, spec.max_new_tokens)
+        outputs = generate_greedy(cand, tokenizer, chosen, spec.max_new_tokens,
+                                  desc=f"report: {Path(qdir).name} answers")
         candidates.append(CandidateData(
             name=Path(qdir).name, path=str(qdir),
             distribution=DistributionMetrics.from_eval(ev), outputs=tuple(outputs),

@@ -108,6 +108,10 @@ class CalibrationFacts:
     plan: tuple[PlanRow, ...] = ()
     effective_bits: float | None = None  # weight bits per quantizable weight, incl. scales/zeros
     fallbacks: tuple[Fallback, ...] = ()
+    # how the INT4 group sizes were chosen, e.g. "auto: 64 on 180 layers, 128 on 30" ("": not
+    # recorded); group-size substitutions of an explicit request are fallbacks of kind
+    # "group_size", shown apart from the numerical ones
+    group_sizes: str = ""
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> CalibrationFacts:
@@ -185,7 +189,8 @@ class CalibrationFacts:
         for name, gs in (manifest.get("group_size_fallbacks") or {}).items():
             if name in chosen and chosen[name] == 4:
                 fallbacks.append(Fallback(name, "group_size",
-                                          f"group size {requested} -> {gs} (does not divide)"))
+                                          f"--group-size {requested} -> {gs} (does not divide "
+                                          "in_features)"))
         floor = manifest.get("min_expert_tokens")
         for name, tokens in (manifest.get("expert_fallbacks") or {}).items():
             if chosen.get(name) is not None:
@@ -200,7 +205,22 @@ class CalibrationFacts:
             plan=tuple(rows),
             effective_bits=None if eff is None else float(eff),
             fallbacks=tuple(fallbacks),
+            group_sizes=_group_sizes_note(requested, manifest.get("int4_group_sizes") or {}),
         )
+
+
+def _group_sizes_note(requested: int | None, sizes: dict[str, int]) -> str:
+    """"auto: 64 on 180 layers, 128 on 30" for a planned choice, "128 requested" otherwise."""
+    if requested is not None:
+        return f"{requested} requested"
+    if not sizes:
+        return ""
+    counts: dict[int, int] = {}
+    for gs in sizes.values():
+        counts[gs] = counts.get(gs, 0) + 1
+    return "auto (planned per layer): " + ", ".join(
+        f"{'per channel' if gs == -1 else gs} on {n} layer{'s' if n > 1 else ''}"
+        for gs, n in sorted(counts.items()))
 
 
 @dataclass(frozen=True)

@@ -257,14 +257,48 @@ def _garbage(data: ReportData, summary: ReportSummary) -> str:
             f"detector's limits.</p>{table}{detail}</section>")
 
 
+def _fallbacks_block(numerical: list, substituted: list) -> str:
+    """Numerical fallbacks (each one counted), then group sizes substituted for an explicit
+    request that did not divide a layer."""
+    def rows(fs: list) -> str:
+        return '<div class="scroll">' + _table(
+            ["layer", "kind", "detail"],
+            [[f'<span class="mono">{esc(f.layer)}</span>', esc(f.kind), esc(f.detail)]
+             for f in fs]) + "</div>"
+
+    if numerical:
+        kinds: dict[str, int] = {}
+        for f in numerical:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        counts = ", ".join(f"{esc(k)}: {n}" for k, n in kinds.items())
+        out = f"<h3>Numerical fallbacks ({counts})</h3>" + rows(numerical)
+    else:
+        out = '<p class="lead">Numerical fallbacks: none recorded.</p>'
+    if substituted:
+        out += (f"<h3>Group-size substitutions ({len(substituted)})</h3>"
+                '<p class="lead">The requested --group-size does not divide these layers\' '
+                "in_features; the largest size below it that does was used (--group-size auto "
+                "plans this per layer; --strict-group-size makes it an error).</p>"
+                + rows(substituted))
+    return out
+
+
 def _calibration_block(name: str, cal: CalibrationFacts) -> str:
     quantized = [r for r in cal.plan if r.bits is not None]
     kept = [r for r in cal.plan if r.bits is None]
+    # an explicit --group-size that did not divide a layer is the user's to know, but it is
+    # no numerical fallback (nothing failed): shown apart
+    substituted = [f for f in cal.fallbacks if f.kind == "group_size"]
+    numerical = [f for f in cal.fallbacks if f.kind != "group_size"]
     facts = [("algorithm", cal.algorithm), ("calibration samples", fmt(cal.samples)),
              ("sequence length", fmt(cal.seq_len)),
              ("effective bits / weight", fmt(cal.effective_bits, 3)),
              ("quantized layers", fmt(len(quantized))), ("kept in FP16", fmt(len(kept))),
-             ("numerical fallbacks", fmt(len(cal.fallbacks)))]
+             ("numerical fallbacks", fmt(len(numerical)))]
+    if cal.group_sizes:
+        facts.insert(3, ("INT4 group size", cal.group_sizes))
+    if substituted:
+        facts.append(("group-size substitutions", fmt(len(substituted))))
     dl = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in facts)
     parts = [f'<div class="calib"><h3>{esc(name)}</h3><div class="grid-facts">'
              f'<dl class="facts">{dl}</dl>']
@@ -288,17 +322,7 @@ def _calibration_block(name: str, cal: CalibrationFacts) -> str:
             [[f'<span class="mono">{esc(k)}</span>', fmt(v)] for k, v in worst], num_cols={1}))
     else:
         parts.append('<p class="empty">No per-layer reconstruction error recorded.</p>')
-    if cal.fallbacks:
-        kinds: dict[str, int] = {}
-        for f in cal.fallbacks:
-            kinds[f.kind] = kinds.get(f.kind, 0) + 1
-        counts = ", ".join(f"{esc(k)}: {n}" for k, n in kinds.items())
-        parts.append(f"<h3>Numerical fallbacks ({counts})</h3>" + '<div class="scroll">'
-                     + _table(["layer", "kind", "detail"],
-                              [[f'<span class="mono">{esc(f.layer)}</span>', esc(f.kind),
-                                esc(f.detail)] for f in cal.fallbacks]) + "</div>")
-    else:
-        parts.append('<p class="lead">Numerical fallbacks: none recorded.</p>')
+    parts.append(_fallbacks_block(numerical, substituted))
     if cal.plan:
         err = cal.layer_errors
         rows = [[f'<span class="mono">{esc(r.layer)}</span>',

@@ -161,6 +161,9 @@ class LazyWeights(Mapping):
             raise KeyError(name)
         return self._load(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.specs  # Mapping's default would read and unpack the layer
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
 

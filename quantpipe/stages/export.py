@@ -36,6 +36,7 @@ class ExportSpec:
     overrides: tuple[str, ...] = field(default_factory=tuple)  # "NAME|re:REGEX=4|8|fp16"
     max_shard_size: str = "2GB"
     force: bool = False
+    damage: str = "auto"  # what --budget-bits minimises: auto, kld or proxy (PlanSpec.damage)
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
@@ -63,7 +64,8 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
     check_not_overlapping(spec.out, {"FP16_DIR (of the calibration)": calib.fp16_dir})
     check_output_dir(spec.out, spec.force)  # fail before reading the weights
     with output_lock(spec.out):
-        plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides))
+        plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides,
+                                         spec.damage, spec.fmt))
         weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
         _write(spec, calib, plan, weights)
     size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))

@@ -38,7 +38,7 @@ class RunSpec:
     budget_bits: float | None = None  # mixed precision (runs `sensitivity` first)
     overrides: tuple[str, ...] = field(default_factory=tuple)
     algo: str = "gptq"
-    group_size: int = 128
+    group_size: int | None = None  # None: calibrate's auto (planned per layer)
     sym: bool = True
     samples: int = 32  # calibration sequences (the full `calibrate` default is 128)
     seq_len: int = 512
@@ -176,7 +176,7 @@ def run_pipeline(spec: RunSpec) -> RunResult:
             stages[name] = 0.0
             return
         t0 = time.perf_counter()
-        log.warning("stage %s ...", name)
+        log.info("stage %s ...", name)  # -v; by default the stage's progress bars show
         fn()
         stages[name] = time.perf_counter() - t0
 

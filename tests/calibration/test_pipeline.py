@@ -379,3 +379,39 @@ def test_gptaq_corrects_the_int4_pass_only():
         got = p._quantize_gptaq(spec, "l", W, H, qspec, x, asym)
         want = p._quantize_gptq(spec, "l", W, H, qspec, x)
         assert torch.equal(got.weight.q, want.weight.q) == same, qspec
+
+
+def test_default_group_size_is_planned_per_layer(prompt_file, tmp_path, caplog):
+    """The default (group_size None, --group-size auto) gives every layer the group size a
+    request for 128 falls back to (192 -> 64), bit for bit, recorded as a plan: no fallback,
+    no warning. An explicit 128 gets the same numbers, reported as substitutions."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import make_model, save_model
+
+    model, tok = make_model("llama", hidden_size=192, intermediate_size=256)
+    fp16 = tmp_path / "fp16"
+    export_fp16(Fp16ExportSpec(str(save_model(model, tok, tmp_path / "src")), fp16))
+    with caplog.at_level(logging.INFO, logger="quantpipe.calibration.pipeline"):
+        auto = calibrate(_spec(fp16, prompt_file, tmp_path / "auto", algo="rtn",
+                               group_size=None))
+    assert auto.group_size_fallbacks == {}
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warned and "planned per layer" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="quantpipe.calibration.pipeline"):
+        asked = calibrate(_spec(fp16, prompt_file, tmp_path / "asked", algo="rtn",
+                                group_size=128))
+    assert "--group-size 128 does not divide the in_features of 12 layer(s)" in caplog.text
+    m_auto = read_calibration(auto.out).manifest
+    m_asked = read_calibration(asked.out).manifest
+    assert m_auto["group_size_fallbacks"] == {} and len(m_asked["group_size_fallbacks"]) == 12
+    # q/k/v/o/gate/up read the 192-wide hidden state (64), down_proj the 256-wide one (128)
+    assert m_auto["int4_group_sizes"] == m_asked["int4_group_sizes"]
+    assert sorted(set(m_auto["int4_group_sizes"].values())) == [64, 128]
+    for j in range(2):
+        a = load_file(auto.out / "blocks" / f"block-{j:04d}.safetensors")
+        b = load_file(asked.out / "blocks" / f"block-{j:04d}.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -91,7 +91,7 @@ def test_checkpoints_by_hand():
 
 
 def test_validation_is_the_whole_mixed_model_on_the_held_out_split(measured, calib_dir,
-                                                                   tmp_path):
+                                                                   tmp_path, capsys):
     """Every checkpoint's validated KLD == a full forward of the model with the path's first k
     moves applied (the rest INT4), on the held-out split's ids, in float64."""
     import shutil
@@ -106,8 +106,14 @@ def test_validation_is_the_whole_mixed_model_on_the_held_out_split(measured, cal
     (calib_dir / SENSITIVITY_FILE).unlink()
     spec = SensitivitySpec(calib_dir, **SPEC, validate_tokens=256, validate_step=1.5,
                            validate_max_bits=16.0)
+    capsys.readouterr()
     data = measure_sensitivity(spec).data
     val, layers = data["validation"], data["layers"]
+    # progress: every (layer, bits) run, then the validation checkpoints
+    err = capsys.readouterr().err
+    runs = 2 * len(layers)
+    assert "sensitivity: 100%" in err and f"{runs}/{runs}" in err
+    assert "sensitivity: validate plan: 100%" in err
     assert layers == measured.data["layers"]  # same split, same ids: same measurement
     ks = [c["moves"] for c in val["checkpoints"]]
     assert ks[0] == 0 and ks == sorted(set(ks)) and len(ks) >= 4

@@ -247,3 +247,13 @@ def test_calibrate_passes_min_expert_tokens_to_the_spec(tmp_path, monkeypatch):
     r = invoke("calibrate", tmp_path, "--out", tmp_path / "c", "--min-expert-tokens", "7")
     assert r.exit_code == 1 and "stop here" in r.output
     assert seen["spec"].min_expert_tokens == 7
+
+
+@pytest.mark.parametrize("command", ["plan", "export"])
+def test_budget_without_sensitivity_gives_a_remedy_this_command_takes(dirs, tmp_path, command):
+    """The error names --damage proxy for the command at hand, and that command takes it."""
+    out = ["--out", tmp_path / "q"] if command == "export" else []
+    r = invoke(command, dirs["calib"], "--budget-bits", "6", *out)
+    assert_one_line_error(r, "no sensitivity.json", "--damage proxy to this command")
+    r = invoke(command, dirs["calib"], "--budget-bits", "6", "--damage", "proxy", *out)
+    assert r.exit_code == 0, r.output

@@ -2,7 +2,10 @@
 run with another source or other options, or into folders quantpipe did not make, is refused."""
 
 import json
+import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -17,12 +20,19 @@ def _snapshot(folder):
             if f.is_file()}
 
 
-def test_run_end_to_end_and_resume(tiny_llama_dir, tmp_path):
+def test_run_end_to_end_and_resume(tiny_llama_dir, tmp_path, caplog):
     out = tmp_path / "work"
-    args = ["run", str(tiny_llama_dir), "--out", str(out), "--samples", "4", "--seq-len", "64",
-            "--group-size", "32"]
-    r = CliRunner().invoke(main, args)
+    args = ["run", str(tiny_llama_dir), "--out", str(out), "--samples", "4", "--seq-len", "64"]
+    with caplog.at_level(logging.INFO):
+        r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
+    # stage starts are INFO (-v); a default run of a model the defaults fit warns of nothing
+    # (--group-size auto plans the tiny model's 64- and 128-wide layers)
+    starts = [r for r in caplog.records if r.getMessage().startswith("stage ")]
+    assert len(starts) == 5 and {r.levelno for r in starts} == {logging.INFO}
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and r.name.startswith("quantpipe")]
+    assert warned == []
     for stage in ("fp16", "calib", "int4"):
         assert (out / stage / "quantpipe.json").is_file()
     ev = json.loads((out / "eval.json").read_text())
@@ -92,3 +102,31 @@ def test_run_with_budget_measures_sensitivity(tiny_llama_dir, tmp_path):
     plan = json.loads((out / "mixed-6.0" / "quantpipe.json").read_text())["plan"]
     assert 4.5 < plan["effective_bits_per_weight"] <= 6.0
     assert plan["counts"]["int8"] + plan["counts"]["fp16"] > 0
+
+
+def test_default_logging_shows_warnings_and_v_shows_info():
+    code = ("import logging; from quantpipe.cli import configure_logging; "
+            "configure_logging({v}); log = logging.getLogger('quantpipe.x'); "
+            "log.info('an info'); log.warning('a warning')")
+    for v, want in ((0, ["WARNING quantpipe.x: a warning"]),
+                    (1, ["INFO quantpipe.x: an info", "WARNING quantpipe.x: a warning"])):
+        err = subprocess.run([sys.executable, "-c", code.format(v=v)], capture_output=True,
+                             text=True, check=True).stderr
+        assert [line.split(" ", 2)[2] for line in err.splitlines()] == want
+
+
+def test_group_size_default_is_the_same_auto_on_the_command_line_and_in_the_library():
+    import click
+    import pytest
+
+    from quantpipe.calibration.pipeline import CalibrateSpec
+    from quantpipe.stages.run import RunSpec
+
+    for command, spec in (("calibrate", CalibrateSpec), ("run", RunSpec)):
+        option = next(p for p in main.commands[command].params if p.name == "group_size")
+        ctx = click.Context(main.commands[command])
+        assert option.process_value(ctx, option.default) is None
+        assert spec.__dataclass_fields__["group_size"].default is None
+        assert option.process_value(ctx, "64") == 64
+        with pytest.raises(click.BadParameter, match="auto or an integer"):
+            option.process_value(ctx, "big")

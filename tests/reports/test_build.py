@@ -28,6 +28,8 @@ def test_report_cli(tiny_llama_dir, tmp_path):
         "--prompts", str(prompts), "--max-prompts", "4", "--max-new-tokens", "8",
         "--speed-bench", "--out", str(out)])
     assert r.exit_code == 0, r.output
+    for who in ("FP16", "int4"):  # progress of the answers (the slow part of a report)
+        assert f"report: {who} answers: 100%" in r.stderr and "4/4" in r.stderr
     page = out.read_text()
     data = json.loads(out.with_suffix(".json").read_text())
     cand = data["candidates"][0]

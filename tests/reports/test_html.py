@@ -262,7 +262,23 @@ def test_calibration_facts_from_calibration_artifact():
         sample_report(with_speed=False),
         candidates=(CandidateData("c", "/c", calibration=f),), prompts=(),
         reference_outputs=None))
-    assert "Numerical fallbacks (gptq_damping: 1, group_size: 1)" in page
+    # an explicit --group-size that did not divide is shown, apart from the numerical ones
+    assert "Numerical fallbacks (gptq_damping: 1)</h3>" in page
+    assert "Group-size substitutions (1)</h3>" in page and "<dd>128 requested</dd>" in page
+    # the default (--group-size auto) plans each layer's size: no substitution, no fallback
+    auto = {**manifest, "settings": {**manifest["settings"], "group_size": None},
+            "group_size_fallbacks": {}, "int4_group_sizes": {"a.q_proj": 64,
+                                                             "a.down_proj": 64,
+                                                             "a.up_proj": 128}}
+    h = CalibrationFacts.from_calibration(auto, infos)
+    assert [x.kind for x in h.fallbacks] == ["gptq_damping"]
+    assert h.group_sizes == "auto (planned per layer): 64 on 2 layers, 128 on 1 layer"
+    page = render_quality_report(dataclasses.replace(
+        sample_report(with_speed=False),
+        candidates=(CandidateData("c", "/c", calibration=h),), prompts=(),
+        reference_outputs=None))
+    assert "Group-size substitutions" not in page and "planned per layer" in page
+    assert "<dt>numerical fallbacks</dt><dd>1</dd>" in page
     # MoE: an expert linear routed too few tokens (RTN) is listed unless the plan keeps it FP16
     moe = {**manifest, "expert_fallbacks": {"a.q_proj": 12, "a.up_proj": 3},
            "min_expert_tokens": 64}

@@ -63,6 +63,23 @@ ReadLayers = Callable[[dict, Mapping[str, torch.Tensor], list[str]],
                       tuple[dict[str, QuantSpec], list[StoredLayer]]]
 # (stored layer, tensors, quantization_config) -> the layer in quantpipe's convention
 Unpack = Callable[[StoredLayer, Mapping[str, torch.Tensor], dict], UnpackedLayer]
+# (layer name, spec, [out, in]) -> every tensor the format writes for that layer
+Layout = Callable[[str, QuantSpec, tuple[int, int]], Expected]
+
+
+def stored_bits(tensors: Expected) -> int:
+    """Bits the tensors take on disk: codes, scales, zeros, g_idx and whatever else a format
+    stores per layer. An entry's first dtype is the one quantpipe writes.
+
+    The one count of bits per weight (export, plan, verify and the report all go through it:
+    :func:`quantpipe.core.formats.registry.bits_per_weight`)."""
+    total = 0
+    for shape, dtypes in tensors.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * dtypes[0].itemsize * 8
+    return total
 
 
 def no_manifest_checks(manifest: dict, qcfg: dict) -> list[str]:
@@ -81,5 +98,6 @@ class CheckpointFormat:
     write: Callable[..., dict]
     read_layers: ReadLayers  # the plan and each layer's expected tensors (verify, step 2)
     unpack: Unpack  # one verified layer -> UnpackedLayer
+    layout: Layout  # what ``write`` stores for one layer (the bits-per-weight count reads it)
     # problems between quantpipe.json and config.json beyond the plan (verify, step 1)
     manifest_problems: Callable[[dict, dict], list[str]] = field(default=no_manifest_checks)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from quantpipe.core.experts import hub_name, split_fused_name
 from quantpipe.core.families import FAMILIES, Family
@@ -205,15 +206,13 @@ def is_sequential_g_idx(qw: QuantizedWeight) -> bool:
     return torch.equal(qw.g_idx.long(), seq)
 
 
-def check_act_order(weights: Mapping[str, QuantizedWeight]) -> None:
-    """A permuted ``g_idx`` needs ``act_order`` in its spec (the configs say so per layer)."""
-    for name in weights:
-        if weight_spec(weights, name).act_order:
-            continue  # a permutation is allowed: no need to read the layer
-        qw = weights[name]
-        if not is_sequential_g_idx(qw):
-            raise ValueError(f"{name}: g_idx is a permutation but its spec has act_order=False; "
-                             "set act_order=True in the plan for this layer")
+def check_act_order(name: str, qw: QuantizedWeight) -> None:
+    """A permuted ``g_idx`` needs ``act_order`` in its spec (the configs say so per layer).
+    Checked on each layer as it is written (reading every layer once more up front cost
+    more than the export itself); a failure leaves no folder (the write is atomic)."""
+    if not qw.spec.act_order and not is_sequential_g_idx(qw):
+        raise ValueError(f"{name}: g_idx is a permutation but its spec has act_order=False; "
+                         "set act_order=True in the plan for this layer")
 
 
 def replace_quantized(
@@ -250,9 +249,16 @@ def write_quantized_folder(
         for fname, obj in (extra_json or {}).items():
             write_json_atomic(tmp / fname, obj)
         copy_side_files(job.side_dir, tmp)
-        tensors: Iterable[tuple[str, torch.Tensor]] = replace_quantized(
-            job.state, job.weights, layer_tensors)
-        shards = write_shards(tensors, tmp, job.max_shard_size)
+        with tqdm(total=len(job.weights), desc=f"export {checkpoint_format}",
+                  unit="layer") as bar:
+            def counted(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+                out = layer_tensors(name, qw)
+                bar.update()
+                return out
+
+            tensors: Iterable[tuple[str, torch.Tensor]] = replace_quantized(
+                job.state, job.weights, counted)
+            shards = write_shards(tensors, tmp, job.max_shard_size)
         manifest = write_manifest(
             tmp,
             stage="quantized",

@@ -112,13 +112,19 @@ def expected_ct(name: str, spec: QuantSpec, shape: tuple[int, int], has_g_idx: b
     exp: Expected = {
         f"{name}.weight_packed": ((out_f, -(-in_f // per_word)), (torch.int32,)),
         f"{name}.weight_scale": ((out_f, n_groups), (torch.float16,)),
-        f"{name}.weight_shape": ((2,), (torch.int32, torch.int64)),
+        f"{name}.weight_shape": ((2,), (torch.int64, torch.int32)),  # written int64
     }
     if not spec.sym:
         exp[f"{name}.weight_zero_point"] = ((-(-out_f // per_word), n_groups), (torch.int32,))
     if has_g_idx:
         exp[f"{name}.weight_g_idx"] = ((in_f,), (torch.int32,))
     return exp
+
+
+def layout(name: str, spec: QuantSpec, shape: tuple[int, int]) -> Expected:
+    """What :func:`write` stores for a layer ``[out, in]``: no g_idx (sequential groups only),
+    a zero point only when asymmetric, the int64 ``weight_shape``."""
+    return expected_ct(name, spec, shape, has_g_idx=False)
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -230,11 +236,11 @@ def ct_plan(
 
 def write(job: FolderToWrite) -> dict:
     """Write a compressed-tensors pack-quantized folder; returns the manifest."""
-    check_act_order(job.weights)
     plan = {n: weight_spec(job.weights, n) for n in job.weights}
     qcfg = ct_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)))
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        check_act_order(name, qw)
         try:
             packed = pack_ct(qw)
         except ValueError as exc:
@@ -283,4 +289,4 @@ def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) ->
 
 
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack)
+                          read_layers=read_layers, unpack=unpack, layout=layout)

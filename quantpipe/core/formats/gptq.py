@@ -114,6 +114,13 @@ def expected_gptq(name: str, spec: QuantSpec, qweight_shape: tuple[int, ...]) ->
     }
 
 
+def layout(name: str, spec: QuantSpec, shape: tuple[int, int]) -> Expected:
+    """What :func:`write` stores for a layer ``[out, in]``: qzeros and g_idx always (GPTQ
+    loaders expect both, sym and sequential layers too)."""
+    out_f, in_f = shape
+    return expected_gptq(name, spec, (in_f // (32 // spec.bits), out_f))
+
+
 # ---- config ------------------------------------------------------------------------------
 
 
@@ -196,6 +203,13 @@ def is_v1(qcfg: dict) -> bool:
     return qcfg.get("checkpoint_format", "gptq") == "gptq"
 
 
+def _zero_point_0(weights: Mapping[str, QuantizedWeight]) -> list[str]:
+    """Layers with a zero point of 0. Only asymmetric layers are read: a symmetric layer's
+    zero is the mid-point 2**(bits-1) (reading every layer once more doubled the export)."""
+    return [n for n in weights
+            if not weight_spec(weights, n).sym and int(weights[n].zeros.min()) == 0]
+
+
 def choose_checkpoint_format(weights: dict[str, QuantizedWeight], requested: str) -> str:
     """``auto``: v1 ("gptq", read by every GPTQ loader) unless an asymmetric zero point is 0,
     which v1 cannot store (``zero - 1`` underflows); then "gptq_v2" (vLLM, GPTQModel)."""
@@ -203,12 +217,12 @@ def choose_checkpoint_format(weights: dict[str, QuantizedWeight], requested: str
         if requested not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format {requested!r}; use auto, gptq or gptq_v2")
         if requested == "gptq":
-            bad = [n for n, qw in weights.items() if int(qw.zeros.min()) == 0]
+            bad = _zero_point_0(weights)
             if bad:
                 raise ValueError(f"{bad[0]} has a zero point of 0, which GPTQ v1 cannot store; "
                                  "use checkpoint_format='gptq_v2' or 'auto'")
         return requested
-    zero0 = [n for n, qw in weights.items() if int(qw.zeros.min()) == 0]
+    zero0 = _zero_point_0(weights)
     if zero0:
         log.warning("GPTQ export: %d layer(s) (e.g. %s) have a zero point of 0; writing "
                     "checkpoint_format gptq_v2", len(zero0), zero0[0])
@@ -222,13 +236,13 @@ def choose_checkpoint_format(weights: dict[str, QuantizedWeight], requested: str
 def write(job: FolderToWrite, checkpoint_format: str = "auto") -> dict:
     """Write a GPTQ folder; returns the manifest. ``checkpoint_format``: "auto" (v1 "gptq"
     unless an asymmetric zero point is 0, then "gptq_v2"), "gptq" or "gptq_v2"."""
-    check_act_order(job.weights)
     fmt = choose_checkpoint_format(job.weights, checkpoint_format)
     v1 = fmt == "gptq"
     plan = {n: weight_spec(job.weights, n) for n in job.weights}
     qcfg = gptq_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)), fmt)
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        check_act_order(name, qw)
         return {f"{name}.{k}": v for k, v in pack_gptq(qw, v1).items()}
 
     return write_quantized_folder(
@@ -282,5 +296,5 @@ def manifest_problems(manifest: dict, qcfg: dict) -> list[str]:
 
 
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack,
+                          read_layers=read_layers, unpack=unpack, layout=layout,
                           manifest_problems=manifest_problems)

@@ -85,6 +85,29 @@ def write(job: FolderToWrite) -> dict:
 # ---- reading (verify) ----------------------------------------------------------------------
 
 
+def expected_native(name: str, spec: QuantSpec, shape: tuple[int, int],
+                    has_g_idx: bool) -> Expected:
+    """The tensors of one layer ``[out, in]`` (the module docstring's table)."""
+    per_word = 32 // spec.bits
+    out_f, in_f = shape
+    n_groups = 1 if spec.group_size == -1 else max(in_f // spec.group_size, 1)
+    exp: Expected = {
+        f"{name}.qweight": ((out_f, in_f // per_word), (torch.int32,)),
+        f"{name}.scales": ((out_f, n_groups), (torch.float16,)),
+    }
+    if not spec.sym:
+        exp[f"{name}.qzeros"] = ((out_f, n_groups), (torch.uint8,))
+    if has_g_idx:
+        exp[f"{name}.g_idx"] = ((in_f,), (torch.int32,))
+    return exp
+
+
+def layout(name: str, spec: QuantSpec, shape: tuple[int, int]) -> Expected:
+    """What :func:`write` stores: a g_idx only for act-order specs (calibration records
+    act_order only where the groups are a permutation; sequential groups store none)."""
+    return expected_native(name, spec, shape, spec.act_order)
+
+
 def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
                 problems: list[str]) -> tuple[dict[str, QuantSpec], list[StoredLayer]]:
     """The plan of ``quantization_config.layers`` and each layer's expected tensors."""
@@ -101,17 +124,8 @@ def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
             problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
                             f"[out, in*{spec.bits}/32])")
             continue
-        per_word = 32 // spec.bits
-        out_f, in_f = qweight.shape[0], qweight.shape[-1] * per_word
-        n_groups = 1 if spec.group_size == -1 else max(in_f // spec.group_size, 1)
-        exp: Expected = {
-            f"{name}.qweight": ((out_f, in_f // per_word), (torch.int32,)),
-            f"{name}.scales": ((out_f, n_groups), (torch.float16,)),
-        }
-        if not spec.sym:
-            exp[f"{name}.qzeros"] = ((out_f, n_groups), (torch.uint8,))
-        if f"{name}.g_idx" in tensors:
-            exp[f"{name}.g_idx"] = ((in_f,), (torch.int32,))
+        shape = (qweight.shape[0], qweight.shape[-1] * (32 // spec.bits))  # [out, in]
+        exp = expected_native(name, spec, shape, f"{name}.g_idx" in tensors)
         layers.append(StoredLayer(name, spec, exp, {
             "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
             "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in tensors else None}))
@@ -126,7 +140,7 @@ def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) ->
 
 
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack)
+                          read_layers=read_layers, unpack=unpack, layout=layout)
 
 
 # ---- the packed view, without the verifier ---------------------------------------------------

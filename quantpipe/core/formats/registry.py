@@ -7,8 +7,13 @@ loaders and the CLI's ``--format`` choices all read this dict.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from quantpipe.core.formats import compressed_tensors, gptq, native
-from quantpipe.core.formats.base import CheckpointFormat
+from quantpipe.core.formats.base import CheckpointFormat, stored_bits
+from quantpipe.core.qformat import QuantSpec
+
+FP16_BITS = 16  # a linear the plan keeps in FP16 (or BF16)
 
 # --format name -> format, in the order the CLI lists them (the first is the default)
 FORMATS: dict[str, CheckpointFormat] = {
@@ -28,3 +33,26 @@ def format_named(name: str) -> CheckpointFormat:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"format {name!r} is not supported; use one of {FORMAT_NAMES}") from None
+
+
+def layer_bits(spec: QuantSpec | None, shape: tuple[int, int], fmt: str) -> int:
+    """Bits one linear ``[out, in]`` takes in format ``fmt``: every tensor the format writes
+    for it (:attr:`CheckpointFormat.layout`: codes, scales, zeros, g_idx, ...); ``spec`` None
+    (kept FP16) counts 16 per weight. docs/formats.md states the convention per format."""
+    out_f, in_f = shape
+    if spec is None:
+        return FP16_BITS * out_f * in_f
+    return stored_bits(format_named(fmt).layout("w", spec, (out_f, in_f)))
+
+
+def bits_per_weight(spec: QuantSpec | None, shape: tuple[int, int], fmt: str) -> float:
+    """Stored bits per weight of one linear in format ``fmt`` (:func:`layer_bits`)."""
+    return layer_bits(spec, shape, fmt) / (shape[0] * shape[1])
+
+
+def average_bits(specs: Mapping[str, QuantSpec | None], shapes: Mapping[str, tuple[int, int]],
+                 fmt: str) -> float:
+    """Bits per weight over the linears of a plan (FP16-kept ones at 16), weighted by size:
+    what export, plan, verify and the report print."""
+    params = sum(o * i for o, i in shapes.values())
+    return sum(layer_bits(specs[n], s, fmt) for n, s in shapes.items()) / max(params, 1)

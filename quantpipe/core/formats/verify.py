@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from quantpipe.core.formats.base import CheckpointFormat, StoredLayer, UnpackedLayer
-from quantpipe.core.formats.registry import FORMAT_OF_METHOD
+from quantpipe.core.formats.registry import FORMAT_OF_METHOD, layer_bits
 from quantpipe.core.io import MANIFEST_NAME, LazyTensors, read_manifest, verify_shard_hashes
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
@@ -48,19 +48,26 @@ class VerifyReport:
     quantized_weights: int  # sum of out*in over quantized linears
     quantized_bytes: int  # bytes stored for them (packed q + scales + zeros + g_idx)
     total_bytes: int  # size of all safetensors files
+    # linears the manifest's plan keeps in FP16: their out*in and stored bits (0: none, or a
+    # folder without a quantpipe plan)
+    kept_fp16_weights: int = 0
+    kept_fp16_bits: int = 0
 
     @property
     def bits_per_weight(self) -> float:
-        """Stored bits per quantized weight, metadata (scales, zeros, g_idx) included."""
-        return 8 * self.quantized_bytes / max(self.quantized_weights, 1)
+        """Stored bits per weight over the plan's linears: every byte on disk of the quantized
+        ones (codes, scales, zeros, g_idx), the FP16-kept ones at 16. For quantpipe's exports
+        this equals the plan's count (:func:`quantpipe.core.formats.registry.average_bits`)."""
+        bits = 8 * self.quantized_bytes + self.kept_fp16_bits
+        return bits / max(self.quantized_weights + self.kept_fp16_weights, 1)
 
     def summary(self) -> str:
         specs = ", ".join(f"{k} x{v}" for k, v in sorted(self.specs.items()))
         return (
             f"OK {self.folder}: {self.checkpoint_format}, {self.quantized_layers} quantized "
             f"layers ({specs}), {self.fp_tensors} other tensors, {self.files} file(s), "
-            f"{self.total_bytes / 1e6:.2f} MB, {self.bits_per_weight:.3f} bits/weight on "
-            f"quantized linears; "
+            f"{self.total_bytes / 1e6:.2f} MB, {self.bits_per_weight:.3f} bits/weight over "
+            f"{'the calibrated' if self.kept_fp16_weights else 'the quantized'} linears; "
             + ("manifest and sha256 verified" if self.hashes_checked
                else "no quantpipe.json (made by another tool): hashes not checked")
         )
@@ -268,14 +275,24 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
     specs: dict[str, int] = {}
     for s in plan.values():
         specs[s.label()] = specs.get(s.label(), 0) + 1
+    kept = _kept_fp16_shapes(manifest)
     report = VerifyReport(
         folder=str(folder), checkpoint_format=fmt.name, hashes_checked=manifest is not None,
         files=len(files), quantized_layers=len(good), fp_tensors=len(fp_tensors),
         specs=specs, quantized_weights=q_weights, quantized_bytes=q_bytes,
         total_bytes=sum((folder / f).stat().st_size for f in files),
+        kept_fp16_weights=sum(o * i for o, i in kept),
+        kept_fp16_bits=sum(layer_bits(None, shape, fmt.name) for shape in kept),
     )
     return Inspection(report, config, manifest, plan, LazyLayers(fmt, good, tensors, qcfg),
                       fp_tensors)
+
+
+def _kept_fp16_shapes(manifest: dict | None) -> list[tuple[int, int]]:
+    """[out, in] of every linear the manifest's plan keeps in FP16 (bits per weight count
+    them as the plan does)."""
+    layers = ((manifest or {}).get("plan") or {}).get("layers") or {}
+    return [tuple(v["shape"]) for v in layers.values() if v.get("bits") is None and "shape" in v]
 
 
 def _checked_layer(fmt: CheckpointFormat, lay: StoredLayer, tensors, where: dict, qcfg: dict,

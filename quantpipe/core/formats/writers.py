@@ -10,9 +10,9 @@ import torch
 
 from quantpipe.core.formats.base import FolderToWrite
 from quantpipe.core.formats.common import load_fp16_source, source_fp16_entry
-from quantpipe.core.formats.registry import format_named
+from quantpipe.core.formats.registry import average_bits, bits_per_weight, format_named
 from quantpipe.core.io import check_not_overlapping
-from quantpipe.core.qformat import QuantizedWeight
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 # manifest keys that belong to the folder being written, never copied from a converted source
 _OWN_KEYS = {"format", "version", "stage", "checkpoint_format", "native_format_version",
@@ -67,8 +67,24 @@ def convert_checkpoint(
     for name, qw in ckpt.layers.items():
         state[f"{name}.weight"] = qw.q
     fields = {k: v for k, v in (ckpt.manifest or {}).items() if k not in _OWN_KEYS}
+    if "plan" in fields:
+        fields["plan"] = recount_plan_bits(fields["plan"], fmt)
     fields["converted_from"] = {"path": str(Path(qdir).resolve()),
                                 "checkpoint_format": ckpt.checkpoint_format}
     job = FolderToWrite(Path(out), ckpt.model_config(), state, ckpt.layers, Path(qdir), fields,
                         max_shard_size, force)
     return checkpoint_format.write(job)
+
+
+def recount_plan_bits(plan: dict, fmt: str) -> dict:
+    """A manifest's ``plan`` (``calibration.plan.Plan.to_dict``) with its bits per weight
+    counted as ``fmt`` stores the layers (a converted folder stores them differently)."""
+    layers = plan.get("layers") or {}
+    specs = {n: None if v.get("spec") is None else QuantSpec.from_dict(v["spec"])
+             for n, v in layers.items()}
+    shapes = {n: tuple(v["shape"]) for n, v in layers.items()}
+    out = dict(plan, checkpoint_format=fmt,
+               effective_bits_per_weight=average_bits(specs, shapes, fmt))
+    out["layers"] = {n: dict(v, bits_per_weight=bits_per_weight(specs[n], shapes[n], fmt))
+                     for n, v in layers.items()}
+    return out
