@@ -170,7 +170,10 @@ class CalibrateSpec:
     seq_len: int = 512  # tokens per sequence
     min_tokens: int = 16  # drop prompts shorter than this
     seed: int = 0
-    batch_size: int = 8  # sequences per block forward
+    # sequences per block forward. Not part of the resume settings (a run killed for memory
+    # resumes with a smaller one): results differ between batch sizes by float rounding only
+    # (per-batch fp32 X^T X products); each block's JSON records it, the manifest every size.
+    batch_size: int = 8
     awq_samples: int = 16  # sequences used by AWQ's scale search (block-output loss)
     # GPTQ group params: True = up front from the original weights, False = when GPTQ enters
     # the group (on error-updated columns), None = static with act-order, dynamic without
@@ -243,7 +246,7 @@ class CalibrateSpec:
     def resume_settings(self) -> dict[str, str]:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
-                if k not in ("out", "force", "max_memory", "device")}
+                if k not in ("out", "force", "max_memory", "device", "batch_size")}
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
@@ -769,7 +772,7 @@ def _calibrate_block(run: _Run, block, i: int, family: Family, model_type: str,
                if algo.quantized_forward else work.fp_out}  # 4d
     save_block(run.work, i, results, step.fp_changed, {  # 4e (the caller saves nxt)
         "seconds": time.perf_counter() - tb, "awq": step.info, "damp_raises": raises,
-        "device": spec.device, **expert_info,
+        "device": spec.device, "batch_size": spec.batch_size, **expert_info,
     })
     return nxt
 
@@ -963,11 +966,14 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
     # after a resume, this process saw only some blocks: the block files are the record
     fallbacks, total_raises, expert_fallbacks, group_sizes = {}, 0, {}, {}
     devices: dict[str, int] = {}  # device -> blocks calibrated there (a resume may switch)
+    batch_sizes: dict[int, int] = {}  # batch size -> blocks (a resume may switch)
     for j in range(inputs.num_blocks):
         info = json.loads(block_file(run.work, j, "json").read_text())
         total_raises += int(info.get("damp_raises", 0))
         device = info.get("device", "cpu")  # blocks written before --device ran on the CPU
         devices[device] = devices.get(device, 0) + 1
+        size = int(info.get("batch_size", spec.batch_size))  # blocks written before it counted
+        batch_sizes[size] = batch_sizes.get(size, 0) + 1
         expert_fallbacks.update(info.get("expert_fallbacks", {}))
         for name, layer in info["layers"].items():
             gs = group_sizes[name] = layer["w4"]["spec"]["group_size"]
@@ -993,6 +999,7 @@ def _finish(run: _Run, inputs: _Inputs, data_summary: dict, seconds: float,
         group_size_fallbacks=fallbacks,  # only where an explicit --group-size did not divide
         damp_raises=total_raises,
         devices=devices,
+        batch_sizes={str(k): v for k, v in sorted(batch_sizes.items())},
         **({"expert_fallbacks": expert_fallbacks,
             "min_expert_tokens": spec.min_expert_tokens}
            if family_for(inputs.model_type).moe else {}),

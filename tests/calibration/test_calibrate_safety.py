@@ -200,6 +200,21 @@ def test_resume_with_relative_paths_and_a_clear_refusal(fp16_dir, prompt_file, t
     assert res.resumed_from == 1
 
 
+def test_resume_with_a_smaller_batch_size_is_recorded(fp16_dir, prompt_file, tmp_path,
+                                                     monkeypatch):
+    # a run killed for memory is resumed with a smaller --batch-size: kept, and recorded
+    orig = _kill_after_block_0(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(prompt_file), **KW))
+    monkeypatch.setattr(p, "_save_progress", orig)
+    res = calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(prompt_file),
+                                  **{**KW, "batch_size": 2}))
+    assert res.resumed_from == 1
+    manifest = read_manifest(tmp_path / "calib", "calibration")
+    blocks = manifest["num_blocks"]
+    assert manifest["batch_sizes"] == {"2": blocks - 1, "4": 1}
+
+
 def test_calibrate_refuses_a_byte_flipped_fp16_folder(fp16_dir, prompt_file, tmp_path):
     bad = _copy(fp16_dir, tmp_path / "fp16")
     shard = read_manifest(bad, "fp16")["shards"][0]["file"]
