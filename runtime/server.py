@@ -113,6 +113,7 @@ class ServeSpec:
     max_request_bytes: int = DEFAULTS.max_request_bytes  # RequestLimits.max_request_bytes
     max_prompt_chars: int = DEFAULTS.max_prompt_chars  # RequestLimits.max_prompt_chars
     request_timeout: float = DEFAULTS.request_timeout  # RequestLimits.request_timeout
+    verify: bool = True  # False (--no-verify): skip a quantized folder's hashes and values
 
     def __post_init__(self) -> None:
         # Everything here is cheap and runs before the model loads (minutes for a big one).
@@ -761,7 +762,8 @@ def serve(spec: ServeSpec) -> None:
     _check_listen(spec.host, spec.port)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {spec.device}: no CUDA device is visible; use --device cpu")
-    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype)
+    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype,
+                                        verify=spec.verify)
     engine = LLMEngine(model, tok, spec.engine_config())
     app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits())
     uvicorn.run(app, host=spec.host, port=spec.port, log_level="warning")
