@@ -50,6 +50,13 @@ def _candidates(folder: Path) -> list[Path]:
     return [folder / STAMP_NAME, _cache_path(folder)]
 
 
+def file_keys(folder: Path, files: Iterable[str]) -> dict[str, list[int]] | None:
+    """``{name: file_key}`` of ``files`` (relative to ``folder``); None if one is missing.
+    Taken before a check and passed to :func:`write_stamp`, so that a file written while it
+    was being hashed is not stamped."""
+    return _keys(folder, files)
+
+
 def _keys(folder: Path, files: Iterable[str]) -> dict[str, list[int]] | None:
     try:
         return {f: file_key(folder / f) for f in sorted(set(files))}
@@ -76,12 +83,16 @@ def stamp_matches(folder: str | os.PathLike, files: Iterable[str]) -> bool:
     return False
 
 
-def write_stamp(folder: str | os.PathLike, files: Iterable[str]) -> Path | None:
-    """Record that ``files`` of ``folder`` passed a full check; returns where the stamp went,
-    or None when neither the folder nor the cache is writable (loading then hashes again)."""
+def write_stamp(folder: str | os.PathLike, files: Iterable[str],
+                before: dict[str, list[int]] | None) -> Path | None:
+    """Record that ``files`` of ``folder`` passed a full check that started when they had the
+    keys ``before`` (:func:`file_keys`); returns where the stamp went, or None when a file
+    changed during the check or neither the folder nor the cache is writable (the next load
+    then checks again)."""
     folder = Path(folder)
     keys = _keys(folder, files)
-    if keys is None:
+    if keys is None or keys != before:
+        log.info("%s changed while it was checked: not stamped", folder)
         return None
     stamp = {"format": STAMP_FORMAT, "checks_version": CHECKS_VERSION,
              "folder": str(folder.resolve()), "files": keys}

@@ -143,3 +143,17 @@ def test_generate_refuses_absurd_fp16_config(tiny_llama_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_hidden_layers is 100000"):
         load_model_for_serving(folder)
+
+
+def test_file_written_during_the_check_is_not_stamped(qdir, monkeypatch):
+    from quantpipe.core.formats import verify
+
+    real = verify._hash_with_progress
+
+    def hash_then_touch(folder, entries, problems):
+        real(folder, entries, problems)
+        os.utime(_shard(folder))  # a write landing after the bytes were hashed
+
+    monkeypatch.setattr(verify, "_hash_with_progress", hash_then_touch)
+    assert load_quantized(qdir).report.checked == "full"
+    assert not (qdir / STAMP_NAME).exists()

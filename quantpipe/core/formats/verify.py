@@ -51,7 +51,7 @@ from quantpipe.core.io import (
     verify_shard_hashes,
 )
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
-from quantpipe.core.verified import stamp_matches, write_stamp
+from quantpipe.core.verified import file_keys, stamp_matches, write_stamp
 
 MAX_LISTED = 40  # problems listed in the error message (the count is always exact)
 HASH_MODES = ("full", "stamp", "skip")  # see the module docstring
@@ -327,11 +327,12 @@ def inspect_checkpoint(folder: str | Path, hashes: str = "stamp") -> Inspection:
     files = _safetensors_files(folder, problems)
     checked = _checked_files(folder, files, manifest)
     deep = hashes == "full" or (hashes == "stamp" and not stamp_matches(folder, checked))
+    before = file_keys(folder, checked) if deep and hashes != "skip" else None
     unchecked = (_check_manifest(folder, fmt, manifest, deep, problems)
                  if manifest is not None else [])
-    before = len(problems)
+    n_before = len(problems)
     tensors, where, meta = _read_tensors(folder, files, problems)
-    if len(problems) > before:
+    if len(problems) > n_before:
         # an unreadable shard's tensors would each be reported missing: say it once instead
         problems.append("per-layer checks skipped until the unreadable shard(s) above are "
                         "replaced (re-export or re-download them)")
@@ -356,7 +357,9 @@ def inspect_checkpoint(folder: str | Path, hashes: str = "stamp") -> Inspection:
 
     assert fmt is not None  # an unknown format or an unreadable shard is a problem above
     if deep and hashes != "skip":
-        write_stamp(folder, checked)  # a full check passed: the next load need not repeat it
+        # a full check passed: the next load need not repeat it (unless a file changed since
+        # the check began: then it is not stamped)
+        write_stamp(folder, checked, before)
     fp_tensors = tensors.without({t for lay in good for t in lay.expected})
     specs: dict[str, int] = {}
     for s in plan.values():
