@@ -102,6 +102,7 @@ from quantpipe.calibration.prompts import SHIPPED_SETS
 from quantpipe.calibration.result import QuantResult
 from quantpipe.calibration.rtn import rtn
 from quantpipe.calibration.stream import ModelStream
+from quantpipe.core.config_check import check_folder_config
 from quantpipe.core.families import (
     ONE_PLUS_NORM_FAMILIES,
     Family,
@@ -384,6 +385,7 @@ def _check_inputs(spec: CalibrateSpec) -> _Inputs:
                          "(an expert's routed tokens differ between the FP and the quantized "
                          "model, so its inputs cannot be paired); use --algo gptq")
     verify_shard_hashes(spec.fp16_dir, manifest["shards"])  # reads every byte: logged at -v
+    check_folder_config(spec.fp16_dir)  # an absurd config.json size would be built first
     in_features, num_blocks = _linear_in_features(spec.fp16_dir, manifest, family)
     for name, in_f in in_features.items():
         layer_group_size(spec, name, in_f)

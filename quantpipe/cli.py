@@ -44,6 +44,9 @@ _OS_ERRORS = {
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 _OUTPUT_PARAMS = ("out", "json_out")  # command parameters naming what a command writes
 _MAX_FILES_PROBED = 200  # corrupt-file search: files re-read at most
+_NO_VERIFY_HELP = ("Quantized folder: skip the sha256 of its files and the check of every "
+                   "layer's values (shapes and config sizes are still checked). Without it they "
+                   "run once and are remembered while the files are unchanged.")
 # an errno inside a safetensors error: "... (os error 28)" or "Os { code: 28, ... }"
 _OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)|code: (\d+)")
 
@@ -426,13 +429,16 @@ def eval_cmd(reference, candidate, text_file, prompts, max_tokens, ctx, json_out
 def verify_cmd(qdir):
     """Check a quantized folder (native, GPTQ or compressed-tensors) before loading it.
 
-    Verifies manifest hashes (quantpipe folders), every tensor's presence, shape and dtype,
-    finite positive scales, zero points and group sizes. Exit code 1 lists every problem.
+    Hashes every file the manifest lists (shards, config.json, tokenizer files; quantpipe
+    folders), checks every tensor's presence, shape and dtype, config.json's sizes against
+    them, finite positive scales, zero points and group sizes, and loads the tokenizer. Always
+    reads every byte (loading skips that for files unchanged since they last passed). Exit
+    code 1 lists every problem.
     """
     from quantpipe.core.formats.verify import verify_checkpoint
 
     try:
-        report = verify_checkpoint(qdir)
+        report = verify_checkpoint(qdir, "full")
     except ValueError as exc:
         _fail(exc)  # prints every problem, exit code 1
     click.echo(report.summary())
@@ -486,13 +492,14 @@ def verify_cmd(qdir):
 @click.option("--api-key", envvar="QUANTPIPE_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
                    "otherwise). Prefer the environment variable: arguments show in `ps`.")
+@click.option("--no-verify", is_flag=True, help=_NO_VERIFY_HELP)
 @click.option("--allowed-host", "allowed_hosts", multiple=True,
               help="Answer only requests whose Host header is this name (repeat it; "
                    "'*.example.com' matches subdomains); others get 400. Default: any.")
 def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, block_size,
               max_num_batched_tokens, no_prefix_caching, device, head_dtype, kv_dtype,
               max_request_bytes, max_prompt_chars, request_timeout, header_timeout,
-              max_connections, api_key, allowed_hosts):
+              max_connections, api_key, allowed_hosts, no_verify):
     """Serve MODEL_DIR (FP16 or quantized folder) with an OpenAI-compatible API."""
     from quantpipe.core.io import parse_size
     from quantpipe.runtime.server import ServeSpec, serve
@@ -509,6 +516,7 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
             max_prompt_chars=max_prompt_chars, request_timeout=request_timeout,
             header_timeout=header_timeout, max_connections=max_connections, api_key=api_key,
             allowed_hosts=tuple(allowed_hosts),
+            verify=not no_verify,
         )
         # printed once the socket listens: every check and the model load have passed
         serve(spec, on_listening=lambda url: click.echo(f"serving {model_dir} on {url}",
@@ -607,14 +615,16 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
               help="Generate all --max-new-tokens even past EOS (benchmarks).")
 @click.option("--min-new-tokens", default=0, show_default=True, type=int,
               help="EOS does not end generation before this many new tokens.")
+@click.option("--no-verify", is_flag=True, help=_NO_VERIFY_HELP)
 def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ignore_eos,
-                 min_new_tokens):
+                 min_new_tokens, no_verify):
     """Greedy-generate from an FP16 or quantized MODEL_DIR; text on stdout, timings on stderr."""
     from quantpipe.runtime.generate import GenerateSpec, run_generate
 
     try:
         res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device,
-                                        head_dtype, ignore_eos, min_new_tokens))
+                                        head_dtype, ignore_eos, min_new_tokens,
+                                        verify=not no_verify))
     except ValueError as exc:
         _fail(exc)
     click.echo(res.text)

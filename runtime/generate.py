@@ -34,6 +34,7 @@ class GenerateSpec:
     head_dtype: str = DEFAULTS.generate_head_dtype  # runtime.fp_head mode on CPU (M = 1)
     ignore_eos: bool = False  # generate max_new_tokens even past EOS (benchmarks)
     min_new_tokens: int = 0  # EOS does not stop generation before this many new tokens
+    verify: bool = True  # False: skip a quantized folder's hashes and value checks
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -170,7 +171,8 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
             raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
         torch.cuda.reset_peak_memory_stats()
     folder = Path(spec.model_dir)
-    model, tokenizer = load_model_for_serving(folder, spec.device, head_dtype=spec.head_dtype)
+    model, tokenizer = load_model_for_serving(folder, spec.device, head_dtype=spec.head_dtype,
+                                              verify=spec.verify)
     ids = prompt_ids(tokenizer, spec.prompt, spec.chat)
     if model.config.model_type in FAMILIES:
         path = "engine"

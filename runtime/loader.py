@@ -133,15 +133,17 @@ def _untied_input_table(config: dict, family: Family | None) -> str | None:
     return f"{family.decoder}.embed_tokens.weight"  # the engine's decoder.embed_tokens
 
 
-def read_packed(qdir: str | Path) -> PackedCheckpoint:
+def read_packed(qdir: str | Path, verify: bool = True) -> PackedCheckpoint:
     """Any quantized folder (native, GPTQ, compressed-tensors) as the runtime's packed inputs.
 
     ``quantpipe.core.formats.loader.load_quantized`` verifies the folder first (manifest and shard
     hashes, tensor shapes and dtypes, finite positive scales, zeros in range) and unpacks it
     to quantpipe's convention; :meth:`PackedCheckpoint.packed_layers` then packs each layer in
-    the native layout the kernels take, as it is needed.
+    the native layout the kernels take, as it is needed. ``verify=False`` (``--no-verify``)
+    skips the hashes and value checks (headers, shapes and config sizes are still checked);
+    otherwise a verified stamp skips them for files unchanged since they last passed.
     """
-    ckpt = load_quantized(qdir)
+    ckpt = load_quantized(qdir, "stamp" if verify else "skip")
     return PackedCheckpoint(ckpt.model_config(), ckpt)
 
 
@@ -153,7 +155,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
                          dtype: torch.dtype | None = None, backend: str | None = None,
-                         keep_fp16_embeddings: bool = False, map_embeddings: bool = True):
+                         keep_fp16_embeddings: bool = False, map_embeddings: bool = True,
+                         verify: bool = True):
     """A transformers causal LM running from the packed weights of ``qdir`` (eval mode).
 
     ``keep_fp16_embeddings``: an fp16 embedding table and head stay fp16 (for
@@ -162,13 +165,13 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     that is not tied to the head is not read into memory but viewed through a read-only
     memory map of its shard, so only the rows the prompts and generated tokens look up become
     resident (the same fp16 values: the same logits). A tied table, the CUDA path and
-    non-fp16 tables load as before."""
+    non-fp16 tables load as before. ``verify``: see :func:`read_packed`."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch.cuda.is_available() is False; "
                          "use --device cpu")
     dtype = dtype or default_dtype(device)
-    ckpt = read_packed(qdir)
+    ckpt = read_packed(qdir, verify)
     # each QuantLinear is built (repacked on device) as build_causal_lm asks for the next one
     quant_linears = _quant_linears(ckpt, device, backend, dtype)
     family = FAMILIES.get(ckpt.config.get("model_type"))

@@ -136,6 +136,7 @@ class ServeSpec:
     # every endpoint but /health needs "Authorization: Bearer <api_key>"; None: no key
     api_key: str | None = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] = ()  # Host header values served ("*.x.com" ok); () -> any
+    verify: bool = True  # False (--no-verify): skip a quantized folder's hashes and values
 
     def __post_init__(self) -> None:
         # Everything here is cheap and runs before the model loads (minutes for a big one).
@@ -916,7 +917,8 @@ def serve(spec: ServeSpec, on_listening: Callable[[str], None] | None = None) ->
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {spec.device}: no CUDA device is visible; use --device cpu")
     fd_limit, _ = raise_fd_limit()
-    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype)
+    model, tok = load_model_for_serving(spec.model_dir, spec.device, head_dtype=spec.head_dtype,
+                                        verify=spec.verify)
     engine = LLMEngine(model, tok, spec.engine_config())
     app = build_app(engine, Path(spec.model_dir).name, spec.max_queue, spec.request_limits(),
                     spec.api_key, spec.allowed_hosts)

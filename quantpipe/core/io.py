@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -51,11 +51,15 @@ class OutputLockedError(ValueError):
     """Another process holds the output lock of the folder."""
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22,
+                progress: Callable[[int], object] | None = None) -> str:
+    """Hex sha256 of a file; ``progress(n)`` is called with each chunk's byte count."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+            if progress is not None:
+                progress(len(block))
     return h.hexdigest()
 
 
@@ -589,6 +593,7 @@ class LazyTensors(Mapping):
 
 # safetensors header dtype -> torch dtype (the inverse of _ST_DTYPES)
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+ST_TORCH_DTYPES = _ST_TORCH  # public: the verifier reads dtypes from headers
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
@@ -746,13 +751,14 @@ def read_manifest(folder: str | os.PathLike, expect_stage: str | None = None) ->
 
 
 def verify_shard_hashes(
-    folder: str | os.PathLike, shards: list[dict], recorded_by: str | None = None
+    folder: str | os.PathLike, shards: list[dict], recorded_by: str | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Raise ValueError naming the first shard whose size or sha256 differs from ``shards``.
 
     ``shards``: entries ``{"file", "sha256"[, "bytes"]}`` from the folder's manifest, or the
     hashes another stage recorded (``recorded_by`` names it in the error). Hashing reads every
-    byte (I/O-bound); the time is logged at info level.
+    byte (I/O-bound); the time is logged at info level. ``progress``: see :func:`sha256_file`.
     """
     folder = Path(folder)
     t0 = time.perf_counter()
@@ -767,7 +773,7 @@ def verify_shard_hashes(
                 f"{path}: {size} bytes, {recorded_by or 'manifest'} says {entry['bytes']} "
                 "(truncated or replaced file)"
             )
-        digest = sha256_file(path)
+        digest = sha256_file(path, progress=progress)
         if digest != entry["sha256"] and recorded_by is None:
             raise ValueError(
                 f"{path}: sha256 {digest[:16]}... does not match the manifest's "

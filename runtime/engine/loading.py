@@ -7,18 +7,21 @@ from pathlib import Path
 
 import torch
 
+from quantpipe.core.config_check import check_folder_config
 from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.engine.model_runner import stack_projections
 from quantpipe.runtime.fp_head import set_half_head
 
 
 def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
-                           dtype: torch.dtype | None = None, head_dtype: str = "fp32"):
+                           dtype: torch.dtype | None = None, head_dtype: str = "fp32",
+                           verify: bool = True):
     """(model, tokenizer) from an FP16 export or a quantpipe quantized folder.
 
     ``head_dtype``: precision of the embedding table and output head on CPU
     (``runtime.fp_head``; fp32 = the model's dtype, unchanged). On CUDA the whole model already
-    runs in fp16 and ``head_dtype`` is ignored.
+    runs in fp16 and ``head_dtype`` is ignored. ``verify=False``: a quantized folder's
+    hashes and values are not checked (``runtime.loader.read_packed``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,7 +45,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
         # a half head on CPU reads the checkpoint's fp16 table as it is: loading it as fp32
         # first would double the largest tensors at the peak
         model = load_quantized_model(folder, device, dtype, keep_fp16_embeddings=(
-            device == "cpu" and head_dtype != "fp32"))
+            device == "cpu" and head_dtype != "fp32"), verify=verify)
         if device == "cpu":
             # the engine's stacked q/k/v and gate/up, made now: before the head is made, a
             # part's copy is not on top of the whole model
@@ -51,6 +54,7 @@ def load_model_for_serving(model_dir: str | Path, device: str = "cpu",
         raise ValueError(f"{folder} uses quant_method {qcfg.get('quant_method')!r}; the engine "
                          "serves FP16 folders and quantpipe-native quantized folders")
     else:
+        check_folder_config(folder)  # an absurd size would be built for minutes first
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False
         ).to(device)

@@ -17,9 +17,14 @@ them off (torch's kernels only).
 torch compiles a source with the machine's C++ compiler and ninja
 (``torch.utils.cpp_extension.load``) into ``<root>/quantpipe/<name>``, root being
 ``$TORCH_EXTENSIONS_DIR`` or torch's default (``~/.cache/torch_extensions``); the library name
-carries a hash of the sources, the torch version and the build flags, so an edited source or
-another torch builds afresh and a stale build is never loaded. A build takes 15-30 s (logged as
-a warning, so the pause of a first run is explained); later processes load it in milliseconds.
+carries a hash of the sources, the build flags, the torch version and install and the Python
+interpreter (``sys.prefix``, executable, version), so an edited source or another torch builds
+afresh, a stale build is never loaded, and two virtualenvs sharing the root each keep their
+own build (one folder would be rebuilt by each in turn: torch's build file names the
+interpreter's include paths, so ninja sees a changed command). A build takes 15-30 s and is
+announced on every path that builds, as a warning (shown by default): before it starts when
+the library is missing, and after a few seconds when torch's own cache turned out stale and ninja
+is rebuilding; later processes load it in milliseconds.
 
 When no build can be used -- an unsuitable CPU, no compiler, or ``QUANTPIPE_CPU_KERNELS=torch``
 -- :func:`kernel_status` says why and the CPU path keeps torch's kernels (``kernels/cpu.py``);
@@ -33,6 +38,8 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +54,9 @@ CSRC = Path(__file__).parent / "csrc"
 ENV = "QUANTPIPE_CPU_KERNELS"
 ISA_ENV = "QUANTPIPE_CPU_ISA"  # "avx2" / "avx512" force a build; unset or "auto": the best
 BUILD_FLAGS_VERSION = "3"  # bump when the compiler flags below change (a new library name)
+# a load that has not returned after this many seconds is compiling (a cached one takes well
+# under a second, ninja's no-op check included, even on a busy host)
+STALE_BUILD_NOTICE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -95,11 +105,17 @@ def cpu_can_run(isa: str) -> bool:
             and set(ISAS[isa].cpu_flags) <= flags)
 
 
+def interpreter_key() -> str:
+    """What makes a build belong to this Python and this torch (module docstring)."""
+    return "\n".join((sys.prefix, os.path.realpath(sys.executable), sys.version,
+                      torch.__version__, str(Path(torch.__file__).resolve().parent)))
+
+
 def library_name(isa: str) -> str:
     b = ISAS[isa]
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # common.h, simd.h
     digest = hashlib.sha256((CSRC / b.source).read_bytes() + headers
-                            + torch.__version__.encode() + BUILD_FLAGS_VERSION.encode()
+                            + interpreter_key().encode() + BUILD_FLAGS_VERSION.encode()
                             + " ".join(b.cflags).encode()).hexdigest()
     return f"quantpipe_cpu_{isa}_{digest[:12]}"
 
@@ -119,12 +135,19 @@ def build_status(isa: str) -> tuple[bool, str]:
     name = library_name(isa)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = Path(root) / "quantpipe" / name
-    if not (build_dir / f"{name}.so").is_file():
-        log.warning("compiling quantpipe's %s CPU kernels for this machine (once, ~30 s) in %s",
-                    b.label, build_dir)
+    notice = f"compiling quantpipe's {b.label} CPU kernels (once, ~30 s) in {build_dir}"
+    announced = not (build_dir / f"{name}.so").is_file()
+    if announced:
+        log.warning("%s", notice)
+    # a library on disk that torch still rebuilds (its cache is stale) is announced late
+    late = threading.Timer(STALE_BUILD_NOTICE_S, log.warning, ("%s (the cached build is stale)",
+                                                               notice))
+    late.daemon = True
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
+        if not announced:
+            late.start()
         # -fopenmp: at::parallel_for is inline OpenMP code; without it the kernels run on one
         # thread. The OpenMP runtime is the one torch already loaded (same libgomp.so.1).
         cpp_extension.load(name=name, sources=[str(CSRC / b.source)],
@@ -136,6 +159,8 @@ def build_status(isa: str) -> tuple[bool, str]:
         log.warning("quantpipe's %s CPU kernels could not be built (%s); using torch's kernels "
                     "instead", b.label, first)
         return False, f"building quantpipe's {b.label} CPU kernels failed: {first}"
+    finally:
+        late.cancel()
     log.info("quantpipe CPU kernels %s ready in %.1f s", name, time.perf_counter() - start)
     if not getattr(torch.ops, b.namespace).supported():
         return False, f"the CPU lacks {b.label} (quantpipe's {isa} kernels need it)"

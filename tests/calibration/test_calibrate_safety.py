@@ -224,6 +224,18 @@ def test_calibrate_refuses_a_byte_flipped_fp16_folder(fp16_dir, prompt_file, tmp
     assert not (tmp_path / "calib").exists() and not work_dir(tmp_path / "calib").exists()
 
 
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 100000), ("hidden_size", 0)])
+def test_calibrate_refuses_an_absurd_config_before_building(fp16_dir, prompt_file, tmp_path,
+                                                            field, value):
+    bad = _copy(fp16_dir, tmp_path / "fp16")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg[field] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config.json: .*{field} is {value}"):
+        calibrate(CalibrateSpec(bad, tmp_path / "calib", str(prompt_file), **KW))
+    assert not (tmp_path / "calib").exists() and not work_dir(tmp_path / "calib").exists()
+
+
 def test_export_refuses_fp16_changed_since_calibration(fp16_dir, prompt_file, tmp_path):
     fp16 = _copy(fp16_dir, tmp_path / "fp16")
     calib = calibrate(CalibrateSpec(fp16, tmp_path / "calib", str(prompt_file), **KW)).out

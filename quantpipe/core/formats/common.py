@@ -26,6 +26,7 @@ from quantpipe.core.io import (
     Overlay,
     atomic_output_dir,
     read_manifest,
+    sha256_file,
     tensor_shape,
     verify_shard_hashes,
     write_json_atomic,
@@ -181,6 +182,15 @@ def copy_side_files(src: str | Path, dst: str | Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+def side_file_hashes(folder: Path, names: list[str]) -> list[dict]:
+    """``{"file", "sha256", "bytes"}`` of ``names`` and of the :data:`SIDE_FILES` present: the
+    manifest's ``files``, which ``verify`` checks like the shards (a corrupt config.json or
+    tokenizer is caught before a model is built from it)."""
+    present = [*names, *(n for n in SIDE_FILES if (folder / n).is_file())]
+    return [{"file": n, "sha256": sha256_file(folder / n), "bytes": (folder / n).stat().st_size}
+            for n in dict.fromkeys(present)]
+
+
 # ---- what the writers share ---------------------------------------------------------------
 
 
@@ -264,6 +274,7 @@ def write_quantized_folder(
             stage="quantized",
             checkpoint_format=checkpoint_format,
             shards=shards,
+            files=side_file_hashes(tmp, ["config.json", *(extra_json or {})]),
             **manifest_fields,
             **job.manifest_fields,
         )

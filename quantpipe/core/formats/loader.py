@@ -55,9 +55,12 @@ class QuantizedCheckpoint:
         return dict(self.dequantized_tensors(dtype))
 
 
-def load_quantized(folder: str | Path) -> QuantizedCheckpoint:
-    """Verify then unpack a quantized folder; ValueError listing every problem otherwise."""
-    ins = inspect_checkpoint(folder)
+def load_quantized(folder: str | Path, hashes: str = "stamp") -> QuantizedCheckpoint:
+    """Verify then unpack a quantized folder; ValueError listing every problem otherwise.
+
+    ``hashes``: how much is re-read (:data:`quantpipe.core.formats.verify.HASH_MODES`): by
+    default every byte unless a verified stamp shows that these unchanged files passed."""
+    ins = inspect_checkpoint(folder, hashes)
     return QuantizedCheckpoint(
         folder=Path(folder),
         checkpoint_format=ins.report.checkpoint_format,

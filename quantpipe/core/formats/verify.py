@@ -7,31 +7,56 @@ stored layers, the checks are the same for every format. All are collected befor
 
 1. quantpipe folders (``quantpipe.json`` present): manifest readable, stage ``quantized``, every
    shard's size and sha256 (:func:`quantpipe.core.io.verify_shard_hashes`), no unlisted shards,
-   manifest ``checkpoint_format`` and per-layer plan equal to what config.json describes.
+   the size and sha256 of config.json and the tokenizer / generation files (manifests written
+   before those were recorded: the report says they could not be checked), manifest
+   ``checkpoint_format`` and per-layer plan equal to what config.json describes.
    Folders made by other tools (no manifest) skip these and get the checks below.
 2. every safetensors file parses; every quantized layer of the plan has all its tensors with
    the shape and dtype the format and the layer's spec require, and no stray ``.weight``;
 3. group size divides ``in_features``; scales finite and > 0; zero points in ``[0, 2**bits-1]``
    (symmetric layers: exactly ``2**(bits-1)``); ``g_idx`` in ``[0, G)`` and sequential unless
    the layer uses act-order.
+4. config.json's sizes agree with the tensors' shapes read from the safetensors headers
+   (:func:`quantpipe.core.config_check.config_problems`): an absurd ``num_hidden_layers`` or
+   ``hidden_size`` is refused before any model is built.
+
+How much is re-read (``hashes``): ``"full"`` (``quantpipe verify``) hashes every byte and
+checks every layer's values; ``"stamp"`` (loading: generate, serve, eval) does the same unless
+a verified stamp (:mod:`quantpipe.core.verified`) shows that a full check of these exact files
+passed before, and writes one after a full check passes; ``"skip"`` (``--no-verify``) checks
+only what the headers say (presence, shapes, dtypes, config sizes). Steps 2 (presence, shapes,
+dtypes) and 4 always run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
+from quantpipe.core.config_check import config_problems
 from quantpipe.core.formats.base import CheckpointFormat, StoredLayer, UnpackedLayer
 from quantpipe.core.formats.registry import FORMAT_OF_METHOD, layer_bits
-from quantpipe.core.io import MANIFEST_NAME, LazyTensors, read_manifest, verify_shard_hashes
+from quantpipe.core.io import (
+    MANIFEST_NAME,
+    ST_TORCH_DTYPES,
+    LazyTensors,
+    read_manifest,
+    verify_shard_hashes,
+)
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
+from quantpipe.core.verified import file_keys, stamp_matches, write_stamp
 
 MAX_LISTED = 40  # problems listed in the error message (the count is always exact)
+HASH_MODES = ("full", "stamp", "skip")  # see the module docstring
+# tokenizer files whose presence means the folder carries a tokenizer (verify loads it)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -52,6 +77,11 @@ class VerifyReport:
     # folder without a quantpipe plan)
     kept_fp16_weights: int = 0
     kept_fp16_bits: int = 0
+    # "full": every byte hashed and every layer's values checked now; "stamp": a full check of
+    # these unchanged files passed before (quantpipe.core.verified); "headers": --no-verify
+    checked: str = "full"
+    unchecked: tuple[str, ...] = ()  # what could not be checked (e.g. files an old manifest
+    # does not hash), said in the summary
 
     @property
     def bits_per_weight(self) -> float:
@@ -70,6 +100,7 @@ class VerifyReport:
             f"{'the calibrated' if self.kept_fp16_weights else 'the quantized'} linears; "
             + ("manifest and sha256 verified" if self.hashes_checked
                else "no quantpipe.json (made by another tool): hashes not checked")
+            + "".join(f"; {note}" for note in self.unchecked)
         )
 
 
@@ -86,9 +117,9 @@ class Inspection:
     problems: list[str] = field(default_factory=list)
 
 
-def verify_checkpoint(folder: str | Path) -> VerifyReport:
+def verify_checkpoint(folder: str | Path, hashes: str = "full") -> VerifyReport:
     """Check a quantized folder; ValueError listing every problem found (see module doc)."""
-    return inspect_checkpoint(folder).report
+    return inspect_checkpoint(folder, hashes).report
 
 
 # ---- reading ------------------------------------------------------------------------------
@@ -112,19 +143,27 @@ def _safetensors_files(folder: Path, problems: list[str]) -> list[str]:
     return files
 
 
+# a tensor's (shape, dtype) as its file's header gives it (dtype None: unknown to torch)
+Meta = dict[str, tuple[tuple[int, ...], "torch.dtype | None"]]
+
+
 def _read_tensors(
     folder: Path, files: list[str], problems: list[str]
-) -> tuple[LazyTensors, dict[str, str]]:
-    """Parse every file's header (corrupt ones become problems); tensors are read lazily."""
+) -> tuple[LazyTensors, dict[str, str], Meta]:
+    """Parse every file's header (corrupt ones become problems); tensors are read lazily,
+    shapes and dtypes are taken from the headers here (no tensor data is read)."""
     where: dict[str, str] = {}
+    meta: Meta = {}
     for fname in files:
         try:
             with safe_open(str(folder / fname), framework="pt") as f:
                 for k in f.keys():
                     where[k] = fname
+                    sl = f.get_slice(k)
+                    meta[k] = (tuple(sl.get_shape()), ST_TORCH_DTYPES.get(sl.get_dtype()))
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             problems.append(f"{folder / fname}: not a readable safetensors file ({exc})")
-    return LazyTensors(folder, where), where
+    return LazyTensors(folder, where), where, meta
 
 
 class LazyLayers(Mapping):
@@ -146,30 +185,82 @@ class LazyLayers(Mapping):
         return len(self._layers)
 
 
-def _check_manifest(folder: Path, fmt: CheckpointFormat | None,
-                    problems: list[str]) -> dict | None:
+def _read_own_manifest(folder: Path, problems: list[str]) -> dict | None:
     if not (folder / MANIFEST_NAME).is_file():
         return None
     try:
-        manifest = read_manifest(folder, "quantized")
+        return read_manifest(folder, "quantized")
     except ValueError as exc:
         problems.append(str(exc))
         return None
+
+
+def _check_manifest(folder: Path, fmt: CheckpointFormat | None, manifest: dict, deep: bool,
+                    problems: list[str]) -> list[str]:
+    """Manifest checks; with ``deep`` every listed file is hashed. Returns what could not be
+    checked (said in the report)."""
     if fmt is not None and manifest.get("checkpoint_format") != fmt.name:
         problems.append(f"{folder / MANIFEST_NAME}: checkpoint_format "
                         f"{manifest.get('checkpoint_format')!r} but config.json describes "
                         f"{fmt.name!r}")
     shards = manifest.get("shards") or []
-    for entry in shards:
-        try:
-            verify_shard_hashes(folder, [entry])
-        except ValueError as exc:
-            problems.append(str(exc))
+    # config.json and the tokenizer / generation files (absent from older manifests)
+    files = manifest.get("files")
+    entries = [*shards, *(files or [])]
+    if deep:
+        _hash_with_progress(folder, entries, problems)
+    else:  # sizes only: a stat per file
+        for entry in entries:
+            path = folder / entry["file"]
+            if not path.is_file() or ("bytes" in entry
+                                      and path.stat().st_size != entry["bytes"]):
+                _hash_with_progress(folder, [entry], problems)  # says what is wrong with it
     listed = {e["file"] for e in shards}
     for p in sorted(folder.glob("*.safetensors")):
         if p.name not in listed:
             problems.append(f"{p}: not listed in {MANIFEST_NAME} (stray or renamed shard)")
-    return manifest
+    if files is None:
+        return [f"config.json and tokenizer files not checked ({MANIFEST_NAME} predates their "
+                "hashes; re-export the folder to record them)"]
+    return []
+
+
+def _hash_with_progress(folder: Path, entries: list[dict], problems: list[str]) -> None:
+    """sha256 of every entry's file against the manifest, a progress bar after a second."""
+    total = sum((folder / e["file"]).stat().st_size for e in entries
+                if (folder / e["file"]).is_file())
+    with tqdm(total=total, desc=f"sha256 {folder.name}", unit="B", unit_scale=True,
+              delay=1.0, leave=False) as bar:
+        for entry in entries:
+            try:
+                verify_shard_hashes(folder, [entry], progress=bar.update)
+            except ValueError as exc:
+                problems.append(str(exc))
+
+
+def _checked_files(folder: Path, files: list[str], manifest: dict | None) -> list[str]:
+    """The files a full check reads: what a verified stamp keys."""
+    names = ["config.json", *files]
+    for extra in (MANIFEST_NAME, "model.safetensors.index.json"):
+        if (folder / extra).is_file():
+            names.append(extra)
+    names += [e["file"] for e in (manifest or {}).get("files") or []]
+    return [n for n in names if (folder / n).is_file()]
+
+
+def _check_tokenizer(folder: Path, problems: list[str]) -> list[str]:
+    """Load the folder's tokenizer as generate and serve do (a corrupt file is a problem)."""
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return ["no tokenizer files (generate and serve need one beside the weights)"]
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as exc:  # tokenizers / transformers raise many types for a bad file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        problems.append(f"{folder}: the tokenizer does not load ({first}); copy the tokenizer "
+                        "files from the FP16 folder again")
+    return []
 
 
 # ---- per-layer checks ----------------------------------------------------------------------
@@ -224,43 +315,44 @@ def _quantized_weight(spec: QuantSpec, u: UnpackedLayer) -> QuantizedWeight:
 # ---- the whole check ------------------------------------------------------------------------
 
 
-def inspect_checkpoint(folder: str | Path) -> Inspection:
-    """Read and check a folder; ValueError listing every problem (nothing half-loaded)."""
+def inspect_checkpoint(folder: str | Path, hashes: str = "stamp") -> Inspection:
+    """Read and check a folder; ValueError listing every problem (nothing half-loaded).
+
+    ``hashes``: one of :data:`HASH_MODES` (module docstring)."""
+    if hashes not in HASH_MODES:
+        raise ValueError(f"hashes={hashes!r}: use one of {HASH_MODES}")
     folder = Path(folder)
     problems: list[str] = []
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder}: no config.json; pass the folder written by "
-                         "`quantpipe export` (or a GPTQ / compressed-tensors model folder)")
-    config = json.loads((folder / "config.json").read_text())
+    config = _read_config(folder)
     qcfg = config.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     fmt = FORMAT_OF_METHOD.get(method)  # None: not a format quantpipe reads
     if fmt is None:
         problems.append(f"{folder / 'config.json'}: quantization_config.quant_method={method!r}; "
                         f"quantpipe reads {sorted(FORMAT_OF_METHOD)}")
-    manifest = _check_manifest(folder, fmt, problems)
+    manifest = _read_own_manifest(folder, problems)
     files = _safetensors_files(folder, problems)
-    before = len(problems)
-    tensors, where = _read_tensors(folder, files, problems)
-    if len(problems) > before:
+    checked = _checked_files(folder, files, manifest)
+    deep = hashes == "full" or (hashes == "stamp" and not stamp_matches(folder, checked))
+    before = file_keys(folder, checked) if deep and hashes != "skip" else None
+    unchecked = (_check_manifest(folder, fmt, manifest, deep, problems)
+                 if manifest is not None else [])
+    n_before = len(problems)
+    tensors, where, meta = _read_tensors(folder, files, problems)
+    if len(problems) > n_before:
         # an unreadable shard's tensors would each be reported missing: say it once instead
         problems.append("per-layer checks skipped until the unreadable shard(s) above are "
                         "replaced (re-export or re-download them)")
         fmt = None
+    else:  # sizes in config.json against the headers' shapes, before any model is built
+        problems.extend(f"{folder / 'config.json'}: {p}"
+                        for p in config_problems(config, {k: m[0] for k, m in meta.items()}))
+    if hashes == "full":
+        unchecked += _check_tokenizer(folder, problems)
 
     plan, lays = fmt.read_layers(qcfg, tensors, problems) if fmt else ({}, [])
-    good: list[StoredLayer] = []
-    used: set[str] = set()
-    q_bytes = q_weights = 0
-    for lay in lays:  # one layer's tensors in memory at a time
-        u = _checked_layer(fmt, lay, tensors, where, qcfg, problems)
-        if u is None:
-            continue
-        good.append(lay)
-        used.update(lay.expected)
-        q_weights += u.q.numel()
-        q_bytes += sum(tensors.nbytes(t) for t in lay.expected)
-        del u
+    good, q_weights, q_bytes = _check_layers(fmt, lays, tensors, where, meta, qcfg, deep,
+                                             problems)
     if manifest is not None and fmt:  # no plan was read without a format
         _check_manifest_agrees(folder, fmt, manifest, plan, qcfg, problems)
     if problems:
@@ -271,7 +363,11 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
                          f"{listed}{more}")
 
     assert fmt is not None  # an unknown format or an unreadable shard is a problem above
-    fp_tensors = tensors.without(used)
+    if deep and hashes != "skip":
+        # a full check passed: the next load need not repeat it (unless a file changed since
+        # the check began: then it is not stamped)
+        write_stamp(folder, checked, before)
+    fp_tensors = tensors.without({t for lay in good for t in lay.expected})
     specs: dict[str, int] = {}
     for s in plan.values():
         specs[s.label()] = specs.get(s.label(), 0) + 1
@@ -283,6 +379,8 @@ def inspect_checkpoint(folder: str | Path) -> Inspection:
         total_bytes=sum((folder / f).stat().st_size for f in files),
         kept_fp16_weights=sum(o * i for o, i in kept),
         kept_fp16_bits=sum(layer_bits(None, shape, fmt.name) for shape in kept),
+        checked="full" if deep else ("stamp" if hashes == "stamp" else "headers"),
+        unchecked=tuple(unchecked),
     )
     return Inspection(report, config, manifest, plan, LazyLayers(fmt, good, tensors, qcfg),
                       fp_tensors)
@@ -295,26 +393,66 @@ def _kept_fp16_shapes(manifest: dict | None) -> list[tuple[int, int]]:
     return [tuple(v["shape"]) for v in layers.values() if v.get("bits") is None and "shape" in v]
 
 
-def _checked_layer(fmt: CheckpointFormat, lay: StoredLayer, tensors, where: dict, qcfg: dict,
-                   problems: list[str]):
-    """The layer's unpacked tensors, or None after appending what is wrong with it."""
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no config.json; pass the folder written by "
+                         "`quantpipe export` (or a GPTQ / compressed-tensors model folder)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); restore it from the FP16 folder or "
+                         "re-export") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a JSON object is expected; restore it or re-export")
+    return config
+
+
+def _check_layers(fmt: CheckpointFormat | None, lays: list[StoredLayer], tensors: LazyTensors,
+                  where: dict[str, str], meta: Meta, qcfg: dict, deep: bool,
+                  problems: list[str]
+                  ) -> tuple[list[StoredLayer], int, int]:
+    """(layers that passed, their out*in weights, their stored bytes); one layer's tensors
+    in memory at a time. Without ``deep``, only the headers are checked (weights count 0)."""
+    good: list[StoredLayer] = []
+    q_bytes = q_weights = 0
+    for lay in lays:
+        if not _shapes_ok(lay, meta, where, problems):
+            continue
+        if deep:
+            u = _checked_layer(fmt, lay, tensors, where, qcfg, problems)
+            if u is None:
+                continue
+            q_weights += u.q.numel()
+            del u
+        good.append(lay)
+        q_bytes += sum(math.prod(meta[t][0]) * meta[t][1].itemsize for t in lay.expected)
+    return good, q_weights, q_bytes
+
+
+def _shapes_ok(lay: StoredLayer, meta: Meta, where: dict, problems: list[str]) -> bool:
+    """Presence, shape and dtype of the layer's tensors, from the headers alone."""
     ok = True
     for tname, (shape, dtypes) in lay.expected.items():
-        t = tensors.get(tname)
-        if t is None:
+        got = meta.get(tname)
+        if got is None:
             problems.append(f"{lay.name}: missing tensor {tname} (expected "
                             f"{_dt(dtypes)} {list(shape)}, spec {lay.spec.label()})")
             ok = False
-        elif tuple(t.shape) != shape or t.dtype not in dtypes:
-            problems.append(f"{where[tname]}: {tname} is {str(t.dtype)[6:]} "
-                            f"{list(t.shape)}, expected {_dt(dtypes)} {list(shape)} "
+        elif got[0] != shape or got[1] not in dtypes:
+            problems.append(f"{where[tname]}: {tname} is {str(got[1])[6:]} "
+                            f"{list(got[0])}, expected {_dt(dtypes)} {list(shape)} "
                             f"(spec {lay.spec.label()})")
             ok = False
-    if f"{lay.name}.weight" in tensors:
+    if f"{lay.name}.weight" in meta:
         problems.append(f"{where[f'{lay.name}.weight']}: {lay.name}.weight present next to "
                         "its quantized tensors (a layer is either quantized or FP)")
-    if not ok:
-        return None
+    return ok
+
+
+def _checked_layer(fmt: CheckpointFormat, lay: StoredLayer, tensors, where: dict, qcfg: dict,
+                   problems: list[str]):
+    """The layer's unpacked tensors, or None after appending what is wrong with its values."""
     u = unpack_layer(fmt, lay, tensors, qcfg)
     in_f = u.q.shape[1]
     gs = lay.spec.group_size

@@ -16,7 +16,7 @@ from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 # manifest keys that belong to the folder being written, never copied from a converted source
 _OWN_KEYS = {"format", "version", "stage", "checkpoint_format", "native_format_version",
-             "gptq_checkpoint_format", "shards", "packages", "layers"}
+             "gptq_checkpoint_format", "shards", "files", "packages", "layers"}
 
 
 def write_checkpoint(
