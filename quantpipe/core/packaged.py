@@ -25,6 +25,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantpipe.core.io import sha256_file
+from quantpipe.core.verified import file_key
+
 log = logging.getLogger(__name__)
 
 MODELS_DIR_ENV = "QUANTPIPE_MODELS_DIR"
@@ -132,12 +135,6 @@ def chunk_files(model: PackagedModel) -> list[Path]:
     return files
 
 
-def _stat_key(path: Path) -> dict:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-            "ctime_ns": st.st_ctime_ns}
-
-
 def _stamp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.verified.json")
 
@@ -145,22 +142,14 @@ def _stamp_path(path: Path) -> Path:
 def _stamp_matches(path: Path, sha256: str) -> bool:
     try:
         stamp = json.loads(_stamp_path(path).read_text(encoding="utf-8"))
-        return stamp == {"sha256": sha256, **_stat_key(path)}
+        return stamp == {"sha256": sha256, "key": file_key(path)}
     except (OSError, ValueError):
         return False
 
 
 def _write_stamp(path: Path, sha256: str) -> None:
     with contextlib.suppress(OSError):  # a read-only folder: the file is re-hashed next time
-        _stamp_path(path).write_text(json.dumps({"sha256": sha256, **_stat_key(path)}))
-
-
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_COPY_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+        _stamp_path(path).write_text(json.dumps({"sha256": sha256, "key": file_key(path)}))
 
 
 def _assemble(model: PackagedModel, target: Path) -> None:
@@ -214,7 +203,7 @@ def gguf_path(model: PackagedModel) -> Path:
     if target.is_file():
         if _stamp_matches(target, model.sha256):
             return target
-        if target.stat().st_size == model.size and _hash_file(target) == model.sha256:
+        if target.stat().st_size == model.size and sha256_file(target) == model.sha256:
             _write_stamp(target, model.sha256)
             return target
         log.warning("%s does not match %s's sha256; assembling it again", target, model.name)

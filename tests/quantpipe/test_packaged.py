@@ -84,7 +84,7 @@ def test_an_untouched_file_is_not_hashed_again(tmp_path, monkeypatch):
     model, _ = _fake_model(tmp_path, monkeypatch, [[b"x" * 64], [b"y" * 64]])
     packaged.gguf_path(model)
     calls = []
-    monkeypatch.setattr(packaged, "_hash_file", lambda p: calls.append(p) or "")
+    monkeypatch.setattr(packaged, "sha256_file", lambda p: calls.append(p) or "")
     packaged.gguf_path(model)
     assert calls == []
 
