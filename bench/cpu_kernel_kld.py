@@ -37,7 +37,7 @@ EVAL = Path(__file__).resolve().parents[1] / "calibration" / "data" / "business_
 def prompt_ids(qdir: Path, n: int, tokens: int) -> list[torch.Tensor]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(qdir))
+    tok = AutoTokenizer.from_pretrained(str(qdir), trust_remote_code=False)
     rows = [json.loads(line) for line in EVAL.read_text(encoding="utf-8").splitlines()[:n]]
     return [tok(r["prompt"], return_tensors="pt").input_ids[:, :tokens] for r in rows]  # [1, T]
 

@@ -60,9 +60,10 @@ side by side), scales / zf as for int4avx512. int4avx512 is ``packed`` uint8
 ``scales_and_zeros`` bf16 [G, out, 2] (scale, zero point). int8pack takes int8 [out, in] and
 bf16 scales [out].
 
-The blob is undocumented; for ``out % 64 == 0`` torch 2.13 lays it out as ``[out / 64, in, 32]``
-bytes whose low nibble is row ``64 b + j`` and high nibble row ``64 b + 32 + j``
-(:func:`unpack_int4pack`). Repacking checks that reading on every layer (exact round trip) and
+The blob is undocumented; torch 2.13 lays it out in blocks of ``n`` output rows, ``n`` = 64
+with its AVX-512 kernels and 32 with its AVX2 ones: ``[out / n, in, n / 2]`` bytes whose low
+nibble is row ``n b + j`` and high nibble row ``n b + n / 2 + j`` (:func:`unpack_int4pack`).
+Repacking finds the block that reads the blob back exactly (round trip on every layer) and
 only then enables the prefill path, so another torch build with another layout just keeps
 int4pack for every M.
 """
@@ -407,20 +408,40 @@ class CpuInt4:
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
     out_features: int
-    unpackable: bool = False  # unpack_int4pack reads this blob exactly (prefill path on)
+    # rows per block of the blob's layout that unpack_int4pack reads exactly (prefill path on);
+    # 0: an unknown layout (int4pack at every M)
+    block_rows: int = 0
+
+    @property
+    def unpackable(self) -> bool:
+        return self.block_rows > 0
 
 
-def unpack_int4pack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+INT4PACK_BLOCK_ROWS = (64, 32)  # torch's layouts: AVX-512 kernels, AVX2 kernels
+
+
+def unpack_int4pack(packed: torch.Tensor, out_features: int, block_rows: int) -> torch.Tensor:
     """uint8 [out, in / 2] int4pack blob -> uint8 [out, in] q (layout: module docstring)."""
+    n = block_rows
     in_f = packed.numel() * 2 // out_features
-    b = packed.view(out_features // 64, in_f, 32)  # [out / 64, in, 32]
-    q = torch.cat([b & 15, b >> 4], dim=2)  # [out / 64, in, 64]: rows 64 b + (0..63)
+    b = packed.view(out_features // n, in_f, n // 2)  # [out / n, in, n / 2]
+    q = torch.cat([b & 15, b >> 4], dim=2)  # [out / n, in, n]: rows n b + (0..n-1)
     return q.permute(0, 2, 1).reshape(out_features, in_f)  # [out, in]
+
+
+def _int4pack_block_rows(packed: torch.Tensor, q_u8: torch.Tensor) -> int:
+    """The block of :data:`INT4PACK_BLOCK_ROWS` that reads ``packed`` back as ``q_u8``
+    exactly, or 0."""
+    out_f, in_f = q_u8.shape
+    if tuple(packed.shape) != (out_f, in_f // 2):
+        return 0
+    return next((n for n in INT4PACK_BLOCK_ROWS
+                 if out_f % n == 0 and torch.equal(unpack_int4pack(packed, out_f, n), q_u8)), 0)
 
 
 def dequantize_int4pack(w: CpuInt4) -> torch.Tensor:
     """bf16 [out, in] = (q - 8) * scale + zero_fp, in the repacked column order."""
-    q = unpack_int4pack(w.packed, w.out_features)  # [out, in] uint8
+    q = unpack_int4pack(w.packed, w.out_features, w.block_rows)  # [out, in] uint8
     out_f, in_f = q.shape
     sz = w.scales_and_zeros.float()  # [G, out, 2]
     scale = sz[..., 0].T.unsqueeze(-1)  # [out, G, 1]
@@ -440,10 +461,8 @@ def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> Cpu
     zero_fp = (8.0 - zeros) * scales  # [out, G]
     sz = torch.stack([scales, zero_fp], dim=-1)  # [out, G, 2]
     sz = sz.transpose(0, 1).contiguous().to(act_dtype)  # [G, out, 2] act_dtype
-    unpackable = (p.out_features % 64 == 0 and tuple(packed.shape) == (
-        p.out_features, p.in_features // 2) and torch.equal(
-            unpack_int4pack(packed, p.out_features), q.to(torch.uint8)))
-    return CpuInt4(packed, sz, perm, p.group_size, p.out_features, unpackable)
+    block_rows = _int4pack_block_rows(packed, q.to(torch.uint8))
+    return CpuInt4(packed, sz, perm, p.group_size, p.out_features, block_rows)
 
 
 def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:

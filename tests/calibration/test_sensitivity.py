@@ -216,6 +216,8 @@ def test_plan_uses_measurement_and_cli(measured, calib_dir):
     res = runner.invoke(main, ["sensitivity", str(calib_dir), "--bits", "4,x"])
     assert res.exit_code != 0 and "--bits" in res.output
     res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "4.0"])
+    assert res.exit_code != 0 and "outside the range a plan can reach" in res.output
+    res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "4.01"])
     assert res.exit_code != 0 and "below the minimum" in res.output
 
 

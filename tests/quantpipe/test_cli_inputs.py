@@ -32,6 +32,10 @@ def no_model_load(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
+    # build binds eval's function at import: import it before either is patched, or undoing
+    # the patch would restore `refuse` there for every later test
+    import quantpipe.reports.build  # noqa: F401
+
     monkeypatch.setattr("quantpipe.reports.eval.load_eval_model", refuse)
     monkeypatch.setattr("quantpipe.reports.build.load_eval_model", refuse)
 
