@@ -26,6 +26,7 @@ from quantpipe.calibration.plan import check_budget_bits
 from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
 from quantpipe.core.qformat import check_bits
 from quantpipe.core.sources import resolve_source
+from quantpipe.core.verified import file_key
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +72,25 @@ def _done(folder: Path) -> bool:
     return (folder / MANIFEST_NAME).is_file()
 
 
+def _tree_files(path: Path) -> list[Path]:
+    """``path`` itself, or a folder's files in name order (hidden ones, such as a hub cache's,
+    left out)."""
+    return [path] if path.is_file() else sorted(
+        f for f in path.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts))
+
+
+def tree_keys(path: Path) -> dict[str, list[int]]:
+    """``{file: [size, mtime_ns, inode, ctime_ns]}`` of what :func:`sha256_tree` reads: while
+    these are unchanged, so are the bytes (any write moves ctime)."""
+    return {str(f): file_key(f) for f in _tree_files(path)}
+
+
 def sha256_tree(path: Path) -> str:
     """sha256 of a file, or of a folder's files (relative names, sizes and contents, in name
     order; hidden files and folders such as a hub cache's are left out)."""
     h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(
-        f for f in path.rglob("*")
-        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts))
-    for f in files:
+    for f in _tree_files(path):
         h.update(f"{f.relative_to(path) if f != path else f.name}\0{f.stat().st_size}\0".encode())
         with open(f, "rb") as fh:
             while chunk := fh.read(_CHUNK):
@@ -86,16 +98,24 @@ def sha256_tree(path: Path) -> str:
     return h.hexdigest()
 
 
-def run_settings(spec: RunSpec) -> dict[str, str]:
+def run_settings(spec: RunSpec, previous: dict | None = None
+                 ) -> tuple[dict[str, str], dict[str, list[int]]]:
     """What a run into an existing WORKDIR must match to reuse its stages: every option, the
     source's sha256 (a folder's files, the .gguf file, or the packaged default model's file),
     and the sha256 of a prompt file and of every speed file. Paths are not compared: the same
-    bytes moved elsewhere are the same run."""
+    bytes moved elsewhere are the same run. Also returns the source files' keys: while they
+    equal ``previous`` run record's, its source hash is reused instead of reading a multi-GB
+    source again on every re-run."""
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
     settings = {k: json.dumps(v, sort_keys=True) for k, v in asdict(spec).items()
                 if k not in ("source", "out", "speed")}
-    settings["source_sha256"] = sha256_tree(src.path)
+    keys = tree_keys(src.path)
+    known = (previous or {}).get("settings", {}).get("source_sha256")
+    if known and (previous or {}).get("source_keys") == keys:
+        settings["source_sha256"] = known
+    else:
+        settings["source_sha256"] = sha256_tree(src.path)
     for key, name in (("prompts", spec.prompts), ("eval_prompts", spec.eval_prompts)):
         path = Path(name).expanduser()
         if path.exists():  # a file or dataset folder; a shipped set's name stays a name
@@ -103,7 +123,16 @@ def run_settings(spec: RunSpec) -> dict[str, str]:
     settings["speed"] = json.dumps([sha256_tree(Path(p)) for p in spec.speed])
     log.info("hashed the run's source %s and inputs in %.1fs", src.path,
              time.perf_counter() - t0)
-    return settings
+    return settings, keys
+
+
+def _read_record(out: Path) -> dict | None:
+    """WORKDIR's run record, or None (absent or unreadable: :func:`_check_workdir` says why)."""
+    try:
+        record = json.loads((out / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _differences(before: dict, now: dict) -> list[str]:
@@ -163,11 +192,13 @@ def run_pipeline(spec: RunSpec) -> RunResult:
                                seq_len=spec.seq_len)
     export_spec = ExportSpec(calib, qdir, bits=spec.bits, budget_bits=spec.budget_bits,
                              overrides=spec.overrides)
-    settings = run_settings(spec)
-    if _check_workdir(out, settings, (fp16, calib, qdir)):
+    previous = _read_record(out)
+    settings, source_keys = run_settings(spec, previous)
+    if (_check_workdir(out, settings, (fp16, calib, qdir))
+            or (previous or {}).get("source_keys") != source_keys):
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / RUN_FILE, {"version": RUN_FILE_VERSION, "source": spec.source,
-                                           "settings": settings})
+                                           "settings": settings, "source_keys": source_keys})
     stages: dict[str, float] = {}
 
     def stage(name: str, done: bool, fn) -> None:

@@ -130,3 +130,26 @@ def test_group_size_default_is_the_same_auto_on_the_command_line_and_in_the_libr
         assert option.process_value(ctx, "64") == 64
         with pytest.raises(click.BadParameter, match="auto or an integer"):
             option.process_value(ctx, "big")
+
+
+def test_a_rerun_reuses_the_source_hash_while_the_files_are_untouched(tiny_llama_dir, tmp_path,
+                                                                      monkeypatch):
+    from quantpipe.stages import run as run_mod
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_dir, src)
+    spec = run_mod.RunSpec(str(src), tmp_path / "work")
+    settings, keys = run_mod.run_settings(spec)
+    record = {"settings": settings, "source_keys": keys}
+    hashed = []
+    real = run_mod.sha256_tree
+    monkeypatch.setattr(run_mod, "sha256_tree", lambda p: hashed.append(p) or real(p))
+    again, _ = run_mod.run_settings(spec, record)
+    assert again == settings and src not in hashed  # untouched: the recorded hash, no read
+    cfg = src / "config.json"
+    cfg.write_bytes(cfg.read_bytes())  # same bytes, new ctime: read again
+    again, new_keys = run_mod.run_settings(spec, record)
+    assert src in hashed and again == settings and new_keys != keys
+    cfg.write_text(cfg.read_text().replace("}", ', "x": 1}', 1))  # other bytes: another hash
+    changed, _ = run_mod.run_settings(spec, {"settings": settings, "source_keys": new_keys})
+    assert changed["source_sha256"] != settings["source_sha256"]
