@@ -54,6 +54,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -365,8 +366,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pairs", default="w4,fp", help="which pairs to run: w4, fp or both")
     ap.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
                     help="a python that imports vllm [$QUANTPIPE_VLLM_PYTHON or .venv-vllm]")
-    ap.add_argument("--vllm-configs", default=",".join(DEFAULT_VLLM_CONFIGS),
-                    help="vLLM BIND-MODE[-iomp] candidates")
+    ap.add_argument("--vllm-configs", help="vLLM BIND-MODE[-iomp] candidates [%s; the -iomp "
+                    "ones only when the vLLM venv has libiomp5.so]" % ",".join(
+                        DEFAULT_VLLM_CONFIGS))
     ap.add_argument("--qp-threads", default="1,2", help="quantpipe OMP_NUM_THREADS candidates")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--output-len", type=int, default=128)
@@ -383,10 +385,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8127)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_vllm.json")
     args = ap.parse_args(argv)
-    args.conc = tuple(int(c) for c in args.concurrency.split(","))
+    try:
+        args.conc = tuple(int(c) for c in args.concurrency.split(",") if c)
+        args.qp_thread_list = [int(t) for t in args.qp_threads.split(",") if t]
+    except ValueError:
+        ap.error("--concurrency and --qp-threads take integers like 1,4,16")
     args.pair_list = [p for p in args.pairs.split(",") if p]
-    args.qp_thread_list = [int(t) for t in args.qp_threads.split(",")]
-    args.vllm_config_list = [c for c in args.vllm_configs.split(",") if c]
+    has_iomp = iomp_path(args.vllm_python).is_file()
+    args.vllm_config_list = ([c for c in args.vllm_configs.split(",") if c] if args.vllm_configs
+                             else [c for c in DEFAULT_VLLM_CONFIGS
+                                   if has_iomp or not c.endswith("-iomp")])
+    if not args.conc or min(args.conc) < 1:
+        ap.error(f"--concurrency {args.concurrency!r}: positive integers like 1,4,16")
     if not set(args.pair_list) <= {"w4", "fp"} or not args.pair_list:
         ap.error(f"--pairs {args.pairs!r}: write w4, fp or w4,fp")
     if not args.vllm_config_list or not args.qp_thread_list:
@@ -396,8 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_setting(setting)
         except ValueError as exc:
             ap.error(str(exc))
-    if any("iomp" in parse_setting(s)[2] for s in args.vllm_config_list) and not iomp_path(
-            args.vllm_python).is_file():
+    if any("iomp" in parse_setting(s)[2] for s in args.vllm_config_list) and not has_iomp:
         ap.error(f"an -iomp setting needs {iomp_path(args.vllm_python)}: pip install "
                  "intel-openmp in the vLLM venv, or drop the -iomp settings")
     return args
@@ -440,6 +449,8 @@ def document(args, fp16: Path, prompt_ids, vers: dict, pairs: dict, t0: float,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the running server (its own session) is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from quantpipe.core.io import write_json_atomic
     from quantpipe.runtime.loadgen import BenchSpec
 
