@@ -22,7 +22,8 @@ each, greedy, ``ignore_eos``. Prefix caching is off in both servers unless ``--p
 
 Settings. Each side's candidates are probed first, ``--probe-duration`` s at the lowest and the
 highest concurrency, and the fastest (geometric mean of output tokens/s) is measured in full;
-every probe is in the JSON. quantpipe: ``OMP_NUM_THREADS`` from ``--qp-threads``. vLLM
+every probe is in the JSON. quantpipe: ``OMP_NUM_THREADS`` from ``--qp-threads`` (and any
+``quantpipe serve`` options in ``--qp-serve-args``, e.g. ``--kv-dtype bf16``). vLLM
 (``python -m vllm.entrypoints.openai.api_server`` from ``--vllm-python``, its own venv:
 ``QUANTPIPE_VLLM_PYTHON`` or the repository's ``.venv-vllm``): ``--vllm-configs`` names
 ``BIND-MODE[-iomp]`` settings, BIND one of ``auto`` (vLLM's default: on x86 one core is reserved
@@ -54,6 +55,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -163,11 +165,12 @@ def vllm_server(python: Path, folder: Path, setting: str, max_seqs: int, kv_gib:
 
 
 def quantpipe_server(folder: Path, threads: int, max_seqs: int, kv_gib: int,
-                     prefix_caching: bool) -> Server:
+                     prefix_caching: bool, extra: tuple[str, ...] = ()) -> Server:
     cmd = [sys.executable, "-m", "quantpipe.cli", "serve", str(folder), "--max-num-seqs",
            str(max_seqs), "--kv-cache-memory", f"{kv_gib}GiB"]
     if not prefix_caching:
         cmd.append("--no-prefix-caching")
+    cmd.extend(extra)
     env = {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     return Server("quantpipe", f"t{threads}", tuple(cmd), tuple(sorted(env.items())))
 
@@ -370,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "ones only when the vLLM venv has libiomp5.so]" % ",".join(
                         DEFAULT_VLLM_CONFIGS))
     ap.add_argument("--qp-threads", default="1,2", help="quantpipe OMP_NUM_THREADS candidates")
+    ap.add_argument("--qp-serve-args", default="",
+                    help="more `quantpipe serve` options for both pairs, e.g. '--kv-dtype bf16'")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per level")
@@ -415,8 +420,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def candidates(args, pair: str, fp16: Path, tcmalloc: str | None) -> dict[str, list[Server]]:
     qp_dir, vl_dir = (args.w4, args.gptq) if pair == "w4" else (fp16, fp16)
     top, cpus = max(args.conc), allowed_cpus()
+    extra = tuple(shlex.split(args.qp_serve_args))
     return {"quantpipe": [quantpipe_server(qp_dir, t, top, args.kv_cache_gib,
-                                           args.prefix_caching) for t in args.qp_thread_list],
+                                           args.prefix_caching, extra)
+                          for t in args.qp_thread_list],
             "vllm": [vllm_server(args.vllm_python, vl_dir, s, top, args.kv_cache_gib,
                                  args.prefix_caching, cpus, tcmalloc)
                      for s in args.vllm_config_list]}

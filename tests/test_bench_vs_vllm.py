@@ -69,6 +69,8 @@ def test_quantpipe_server_command():
     assert "quantpipe.cli serve /m/w4" in cmd and "--max-num-seqs 16" in cmd
     assert "--kv-cache-memory 2GiB" in cmd and "--no-prefix-caching" in cmd
     assert "--no-prefix-caching" not in vs.quantpipe_server(Path("/m"), 1, 16, 2, True).cmd
+    extra = vs.quantpipe_server(Path("/m"), 1, 16, 2, True, ("--kv-dtype", "bf16")).cmd
+    assert extra[-2:] == ("--kv-dtype", "bf16")
 
 
 def _m(tok_s: float, req_s: float = 1.0, ttft: float = 100.0, tpot: float = 10.0) -> dict:
