@@ -26,6 +26,7 @@ def start_process(cmd: list[str], env: dict[str, str], port: int, log: Path,
     """Any server command ``cmd`` listening on ``port``, started and awaited as above."""
     import httpx
 
+    check_port_free(port)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -51,3 +52,18 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def check_port_free(port: int) -> None:
+    """A server already on ``port`` would answer /health in place of the one started here."""
+    import socket
+
+    with socket.socket() as sock:
+        # as servers do: connections of a stopped server in TIME_WAIT do not block the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise RuntimeError(f"port {port} is in use ({exc}); stop what listens there or "
+                               "pass another --port") from None
+

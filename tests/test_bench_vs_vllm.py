@@ -151,3 +151,19 @@ def test_chat_prompts_match_the_servers_chat_encoding(tmp_path):
     assert len(ids) == len(records) == 80
     for rec, got in zip(records[:5], ids[:5]):
         assert list(got) == _encode_chat(tok, rec.chat())
+
+
+def test_a_busy_port_is_refused_before_a_server_starts():
+    """Otherwise /health would be answered by whatever already listens there."""
+    import socket
+
+    import server_proc
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port {port} is in use"):
+            server_proc.start_process(["true"], {}, port, Path("/nonexistent/log"))
+    server_proc.check_port_free(port)
