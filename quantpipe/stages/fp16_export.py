@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from quantpipe.core.experts import model_name, split_fused_name
+from quantpipe.core.families import FAMILIES
 from quantpipe.core.io import (
+    ChunkedTensor,
     LazyTensors,
     atomic_output_dir,
     parse_size,
@@ -160,19 +164,38 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """A MoE block's 3-D experts parameter (transformers' ``gate_up_proj`` [E, 2I, H] or
+    ``down_proj`` [E, H, I]) that the source stores per expert: the source tensors whose rows,
+    in order, are its rows (expert 0's gate, its up, expert 1's gate, ...; or each expert's
+    down), as transformers' loader concatenates them."""
+
+    parts: tuple[str, ...]  # source names, in row order
+    shape: tuple[int, ...]  # of the fused parameter
+    part_shape: tuple[int, ...]  # of each part: [I, H] (gate, up) or [H, I] (down)
+
+
 @dataclass
 class StreamPlan:
-    """A safetensors source read tensor by tensor, in the model's own state-dict order."""
+    """A source read tensor by tensor, in the model's own state-dict order."""
 
     folder: Path
     dtype: torch.dtype  # what floating tensors are written as
     config: object  # transformers PretrainedConfig
-    source: LazyTensors  # the source's tensors, read on access
+    source: Mapping[str, torch.Tensor]  # the source's tensors, read on access
     numel: dict[str, int]  # tensors to write (tied duplicates left out) -> element count
     buffers: dict[str, torch.Tensor]  # persistent buffers the source does not store
+    stored_as: dict[str, str]  # model tensor -> the source's name for it (Mixtral's router)
+    fused: dict[str, FusedExperts]  # experts assembled from per-expert source tensors
 
-    def converted(self, name: str) -> torch.Tensor:
-        t = self.buffers[name] if name in self.buffers else self.source[name]
+    def converted(self, name: str) -> torch.Tensor | ChunkedTensor:
+        if name in self.fused:
+            fused = self.fused[name]
+            # one expert's part in memory at a time: never the fused parameter
+            return ChunkedTensor(fused.shape, self.dtype, lambda: (
+                _cast(p, self.source[p], self.dtype) for p in fused.parts))
+        t = self.buffers[name] if name in self.buffers else self.source[self.stored_as[name]]
         return _cast(name, t, self.dtype)
 
     def generation_config(self):
@@ -238,24 +261,80 @@ def _skeleton(config):
 
 def _plan(src: ModelSource, dtype: torch.dtype, config, stored: set[str], source,
           skeleton=None) -> StreamPlan | None:
-    """The plan when the source stores ``stored`` (model names); ``source()`` reads them. None
-    when a parameter of the model is not stored under its name."""
+    """The plan when the source stores ``stored``; ``source()`` reads them. Names are the
+    model's, or a MoE family's hub names (per expert, Mixtral's ``block_sparse_moe``), renamed
+    and fused per tensor as transformers' loader does. None when a parameter of the model is
+    stored neither way."""
     skeleton = _skeleton(config) if skeleton is None else skeleton
     emb_in, emb_out = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
     tied = emb_out is not None and emb_out.weight is emb_in.weight
     out_name = next((n for n, m in skeleton.named_modules() if m is emb_out), None)
+    state = skeleton.state_dict()
+    stored_as = _model_names(config.model_type, stored)
+    fused = _fused_experts(config.model_type, state, stored_as)
     numel, buffers = {}, {}
-    for name, t in skeleton.state_dict().items():
+    for name, t in state.items():
         if tied and name == f"{out_name}.weight":
             continue  # stored once, as the input embeddings
-        if name not in stored:
+        if name not in stored_as and name not in fused:
             if t.is_meta:
                 log.info("%s: %s is not stored under the model's name; loading it whole",
                          src.path, name)
                 return None
             buffers[name] = t  # a persistent buffer the checkpoint does not carry
         numel[name] = t.numel()
-    return StreamPlan(src.folder, dtype, config, source(), numel, buffers)
+    plan = StreamPlan(src.folder, dtype, config, source(), numel, buffers, stored_as, fused)
+    _check_parts(src, plan)
+    return plan
+
+
+def _model_names(model_type: str, stored: set[str]) -> dict[str, str]:
+    """Model tensor name -> the source's name for it: the identity, except for a MoE family's
+    hub names (Mixtral ``block_sparse_moe.`` -> ``mlp.``, transformers' WeightRenaming)."""
+    family = FAMILIES.get(model_type)
+    if family is None or family.moe is None:
+        return {k: k for k in stored}
+    return {model_name(k, family.blocks, family.moe): k for k in stored}
+
+
+def _fused_experts(model_type: str, state: Mapping[str, torch.Tensor],
+                   stored_as: dict[str, str]) -> dict[str, FusedExperts]:
+    """The model's 3-D experts parameters that the source stores per expert (hub layout:
+    ``{block}.{experts}.{e}.{linear}.weight``), as transformers' WeightConverter fuses them:
+    gate_up [E, 2I, H] = each expert's gate rows then its up rows; down [E, H, I] stacked."""
+    family = FAMILIES.get(model_type)
+    moe = None if family is None else family.moe
+    if moe is None:
+        return {}
+    gate, up, down = moe.linear_names
+    out = {}
+    for name, t in state.items():
+        found = split_fused_name(name, family.blocks, moe)
+        if found is None or name in stored_as:
+            continue  # not experts, or stored fused already (e.g. a quantpipe FP16 export)
+        prefix, kind = found
+        linears, rows = ((gate, up), t.shape[1] // 2) if kind == moe.gate_up else ((down,),
+                                                                                  t.shape[1])
+        per_expert = [f"{prefix}.{moe.path}.{e}.{lin}.weight" for e in range(t.shape[0])
+                      for lin in linears]
+        if all(p in stored_as for p in per_expert):
+            out[name] = FusedExperts(tuple(stored_as[p] for p in per_expert), tuple(t.shape),
+                                     (rows, t.shape[2]))
+    return out
+
+
+def _check_parts(src: ModelSource, plan: StreamPlan) -> None:
+    """Every per-expert part has the shape the config gives it (its bytes are written as rows
+    of the fused parameter, so a wrong shape must fail here, naming it, not corrupt the
+    output)."""
+    for name, fused in plan.fused.items():
+        for part in fused.parts:
+            shape = tuple(plan.source.shape(part))
+            if shape != fused.part_shape:
+                raise ValueError(f"{src.path}: {part} has shape {list(shape)}, but the config "
+                                 f"makes each expert part of {name} "
+                                 f"{list(fused.part_shape)}; the checkpoint does not match "
+                                 "its config.json")
 
 
 # transformers' GGUF tensor processors that convert each tensor on its own (llama.cpp's q/k
