@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -230,10 +231,10 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
     code, an already quantized checkpoint, tensor names that transformers would rename or
     convert while loading, or a GGUF architecture whose tensors transformers converts together
     (its MoE processors gather experts across tensors)."""
+    if src.kind == "gguf":  # transformers builds a GGUF's model from its own classes
+        return _gguf_plan(src, dtype)
     if trust_remote_code:
         return None
-    if src.kind == "gguf":
-        return _gguf_plan(src, dtype)
     if src.kind != "folder" or not any(src.path.glob("*.safetensors")):
         return None
     from transformers import AutoConfig
@@ -338,9 +339,13 @@ def _check_parts(src: ModelSource, plan: StreamPlan) -> None:
 
 
 # transformers' GGUF tensor processors that convert each tensor on its own (llama.cpp's q/k
-# row permutation undone, Gemma's norm offset); the others gather tensors (MoE experts) or
-# split them, so those architectures are loaded whole
-_GGUF_TENSOR_BY_TENSOR = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
+# row permutation undone, Gemma's norm offset), and Qwen2-MoE's, which gathers only the 3-D
+# expert tensors (read here one expert at a time, see _expert_entries); the others gather or
+# split tensors in ways not repeated here, so those architectures are loaded whole
+_GGUF_TENSOR_BY_TENSOR = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor",
+                          "Qwen2MoeTensorProcessor")
+# llama.cpp's MoE experts: one 3-D tensor per block and linear, [E, rows, cols] as numpy reads it
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 @dataclass(frozen=True)
@@ -351,12 +356,14 @@ class _GGUFEntry:
     np_dtype: object  # numpy dtype and shape of its raw data (GGUFReader's view of it)
     shape: tuple[int, ...]
     qtype: object  # gguf GGMLQuantizationType
+    logical: tuple[int, ...]  # its shape once dequantized (numpy order)
 
 
 class GGUFTensors:
     """A GGUF file's tensors under the model's names, each read with a plain file read (no
     mapping stays behind it), dequantized and processed as transformers' GGUF loader does when
-    it is accessed: one tensor in memory at a time."""
+    it is accessed: one tensor in memory at a time. A MoE block's 3-D expert tensors appear
+    per expert (``{block}.mlp.experts.{e}.{linear}.weight``), each expert's rows read alone."""
 
     def __init__(self, path: Path, entries: dict[str, _GGUFEntry], processor) -> None:
         self.path = path
@@ -375,10 +382,75 @@ class GGUFTensors:
         weights = self.processor.process(weights=dequantize(data, e.qtype), name=e.name).weights
         return torch.from_numpy(np.array(weights, copy=True))  # writable, owns its memory
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's dequantized shape (before the processor; nothing is read)."""
+        return self.entries[name].logical
+
+
+def _entry(t, name: str | None = None) -> _GGUFEntry:
+    return _GGUFEntry(name or t.name, int(t.data_offset), int(t.n_bytes), t.data.dtype,
+                      tuple(t.data.shape), t.tensor_type,
+                      tuple(int(n) for n in reversed(t.shape)))
+
+
+def _expert_entries(t, m: re.Match, family) -> dict[str, _GGUFEntry]:
+    """A 3-D ``blk.N.ffn_{gate,up,down}_exps`` tensor as one entry per expert, named as the hub
+    names the expert's linear; expert e's bytes are the e-th of E equal slices (llama.cpp
+    quantizes along rows, so a slice dequantizes to exactly that expert's rows)."""
+    moe = family.moe
+    whole = _entry(t)
+    n = whole.shape[0]  # experts
+    assert whole.nbytes % n == 0, t.name
+    per = whole.nbytes // n
+    linear = moe.linear_names[("gate", "up", "down").index(m.group(2))]
+    prefix = f"{family.blocks}.{m.group(1)}.{moe.path}"
+    return {f"{prefix}.{e}.{linear}.weight": _GGUFEntry(
+        t.name, whole.offset + e * per, per, whole.np_dtype, whole.shape[1:], whole.qtype,
+        whole.logical[1:]) for e in range(n)}
+
+
+def _mixtral_config(reader, config):
+    """llama.cpp writes Mixtral as architecture ``llama`` with ``llama.expert_count``;
+    transformers reads such a file as a dense Llama (and initialises its missing MLPs at
+    random). The Mixtral config of the same fields, with the expert counts; None for a
+    dense Llama."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    experts = read_field(reader, "llama.expert_count")
+    if not experts or not experts[0]:
+        return None
+    used = read_field(reader, "llama.expert_used_count")
+    keep = set(AutoConfig.for_model("mixtral").to_dict()) - {
+        "model_type", "architectures", "transformers_version"}
+    fields = {k: v for k, v in config.to_dict().items() if k in keep}
+    fields.update(num_local_experts=int(experts[0]), num_experts_per_tok=int(used[0]))
+    return AutoConfig.for_model("mixtral", **fields)
+
+
+# GGUF keys of a Qwen MoE's expert widths -> config fields (transformers' GGUF config reads
+# neither and keeps the config class defaults, right only for the models they were taken from)
+_GGUF_EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
+                       "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _expert_widths(reader, arch: str, config) -> None:
+    """Set a Qwen MoE config's expert widths from the file, where it has them."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    if arch not in ("qwen2moe", "qwen3moe"):
+        return
+    for key, field in _GGUF_EXPERT_WIDTHS.items():
+        value = read_field(reader, f"{arch}.{key}")
+        if value and hasattr(config, field):
+            setattr(config, field, int(value[0]))
+
 
 def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
     """GGUF: transformers' config, name map and tensor processor, applied a tensor at a time
-    (the same values as its whole-model load: the same dequantization and processing)."""
+    (the same values as its whole-model load: the same dequantization and processing); MoE
+    experts read one expert at a time (llama.cpp's Mixtral, a ``llama`` file with experts that
+    transformers cannot load, gets the Mixtral config)."""
     from gguf import GGUFReader
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import (
@@ -400,15 +472,29 @@ def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
                                             trust_remote_code=False)
     if hasattr(config, "quantization_config"):  # the file's types, dequantized here
         del config.quantization_config
+    mixtral = _mixtral_config(reader, config) if arch == "llama" else None
+    config = mixtral or config
+    _expert_widths(reader, arch, config)
     skeleton = _skeleton(config)
     config.architectures = [type(skeleton).__name__]  # as the loaded model records it
     # the processors read HF config keys (num_attention_heads, ...): the config parsed above
     # has them, so the file's metadata is not parsed a third time
     processor = processor_cls(config=config.to_dict())
-    names = get_gguf_hf_weights_map(skeleton, processor)  # GGUF name -> model name
-    entries = {names[t.name]: _GGUFEntry(t.name, int(t.data_offset), int(t.n_bytes),
-                                         t.data.dtype, tuple(t.data.shape), t.tensor_type)
-               for t in reader.tensors if t.name in names}
+    # GGUF name -> model name (a Mixtral skeleton through llama.cpp's "llama" names)
+    names = get_gguf_hf_weights_map(skeleton, processor, model_type=arch if mixtral else None)
+    family = FAMILIES.get(config.model_type)
+    entries = {}
+    for t in reader.tensors:
+        m = _GGUF_EXPERTS.fullmatch(t.name)
+        if m and family is not None and family.moe is not None:
+            entries.update(_expert_entries(t, m, family))
+        elif t.name in names:
+            entries[names[t.name]] = _entry(t)
     del reader  # its file mapping: nothing of the tensors was read through it
-    return _plan(src, dtype, config, set(entries),
+    plan = _plan(src, dtype, config, set(entries),
                  lambda: GGUFTensors(src.path, entries, processor), skeleton)
+    if plan is None and mixtral is not None:
+        raise ValueError(f"{src.path}: a Mixtral GGUF whose experts are not 3-D "
+                         "blk.N.ffn_{gate,up,down}_exps tensors (an older llama.cpp layout); "
+                         "convert the model again with a current llama.cpp")
+    return plan
