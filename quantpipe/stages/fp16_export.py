@@ -97,10 +97,12 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     """Write the FP16 folder; bad input fails before ``spec.out`` is touched, and the whole
     export runs under the output lock inside a hidden temp folder (see quantpipe.core.io).
 
-    A safetensors folder whose tensor names are the model's, and a GGUF file of an architecture
-    whose tensors transformers converts one by one, are converted tensor by tensor (one tensor
-    in memory, never the model); other sources (``.bin``, GGUF MoE files, checkpoints that
-    transformers renames while loading) are loaded whole by transformers.
+    A safetensors folder (tensor names the model's, or a MoE family's hub names: experts per
+    expert, renamed and fused per tensor) and a GGUF file of an architecture whose tensors
+    transformers converts one by one (MoE experts one expert at a time) are converted tensor by
+    tensor (one tensor, or one expert's part, in memory; never the model); other sources
+    (``.bin``, quantized safetensors, other GGUF architectures) are loaded whole by
+    transformers.
     """
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
@@ -229,8 +231,9 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
                 trust_remote_code: bool = False) -> StreamPlan | None:
     """How to convert ``src`` tensor by tensor, or None when it must be loaded whole: remote
     code, an already quantized checkpoint, tensor names that transformers would rename or
-    convert while loading, or a GGUF architecture whose tensors transformers converts together
-    (its MoE processors gather experts across tensors)."""
+    convert while loading (other than a MoE family's per-expert hub names, which are done
+    here), or a GGUF architecture whose tensors transformers converts in ways not repeated
+    here (GPT-OSS, MiniMax-M2, ...)."""
     if src.kind == "gguf":  # transformers builds a GGUF's model from its own classes
         return _gguf_plan(src, dtype)
     if trust_remote_code:

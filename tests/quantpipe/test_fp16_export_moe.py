@@ -148,6 +148,18 @@ def test_expert_part_of_the_wrong_shape_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_fp16_overflow_in_an_expert_is_refused_naming_its_hub_tensor(tmp_path):
+    model, tok = make_family_model("mixtral")
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.gate_up_proj[2, 40, 3] = 7e4  # expert 2's up (w3)
+    src = save_model(model, tok, tmp_path / "src")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3"
+                                         r"\.weight has \|value\| up to 7e\+04.*--dtype bf16"):
+        export_fp16(Fp16ExportSpec(str(src), tmp_path / "out"))
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "src"]
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_gguf_moe_streams_bit_for_bit(family, tmp_path, monkeypatch):
     """A Qwen MoE GGUF's 3-D ffn_{gate,up,down}_exps (Q8_0) are read and dequantized one
