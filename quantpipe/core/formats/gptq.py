@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import torch
 
 from quantpipe import __version__
+from quantpipe.core.formats import vllm_support
 from quantpipe.core.formats.base import (
     CheckpointFormat,
     Expected,
@@ -41,7 +42,6 @@ from quantpipe.core.formats.base import (
     StoredLayer,
     UnpackedLayer,
 )
-from quantpipe.core.formats import vllm_support
 from quantpipe.core.formats.common import (
     check_act_order,
     is_sequential_g_idx,

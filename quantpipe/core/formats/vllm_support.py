@@ -148,11 +148,11 @@ def plan_problems(fmt: str, plan: Mapping[str, QuantSpec], kept_fp16: list[str])
 
 
 def check_plan(fmt: str, plan: Mapping[str, QuantSpec], kept_fp16: list[str]) -> None:
-    """Raise one ValueError listing why vLLM would refuse this export (at most 8 lines)."""
+    """Raise one ValueError (one line) saying why vLLM would refuse this export."""
     problems = plan_problems(fmt, plan, kept_fp16)
     if problems:
-        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        more = f"; ... and {len(problems) - 6} more" if len(problems) > 6 else ""
         raise ValueError(
-            f"vLLM {VLLM_CHECKED} could not load this {fmt} export:\n  "
-            + "\n  ".join(problems[:8]) + more
-            + "\n(--format native keeps every spec; docs/formats.md lists what vLLM loads)")
+            f"vLLM {VLLM_CHECKED} could not load this {fmt} export: "
+            + "; ".join(problems[:6]) + more
+            + " (--format native keeps every spec; docs/formats.md lists what vLLM loads)")
