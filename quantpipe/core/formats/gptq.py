@@ -16,8 +16,10 @@ Facts checked against the real code (cited next to each routine below):
   it does ``zeros -= 1`` before packing qzeros along the output dim (the "v1" format).
 - GPTQModel ``gptqmodel/utils/model.py`` ``convert_gptq_v1_to_v2_format_module``: v1 stores
   ``zero - 1``; ``checkpoint_format: "gptq_v2"`` stores the zero itself.
-- vLLM ``model_executor/layers/quantization/gptq.py``: ``use_v2_format = checkpoint_format ==
-  "gptq_v2"``; qweight [in/pf, out], qzeros [G, out/pf], scales [G, out], g_idx [in].
+- vLLM 0.32 ``model_executor/layers/quantization/auto_gptq.py`` (its one GPTQ method): qweight
+  [in/pf, out], qzeros [G, out/pf], scales [G, out]; symmetric types only (qzeros and g_idx
+  are not read), so ``checkpoint_format`` does not matter to it. What it refuses is checked
+  before writing (:mod:`~quantpipe.core.formats.vllm_support`).
 - vLLM ``model_executor/layers/quantization/utils/gptq_utils.py`` ``get_dynamic_override``:
   ``dynamic`` maps a regex to overrides, checked in order with ``re.match`` on the module name;
   ``"-:"`` excludes the module (kept unquantized), ``"+:"`` (or no prefix) overrides
