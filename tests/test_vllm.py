@@ -136,7 +136,8 @@ def vllm_run(tmp_path_factory):
     with open(log, "wb") as out:
         worker = subprocess.Popen([str(python), str(WORKER), str(job), str(root / "res.json")],
                                   stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
         ours = {c.id: runtime_greedy(written[c.id][0], written[c.id][2])
                 for c in cases if c.refused is None}
         try:
