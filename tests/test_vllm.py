@@ -8,9 +8,9 @@ native export of the same weights meanwhile. Cases (tests/vllm_cases.py): every 
 of the registry in both formats, each with a mixed plan (all group sizes from 16 to 1024 and
 per channel, symmetric and asymmetric, act-order with static groups, FP16-kept linears), the
 MoE families (on hosts with AMX: vLLM's CPU MoE kernel needs it), and what vLLM refuses: the
-export refuses each of those too (test_vllm_support.py); here vLLM is shown to refuse what the
-export lets through with ``for_vllm=False``, in vLLM's own words, so that a vLLM release that
-loads them fails this test and the rule is revisited.
+export refuses the GPTQ and fused-module cases itself (test_vllm_support.py); here they are
+written with ``for_vllm=False`` and vLLM is shown to refuse them, in its own words, so that a
+vLLM release that loads one fails this test and the rule is revisited.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantpipe.core.families import FAMILIES
 from quantpipe.core.formats.vllm_support import VLLM_CHECKED
 from quantpipe.core.qformat import QuantSpec
 from tests.vllm_cases import (
@@ -47,8 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "vllm_worker.py"
 PYTHON_ENV = "QUANTPIPE_VLLM_PYTHON"
 WORKER_TIMEOUT_S = 1200
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+# every family of the registry: a new family is covered by this test at once
+DENSE = tuple(f for f, fam in FAMILIES.items() if fam.moe is None)
+MOE = tuple(f for f, fam in FAMILIES.items() if fam.moe is not None)
 
 
 def _loadable() -> list[Case]:
