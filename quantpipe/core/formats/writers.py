@@ -53,10 +53,12 @@ def write_checkpoint(
 
 
 def convert_checkpoint(
-    qdir: str | Path, out: str | Path, fmt: str, max_shard_size: str = "2GB", force: bool = False
+    qdir: str | Path, out: str | Path, fmt: str, max_shard_size: str = "2GB", force: bool = False,
+    **options,
 ) -> dict:
     """Re-export a verified quantized folder (any format quantpipe reads) as ``fmt``; the
-    quantized values are copied bit for bit."""
+    quantized values are copied bit for bit. ``options``: the format's own, as
+    :func:`write_checkpoint`'s."""
     from quantpipe.core.formats.loader import load_quantized
 
     checkpoint_format = format_named(fmt)
@@ -73,7 +75,7 @@ def convert_checkpoint(
                                 "checkpoint_format": ckpt.checkpoint_format}
     job = FolderToWrite(Path(out), ckpt.model_config(), state, ckpt.layers, Path(qdir), fields,
                         max_shard_size, force)
-    return checkpoint_format.write(job)
+    return checkpoint_format.write(job, **options)
 
 
 def recount_plan_bits(plan: dict, fmt: str) -> dict:
