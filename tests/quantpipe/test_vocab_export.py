@@ -279,3 +279,31 @@ def test_cli_bad_vocab_options_one_line(tied, tmp_path):
     assert not out.exists()
     r = _cli("export", calib, "--out", out, "--vocab-weights", "int4")
     assert r.exit_code == 0 and "vocabulary tables int4" in r.output, r.output
+
+
+def test_convert_carries_the_tables_or_refuses(tied, untied, tmp_path):
+    from quantpipe.core.formats.writers import convert_checkpoint
+
+    convert_checkpoint(tied["int4"], tmp_path / "native", "native")
+    a, b = load_quantized(tied["int4"]), load_quantized(tmp_path / "native", "full")
+    assert torch.equal(a.embeddings[EMB].q, b.embeddings[EMB].q)
+    assert torch.equal(a.embeddings[EMB].scales, b.embeddings[EMB].scales)
+    assert not [k for k in _keys(tmp_path / "native") if k.startswith("lm_head.")]
+    with pytest.raises(ValueError, match="--format gptq cannot store the quantized embedding"):
+        convert_checkpoint(untied["int8"], tmp_path / "gptq", "gptq")
+
+
+def test_streamed_eval_reads_the_quantized_table(tied):
+    """`quantpipe eval` block by block over a quantized tied table: the whole-model path's
+    KLD (both dequantize the same table)."""
+    import math
+
+    from quantpipe.reports.eval import EvalSpec, run_eval
+
+    texts = (" ".join(CORPUS[:6]),)
+    spec = dict(reference=tied["fp16"], candidate=tied["int4"], texts=texts, max_tokens=60,
+                ctx=30)
+    whole, streamed = (run_eval(EvalSpec(**spec, stream=s)) for s in (False, True))
+    assert streamed.tokens == whole.tokens == 60
+    assert math.isclose(streamed.kld["mean"], whole.kld["mean"], rel_tol=1e-4, abs_tol=1e-7)
+    assert whole.kld["mean"] > 0

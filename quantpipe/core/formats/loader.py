@@ -54,7 +54,7 @@ class QuantizedCheckpoint:
                 yield k, self.fp_tensors[k]
         for quantized in (self.layers, self.embeddings):
             for name in quantized:
-                if name.startswith(prefix):
+                if f"{name}.weight".startswith(prefix):
                     yield f"{name}.weight", quantized[name].dequantize(dtype)  # [out, in]
 
     def dequantized_state_dict(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
