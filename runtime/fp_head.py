@@ -59,6 +59,8 @@ from torch import nn
 from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import block_rows
+from quantpipe.runtime.quant_embedding import QuantEmbedding
+from quantpipe.runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ def _file_backed(t: torch.Tensor) -> bool:
     return False
 
 
-def _page_out(t: torch.Tensor) -> None:
+def page_out(t: torch.Tensor) -> None:
     """Ask the kernel to reclaim the whole pages of t's bytes now (MADV_PAGEOUT). Only for a
     file-backed source that is about to be dropped: its clean pages are released (read again
     from the file if touched), so they are not resident beside the copy made from them. A
@@ -169,7 +171,7 @@ def relayout_rows(w: torch.Tensor, layouts: list, release: bool = True) -> list[
                 pad[:src.shape[0] - full] = src[full:]
                 out[-1:].copy_(arrange(pad))
         if release:
-            _page_out(src)
+            page_out(src)
     return outs
 
 
@@ -315,7 +317,7 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
         scales[b0:b1] = block_rows(s)
         del q, s
         if release:
-            _page_out(src)
+            page_out(src)
         # the chunk's temporaries: handed back before the next chunk, so that the heap does
         # not keep a chunk's worth of them per chunk beside the growing copy
         release_freed_memory()
@@ -383,6 +385,9 @@ def set_half_head(model: nn.Module, mode: str, act_dtype: torch.dtype | None = N
         raise ValueError(f"head dtype {mode!r}: use one of {HEAD_DTYPES}")
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
+    if isinstance(emb, QuantEmbedding) or isinstance(head, QuantLinear):
+        _keep_quantized_tables(model, mode, act_dtype)
+        return
     act_dtype = act_dtype or emb.weight.dtype
     if mode == "fp32":
         _cast_tables(model, act_dtype)
@@ -418,6 +423,19 @@ def set_half_head(model: nn.Module, mode: str, act_dtype: torch.dtype | None = N
     model.set_input_embeddings(CastEmbedding(table, act_dtype, emb.num_embeddings,
                                              getattr(emb, "embed_scale", None)))
     model.set_output_embeddings(new_head)
+
+
+def _keep_quantized_tables(model: nn.Module, mode: str, act_dtype: torch.dtype | None) -> None:
+    """A checkpoint that stores its vocabulary tables quantized (``export --vocab-weights``)
+    runs them as stored; an FP input table beside a quantized head is cast as fp32 mode
+    does."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    log.info("the embedding table / head are stored quantized (%s, %s): head dtype %s does "
+             "not apply", type(emb).__name__, type(head).__name__, mode)
+    if isinstance(emb, nn.Embedding) and act_dtype is not None and emb.weight.dtype != act_dtype:
+        model.set_input_embeddings(CastEmbedding(emb.weight.detach(), act_dtype,
+                                                 emb.num_embeddings,
+                                                 getattr(emb, "embed_scale", None)))
 
 
 def _cast_tables(model: nn.Module, act_dtype: torch.dtype) -> None:

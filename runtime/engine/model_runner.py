@@ -387,7 +387,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # activation (and KV) dtype; runtime.fp_head's CastEmbedding stores fp16, returns this
         embed = self.decoder.embed_tokens
-        self.dtype = getattr(embed, "out_dtype", embed.weight.dtype)
+        # fp_head.CastEmbedding and QuantEmbedding (no .weight) say their output dtype
+        self.dtype = embed.out_dtype if hasattr(embed, "out_dtype") else embed.weight.dtype
         # KV cache element type: the activation dtype, or bf16 (half the bytes of fp32; keys and
         # values rounded once when written)
         self.kv_dtype = kv_dtype or self.dtype

@@ -43,6 +43,7 @@ from quantpipe.core.formats.base import (
     FolderToWrite,
     StoredLayer,
     UnpackedLayer,
+    VocabSupport,
 )
 from quantpipe.core.formats.common import (
     check_act_order,
@@ -296,5 +297,19 @@ def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) ->
                      tensors.get(f"{name}.weight_zero_point"), g_idx, lay.spec)
 
 
+def vocab_support(tied: bool) -> VocabSupport:
+    """vLLM (``compressed_tensors.py`` ``get_quant_method``) runs a targeted ``lm_head`` as a
+    WNA16 linear; its quantized-embedding lookup (``compressed_tensors_embedding.py``) is a
+    Triton kernel (no CPU build runs it), and a tied head is tied by sharing the table's
+    ``.weight`` (``QuantizeMethodBase.tie_weights``), which a packed table does not have."""
+    if tied:
+        return VocabSupport(False, False, "vLLM ties a head to the table's FP16 .weight, which "
+                                          "a packed compressed-tensors table lacks; use "
+                                          "--format native")
+    return VocabSupport(False, True, "vLLM's compressed-tensors embedding lookup is a Triton "
+                                     "kernel (none on CPU): the input table stays FP16")
+
+
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack, layout=layout)
+                          read_layers=read_layers, unpack=unpack, layout=layout,
+                          vocab_support=vocab_support)

@@ -43,6 +43,7 @@ from quantpipe.core.formats.base import (
     FolderToWrite,
     StoredLayer,
     UnpackedLayer,
+    VocabSupport,
 )
 from quantpipe.core.formats.common import (
     check_act_order,
@@ -328,6 +329,18 @@ def manifest_problems(manifest: dict, qcfg: dict) -> list[str]:
             f"says {qcfg.get('checkpoint_format')!r}"]
 
 
+def vocab_support(tied: bool) -> VocabSupport:
+    """vLLM (``quantization/utils/gptq_utils.py`` ``get_linear_quant_method``) quantizes a
+    ``ParallelLMHead`` only with ``"lm_head": true`` and never a ``VocabParallelEmbedding``; a
+    tied head is given the embedding table's weight (``tie_weights``), so it stays FP16."""
+    if tied:
+        return VocabSupport(False, False, "vLLM's GPTQ loader quantizes only an untied lm_head "
+                                          "(no quantized embedding table, a tied head is the "
+                                          "FP16 table); use --format native")
+    return VocabSupport(False, True, "vLLM's GPTQ loader has no quantized embedding table: "
+                                     "the input table stays FP16")
+
+
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
                           read_layers=read_layers, unpack=unpack, layout=layout,
-                          manifest_problems=manifest_problems)
+                          manifest_problems=manifest_problems, vocab_support=vocab_support)
