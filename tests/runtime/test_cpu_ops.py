@@ -392,8 +392,9 @@ def test_add_rms_norm_and_rope_match_float64_reference(isa, d, ops):
     torch.testing.assert_close(k.double(), want_k, rtol=0, atol=1e-5)
 
 
-def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale):
-    """float64, one sequence and one query at a time, keys gathered slot by slot."""
+def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale, window=0):
+    """float64, one sequence and one query at a time, keys gathered slot by slot; ``window`` > 0:
+    the query at position p sees the keys at positions j with p - window < j <= p."""
     _, bs, kv, d = k_pool.shape
     heads = q.shape[1]
     out, row = [], 0
@@ -402,9 +403,11 @@ def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale):
         k = k_pool.reshape(-1, kv, d)[slots].double().repeat_interleave(heads // kv, 1)
         v = v_pool.reshape(-1, kv, d)[slots].double().repeat_interleave(heads // kv, 1)
         for t in range(n_q):
-            visible = n_ctx - n_q + 1 + t  # causal: keys up to this query's position
-            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:visible]) * scale
-            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v[:visible]))
+            p = n_ctx - n_q + t  # this query's position; causal: keys j <= p
+            j = torch.arange(p + 1)
+            seen = j > p - window if window else j >= 0
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:p + 1][seen]) * scale
+            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v[:p + 1][seen]))
             row += 1
     return torch.stack(out)
 
@@ -448,6 +451,51 @@ def test_paged_attention_matches_float64_reference_decode_and_chunks(isa, d, ops
     with pytest.raises(RuntimeError, match="outside the pool"):
         ops.paged_attention(q, k_pool, v_pool, bad, torch.tensor(ctx_lens),
                                                 torch.tensor(q_lens), 0.125)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [64, 36])
+def test_paged_attention_sliding_window_matches_float64_reference(isa, d, ops):
+    """window w > 0: a query at position p sees keys p - w < j <= p (transformers' sliding
+    window); windows shorter than, equal to and longer than the contexts, block boundaries
+    inside the window, fp32 and bf16 pools; window 0 is full attention."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv, bs = 4, 2, 4
+    k_pool = torch.randn(30, bs, kv, d, generator=gen)
+    v_pool = torch.randn(30, bs, kv, d, generator=gen)
+    ctx_lens, q_lens = [1, 9, 6, 17, 13], [1, 1, 4, 5, 3]
+    tables = (torch.randperm(29, generator=gen)[:25] + 1).view(5, 5)  # scattered blocks
+    q = torch.randn(sum(q_lens), heads, d, generator=gen)
+    args = (tables, torch.tensor(ctx_lens), torch.tensor(q_lens), 0.125)
+    for pools in ((k_pool, v_pool), (k_pool.bfloat16(), v_pool.bfloat16())):
+        for window in (1, 3, 5, 8, 17, 40):
+            got = ops.paged_attention(q, *pools, *args, window)
+            want = _attention_reference(q, pools[0].double(), pools[1].double(),
+                                        tables.tolist(), ctx_lens, q_lens, 0.125, window)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+        full = ops.paged_attention(q, *pools, *args)
+        assert torch.equal(ops.paged_attention(q, *pools, *args, 0), full)
+        assert torch.equal(ops.paged_attention(q, *pools, *args, 17), full)  # covers every ctx
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops.paged_attention(q, k_pool, v_pool, *args, -1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", [64, 37])  # 37: the tail after the 16- / 8-wide vectors
+def test_gated_activations_match_float64_reference(isa, width, ops):
+    """silu_mul and gelu_tanh_mul (gelu_pytorch_tanh) on gu = [gate | up], including gates far
+    out in both tails (exp clamped) and zeros."""
+    gen = torch.Generator().manual_seed(width)
+    gate = torch.randn(6, width, generator=gen) * 4
+    gate[0, :6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 120.0, -120.0])
+    up = torch.randn(6, width, generator=gen)
+    gu = torch.cat([gate, up], 1)
+    g64, u64 = gate.double(), up.double()
+    want = {"silu_mul": torch.nn.functional.silu(g64) * u64,
+            "gelu_tanh_mul": torch.nn.functional.gelu(g64, approximate="tanh") * u64}
+    for name, ref in want.items():
+        got = getattr(ops, name)(gu)
+        torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-7, msg=name)
 
 
 # --- the kernels' thread pool (csrc/thread_pool.h) ---------------------------------------------

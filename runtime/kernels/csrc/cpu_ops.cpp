@@ -8,10 +8,13 @@
 //   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
-//   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills)
+//   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills),
+//                  optionally within a sliding window
 //   add_rms_norm_  h += delta (optional), then RMSNorm(h) (Llama/Qwen2/Mistral norms)
 //   rope_          rotary embedding (rotate-half convention) applied in place to q and k
 //   silu_mul       silu(gate) * up of a fused gate/up projection
+//   gelu_tanh_mul  gelu_pytorch_tanh(gate) * up (Gemma's MLP)
+//   decoder_layer  a whole decoder layer of a short step (common.h)
 
 // --- int4_mm ------------------------------------------------------------------------------
 //
@@ -399,5 +402,5 @@ TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   using namespace qp::simd;
   qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
-                   &add_rms_norm_<Simd>, &silu_mul<Simd>});
+                   &add_rms_norm_<Simd>, &silu_mul<Simd>, &gelu_tanh_mul<Simd>});
 }

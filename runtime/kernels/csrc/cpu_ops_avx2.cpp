@@ -9,7 +9,8 @@
 //   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16-rounded activations (the output head)
-//   paged_attention, add_rms_norm_, rope_   as in cpu_ops.cpp
+//   paged_attention, add_rms_norm_, rope_, silu_mul, gelu_tanh_mul, decoder_layer
+//                  as in cpu_ops.cpp
 //
 // Every weight layout is the AVX-512 build's (16 output rows per block); an AVX2 register holds
 // 8 fp32 lanes, so each block is computed as two halves of 8 rows. The kernels both builds share
@@ -251,5 +252,5 @@ TORCH_LIBRARY_IMPL(quantpipe_cpu_avx2, CPU, m) {
   using namespace qp::simd;
   qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
-                   &add_rms_norm_<Simd>, &silu_mul<Simd>});
+                   &add_rms_norm_<Simd>, &silu_mul<Simd>, &gelu_tanh_mul<Simd>});
 }
