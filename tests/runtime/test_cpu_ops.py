@@ -219,6 +219,45 @@ def test_int8_kernel_matches_float64_reference_every_tile(isa, spec, ops):
         assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
 
 
+def _int8_a8_reference(x, q, scales, ops):
+    """float64 y [M, N] of int8_a8_mm: x quantized by the kernels' own quantize_a8 (tested
+    bit-exact above), exact integer dots per block of 32, scaled by scale * dx; and the bound
+    on fp32's rounding of the scaling and the sums."""
+    n, k = q.shape
+    xq, dx, _ = ops.quantize_a8(x, 32)
+    dots = (q.double().view(1, n, k // 32, 32)
+            * xq.double().view(-1, 1, k // 32, 32)).sum(-1)  # [M, N, K/32] exact
+    terms = dots * scales.double()[None] * dx.double()[:, None, :]  # [M, N, K/32]
+    return terms.sum(-1), 1e-6 * terms.abs().sum(-1) + 1e-30
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_a8_kernel_matches_float64_reference_every_tile(isa, ops):
+    """int8_a8_mm (the int8 head): int8 weights (the extremes -127 / 127, and -128, included)
+    times int8 activations per 32 columns; every tile size, rows padded to 16."""
+    from quantpipe.runtime.fp_head import block_row_quads
+    from quantpipe.runtime.kernels.cpu import block_rows
+
+    gen = torch.Generator().manual_seed(9)
+    n, k = 40, 160
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    q[0, :32], q[1, :32], q[2, :8] = -127, 127, -128
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-3).half()
+    q8, s8 = block_row_quads(q), block_rows(scales)
+    assert q8.shape == (3, k // 4, 64) and s8.shape == (3, k // 32, 16)
+    for m in range(1, 18):
+        x = torch.randn(m, k, generator=gen) * 3
+        x[0, 32:64] = 0  # an all-zero activation block
+        got = ops.int8_a8_mm(x, q8, s8)
+        assert got.shape == (m, 48) and not got[:, n:].any()  # padded rows: zero weights
+        want, bound = _int8_a8_reference(x, q, scales, ops)
+        assert ((got[:, :n].double() - want).abs() <= bound).all(), m
+    with pytest.raises(RuntimeError, match="q8 must be contiguous int8"):
+        ops.int8_a8_mm(x, q8.view(3, k // 2, 32), s8)
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        ops.int8_a8_mm(torch.randn(2, k - 32), q8, s8)
+
+
 @needs_512
 def test_kernel_takes_bf16_input_and_empty_batches(avx512):
     p = random_packed(32, 128, QuantSpec(4, 32, False), seed=11)
@@ -528,6 +567,12 @@ def _split_cases(isa, ops):
         cases += [(f"int4_a8_mm m={m}", lambda x=x: cpu_kernels.a8w4_matmul(x, w4)),
                   (f"int8_mm m={m}", lambda x=x: cpu_kernels.q8_matmul(x, w8)),
                   (f"fp16_mm m={m}", lambda x=x: ops.fp16_mm(x, wh))]
+    head_q8 = torch.randint(-127, 128, (8192 // 16, 576 // 4, 64), generator=gen,
+                            dtype=torch.int8)
+    head_s = (torch.rand(8192 // 16, 576 // 32, 16, generator=gen) * 0.01).half()
+    for m in (1, 3):
+        x = torch.randn(m, 576, generator=gen)
+        cases.append((f"int8_a8_mm m={m}", lambda x=x: ops.int8_a8_mm(x, head_q8, head_s)))
     cases.append(("paged_attention", lambda: ops.paged_attention(q, k_pool, v_pool, *kv_args)))
     return cases
 

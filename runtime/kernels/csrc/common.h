@@ -173,6 +173,48 @@ at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const a
   return y;
 }
 
+// --- int8_a8_mm: the int8 output head with int8 activations ---------------------------------
+// Weights q8 int8 [N/16, K/4, 64]: byte 4r + e of chunk (b, c) holds q[16b + r][4c + e] (16 rows
+// x 4 columns, as an int8 dot-product instruction reads them; rows 0..7 in the first 32 bytes),
+// q in [-127, 127]; scales fp16 [N/16, K/32, 16]: w = q * scale, per row and block of 32
+// columns, symmetric (llama.cpp's Q8_0). The activations are quantized as for int4_a8_mm (per
+// row and block of 32 columns: xq, dx), and
+//   y[m, n] = sum over blocks b of scale[n, b] * dx[m, b] * (sum_{k in b} q[n, k] * xq[m, k])
+// (integer dots exact, scaling and sums fp32): llama.cpp's Q8_0 x Q8_0 dot product. Where the
+// ISA's instruction multiplies unsigned by signed bytes, it takes q + 128 (q xor 0x80) and
+// subtracts 128 * sum(xq) of the block, given as xsum [M, K / 32]. tile(mt, a, xsum, m0, K, w,
+// sc, out, ldo) computes one block of 16 output rows for mt activation rows from m0: w the
+// block's chunks [K/4, 64], sc its [K/32, 16], out row m at out + m * ldo.
+template <int MaxTile, typename QuantizeRow, typename Tile>
+at::Tensor run_int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+                          const QuantizeRow& quantize_row, const Tile& tile) {
+  TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
+                  q8.size(2) == 64,
+              "q8 must be contiguous int8 [N/16, K/4, 64]");
+  const int64_t K = q8.size(1) * 4, NB = q8.size(0), N = NB * kRows, nb = K / kA8Block;
+  check_group_tensors(scales, c10::nullopt, NB, K, kA8Block, at::kHalf, kA8Block);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) == K,
+              "x must be contiguous fp32 [M, K] with K = ", K);
+  const int64_t M = x.size(0);
+  const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, kA8Block, quantize_row);
+  std::vector<int32_t> xsum(M * nb);  // sum of xq per row and block of 32
+  for (int64_t i = 0; i < M * nb; ++i) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kA8Block; ++k) sum += a.xq[i * kA8Block + k];
+    xsum[i] = sum;
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* wp = q8.data_ptr<int8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    tile(mt, a, xsum.data(), m0, K, wp + b * K * kRows, scp + b * nb * kRows,
+         yp + m0 * N + b * kRows, N);
+  }, kMinA8MacsPerThread);
+  return y;
+}
+
 // --- int8_mm: W8A16 ---------------------------------------------------------------------------
 // Weights q8 int8 [N/16, K, 16] = q - 128 (16 output rows side by side per k), scales fp16 and
 // zf fp32 [N/16, G, 16]: w = (q - 128) * scale + zf, zf = (128 - z) * scale. int8 -> fp32 is
@@ -515,6 +557,7 @@ inline void def_ops(torch::Library& m) {
   m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size, "
         "bool vnni) -> Tensor");
   m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_a8_mm(Tensor x, Tensor q8, Tensor scales) -> Tensor");
   m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
@@ -545,6 +588,7 @@ struct OpImpls {
                               double);
   at::Tensor (*silu_mul)(const at::Tensor&);
   at::Tensor (*gelu_tanh_mul)(const at::Tensor&);
+  at::Tensor (*int8_a8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 };
 
 // --- decoder_layer: one whole pre-norm decoder layer of a short step ------------------------
@@ -693,6 +737,7 @@ inline void impl_ops(torch::Library& m, const OpImpls& ops) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", ops.silu_mul);
   m.impl("gelu_tanh_mul", ops.gelu_tanh_mul);
+  m.impl("int8_a8_mm", ops.int8_a8_mm);
 }
 
 }  // namespace qp

@@ -131,6 +131,39 @@ QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
   }
 }
 
+// --- int8_a8_mm: the int8 head with int8 activations (common.h gives the layout and formula) --
+
+// One block of 16 output rows for MT activation rows (the tile's first row at m0), in halves of
+// V::L rows. Dot::run<MT>(w, xb, xs, iacc) is the ISA's exact integer dot of one block of 32
+// columns (the half's bytes at w, chunk stride 64, 8 chunks; row m's 32 int8 at xb[m], their
+// sum xs[m]) into iacc[m].
+template <class V, class Dot, int MT>
+QP_TARGET inline void i8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0, int64_t K,
+                                const int8_t* w, const uint16_t* sc, float* out, int64_t ldo) {
+  const int64_t nb = K / kA8Block;
+  for (int64_t h = 0; h < kRows / V::L; ++h) {
+    typename V::F total[MT];
+    for (int m = 0; m < MT; ++m) total[m] = V::zero();
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int8_t* xb[MT];
+      int32_t xs[MT];
+      for (int m = 0; m < MT; ++m) {
+        xb[m] = a.xq.data() + (m0 + m) * K + blk * kA8Block;
+        xs[m] = xsum[(m0 + m) * nb + blk];
+      }
+      typename V::I iacc[MT];
+      Dot::template run<MT>(w + blk * 8 * 64 + h * 4 * V::L, xb, xs, iacc);
+      const typename V::F s = V::load_f16(sc + blk * kRows + h * V::L);  // exact in fp32
+      for (int m = 0; m < MT; ++m) {
+        // |iacc| <= 32 * 127 * 127 < 2^24: exact in fp32
+        const typename V::F sd = V::mul(s, V::set1(a.dx[(m0 + m) * nb + blk]));
+        total[m] = V::fmadd(V::to_float(iacc[m]), sd, total[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) V::store(out + m * ldo + h * V::L, total[m]);
+  }
+}
+
 // --- int8_mm: W8A16 (common.h gives the layout and numerics) ----------------------------------
 
 // sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
