@@ -299,8 +299,8 @@ def quality(int4: Path, fp16_dir: Path, max_tokens: int, out: Path) -> None:
     spec = EvalSpec(fp16_dir, int4, load_texts(fp16_dir, None, "business-eval"),
                     max_tokens=max_tokens)
     cands, names = [load_eval_model(int4)], ["dequant-fp32"]
-    paths = [("avx512", "bf16", "fp16"), ("avx512", "int8", "fp16"), ("avx2", "int8", "fp16"),
-             ("avx2", "int8", "int8")]
+    paths = [("avx512", "bf16", "fp16"), ("avx512", "int8", "fp16"), ("avx512", "int8", "int8"),
+             ("avx2", "int8", "fp16"), ("avx2", "int8", "int8")]
     for isa, act, head in paths:
         if not cpu_ext.cpu_can_run(isa):
             continue
