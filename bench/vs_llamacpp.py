@@ -172,9 +172,12 @@ def ensure_llama_venv(venv: Path) -> Path:
           "(several minutes)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # AMX off: on a Xeon with AMX, a native build's AMX matmul (ggml_backend_amx_mul_mat)
-    # crashed with SIGSEGV on its first eval here (every model); the AVX-512 kernels remain
-    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-               "-DGGML_AMX_BF16=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF",
+    # crashed with SIGSEGV on its first eval here (every model). A native build takes the
+    # compiler's -march=native macros, not the GGML_AMX_* options, so the AMX instructions are
+    # turned off at the compiler; the AVX-512 kernels remain
+    no_amx = r"-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16"  # one flag value (shlex-split)
+    env = dict(os.environ, CMAKE_ARGS=f"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS={no_amx} "
+               f"-DCMAKE_CXX_FLAGS={no_amx} -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF",
                CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python",
                     f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
