@@ -1,4 +1,5 @@
-"""Start `quantpipe serve` as a child process for a benchmark, and stop it (bench/ only)."""
+"""Start `quantpipe serve` (or another OpenAI-compatible server) as a child process for a
+benchmark, and stop it (bench/ only)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,16 @@ def start_server(serve_args: list[str], port: int, threads: int, log: Path,
     """`quantpipe serve SERVE_ARGS --port PORT` in its own session; returns once /health is
     200. The server's output goes to ``log``; a server that exits or never becomes healthy
     raises with the end of that log."""
-    import httpx
-
     cmd = [sys.executable, "-m", "quantpipe.cli", "serve", *serve_args, "--port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    return start_process(cmd, env, port, log, timeout)
+
+
+def start_process(cmd: list[str], env: dict[str, str], port: int, log: Path,
+                  timeout: float = 300.0) -> subprocess.Popen:
+    """Any server command ``cmd`` listening on ``port``, started and awaited as above."""
+    import httpx
+
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

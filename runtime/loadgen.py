@@ -6,6 +6,11 @@ output tokens/s over the run's wall time (first send -> last completion), mean/p
 each latency, goodput = requests/s that met both SLOs (TTFT and TPOT). Warm-up requests are
 excluded; each setting is repeated and every scalar reported as the median over repeats.
 
+Prompts: random token ids of ``prompt_len`` (with an optional shared prefix), or a fixed pool
+of token-id prompts (``prompt_ids``, e.g. a prompt set rendered with the chat template) drawn in
+a seeded order, so two servers benchmarked with the same spec get the same prompts in the same
+order. Requests go to ``/v1/completions`` with token ids, so the servers' tokenizers play no part.
+
 Safety: only loopback URLs unless ``allow_remote``; each run is bounded by ``duration`` and by
 ``max_requests``.
 """
@@ -35,6 +40,8 @@ class BenchSpec:
     url: str = DEFAULTS.bench_url  # server base URL (loopback unless allow_remote)
     concurrency: tuple[int, ...] = DEFAULTS.bench_concurrency  # in-flight caps, one run each
     prompt_len: int = DEFAULTS.bench_prompt_len  # prompt tokens per request (shared prefix too)
+    # fixed token-id prompts drawn in a seeded order; empty -> random prompts of prompt_len
+    prompt_ids: tuple[tuple[int, ...], ...] = ()
     output_len: int = DEFAULTS.bench_output_len  # output tokens per request (ignore_eos)
     duration: float = DEFAULTS.bench_duration  # seconds of sending per run
     repeats: int = DEFAULTS.bench_repeats  # runs per concurrency; medians reported
@@ -64,6 +71,11 @@ class BenchSpec:
         if not 0 <= self.shared_prefix_len < self.prompt_len:
             raise ValueError(f"shared_prefix_len must be in [0, prompt_len), got "
                              f"{self.shared_prefix_len}")
+        if self.prompt_ids and self.shared_prefix_len:
+            raise ValueError("shared_prefix_len applies to random prompts only; give either "
+                             "prompt_ids or shared_prefix_len")
+        if any(not p or min(p) < 0 for p in self.prompt_ids):
+            raise ValueError("prompt_ids must be non-empty lists of token ids >= 0")
         if self.duration <= 0 or self.repeats < 1 or self.max_requests < 1:
             raise ValueError("--duration must be > 0, --repeats and max_requests >= 1")
         if self.request_rate is not None and self.request_rate <= 0:
@@ -155,10 +167,11 @@ def median_metrics(runs: list[RunMetrics]) -> dict:
 
 
 # --- the client -------------------------------------------------------------------------------
-async def _one_request(client, url: str, prompt: list[int], output_len: int,
+async def _one_request(client, url: str, model: str | None, prompt: list[int], output_len: int,
                        timeout: float) -> RequestRecord:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+    # stream_options: servers that send usage only when asked (vLLM) report the token count
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     arrivals: list[float] = []
     usage_tokens = None
@@ -205,15 +218,23 @@ def make_prompts(n: int, spec: BenchSpec, vocab_size: int, rng: random.Random,
     return [prefix + [rng.randrange(lo, hi) for _ in range(rest)] for _ in range(n)]
 
 
-async def _run_once(spec: BenchSpec, concurrency: int, vocab: int, rng: random.Random
-                    ) -> RunMetrics:
+def next_prompts(n: int, spec: BenchSpec, vocab_size: int, rng: random.Random,
+                 prefix: list[int]) -> list[list[int]]:
+    """The next ``n`` prompts: drawn from ``spec.prompt_ids`` when given, else random."""
+    if spec.prompt_ids:
+        return [list(rng.choice(spec.prompt_ids)) for _ in range(n)]
+    return make_prompts(n, spec, vocab_size, rng, prefix)
+
+
+async def _run_once(spec: BenchSpec, concurrency: int, model: str | None, vocab: int,
+                    rng: random.Random) -> RunMetrics:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 1)
     prefix = shared_prefix(spec, vocab)
     async with httpx.AsyncClient(limits=limits) as client:
-        warm = make_prompts(spec.warmup_requests, spec, vocab, rng, prefix)
-        await asyncio.gather(*(_one_request(client, spec.url, p, spec.output_len,
+        warm = next_prompts(spec.warmup_requests, spec, vocab, rng, prefix)
+        await asyncio.gather(*(_one_request(client, spec.url, model, p, spec.output_len,
                                             spec.request_timeout) for p in warm))
         records: list[RequestRecord] = []
         sem = asyncio.Semaphore(concurrency)
@@ -223,15 +244,15 @@ async def _run_once(spec: BenchSpec, concurrency: int, vocab: int, rng: random.R
 
         async def guarded(prompt: list[int]) -> None:
             async with sem:
-                records.append(await _one_request(client, spec.url, prompt, spec.output_len,
-                                                  spec.request_timeout))
+                records.append(await _one_request(client, spec.url, model, prompt,
+                                                  spec.output_len, spec.request_timeout))
 
         if spec.request_rate is None:
             async def worker() -> None:
                 nonlocal issued
                 while time.perf_counter() < stop_at and issued < spec.max_requests:
                     issued += 1
-                    await guarded(make_prompts(1, spec, vocab, rng, prefix)[0])
+                    await guarded(next_prompts(1, spec, vocab, rng, prefix)[0])
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
@@ -243,7 +264,7 @@ async def _run_once(spec: BenchSpec, concurrency: int, vocab: int, rng: random.R
                     break
                 await asyncio.sleep(max(0.0, next_t - time.perf_counter()))
                 issued += 1
-                prompt = make_prompts(1, spec, vocab, rng, prefix)[0]
+                prompt = next_prompts(1, spec, vocab, rng, prefix)[0]
                 tasks.append(asyncio.create_task(guarded(prompt)))
             await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -262,14 +283,16 @@ def run_bench(spec: BenchSpec) -> BenchResult:
     try:
         models = httpx.get(f"{spec.url}/v1/models", timeout=10).json()["data"][0]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"cannot reach a quantpipe server at {spec.url} ({exc}); start one "
-                         "with `quantpipe serve MODEL_DIR`") from exc
-    vocab = int(models.get("vocab_size", 32000))
+        raise ValueError(f"cannot reach an OpenAI-compatible server at {spec.url} ({exc}); "
+                         "start one with `quantpipe serve MODEL_DIR`") from exc
+    vocab = int(models.get("vocab_size", 32000))  # quantpipe reports it; random prompts only
     rng = random.Random(spec.seed)
     spec_d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()}
+    spec_d["prompt_ids"] = [len(p) for p in spec_d["prompt_ids"]]  # their lengths, not the ids
     res = BenchResult(spec={**spec_d, "model": models.get("id")})
     for c in spec.concurrency:
-        runs = [asyncio.run(_run_once(spec, c, vocab, rng)) for _ in range(spec.repeats)]
+        runs = [asyncio.run(_run_once(spec, c, models.get("id"), vocab, rng))
+                for _ in range(spec.repeats)]
         res.results[str(c)] = {"median": median_metrics(runs), "runs": [asdict(r) for r in runs]}
     if spec.json_out is not None:
         write_json_atomic(spec.json_out, asdict(res))

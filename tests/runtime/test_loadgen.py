@@ -65,6 +65,9 @@ def test_median_over_repeats():
     ({"concurrency": (0,)}, "concurrency"),
     ({"request_rate": 0.0}, "request-rate"),
     ({"shared_prefix_len": 300}, "shared_prefix_len"),
+    ({"prompt_ids": ((1, 2, 3),), "shared_prefix_len": 8}, "either prompt_ids"),
+    ({"prompt_ids": ((1, 2), ())}, "non-empty"),
+    ({"prompt_ids": ((1, -2),)}, ">= 0"),
 ])
 def test_spec_validation(kw, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -100,6 +103,14 @@ def test_short_run_against_tiny_server(tmp_path):
             assert m["completed"] >= 1 and m["failed"] == 0
             # ignore_eos + max_tokens: exactly output_len tokens per request
             assert m["output_throughput"] == pytest.approx(8 * m["request_throughput"])
+        pool = ((5, 6, 7), (8, 9, 10, 11, 12))  # fixed token-id prompts (e.g. a chat set)
+        fixed = run_bench(BenchSpec(url=f"http://127.0.0.1:{port}", concurrency=(2,),
+                                    output_len=4, duration=0.3, warmup_requests=1,
+                                    prompt_ids=pool))
+        m = fixed.results["2"]["median"]
+        assert m["completed"] >= 1 and m["failed"] == 0
+        assert m["output_throughput"] == pytest.approx(4 * m["request_throughput"])
+        assert fixed.spec["prompt_ids"] == [3, 5]  # the JSON keeps lengths, not the ids
         res4 = run_bench(BenchSpec(url=f"http://127.0.0.1:{port}", concurrency=(4,),
                                    prompt_len=16, output_len=4, duration=0.5, repeats=1,
                                    request_rate=20.0, warmup_requests=0))
@@ -133,3 +144,18 @@ def test_prompts_share_exactly_the_prefix():
     a, b = make_prompts(2, spec, 500, random.Random(0), prefix)
     assert len(a) == len(b) == 40 and a[:30] == b[:30] == prefix and a[30:] != b[30:]
     assert all(100 <= t < 500 for t in a + b)
+
+
+def test_fixed_prompts_are_drawn_from_the_pool_in_a_seeded_order():
+    import random
+
+    from quantpipe.runtime.loadgen import next_prompts
+
+    pool = tuple(tuple(range(i, i + 3 + i)) for i in range(6))
+    spec = BenchSpec(prompt_ids=pool)
+    a = next_prompts(20, spec, 500, random.Random(0), [])
+    assert a == next_prompts(20, spec, 500, random.Random(0), [])  # same seed, same order
+    assert all(tuple(p) in pool for p in a) and len({tuple(p) for p in a}) > 1
+    assert a != next_prompts(20, spec, 500, random.Random(1), [])
+    rand = next_prompts(2, BenchSpec(prompt_len=7), 500, random.Random(0), [])
+    assert [len(p) for p in rand] == [7, 7]  # no pool: random prompts of prompt_len
