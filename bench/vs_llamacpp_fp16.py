@@ -47,7 +47,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_llamacpp import DEFAULT_VENV, ensure_llama_venv, lscpu  # noqa: E402
 
-
 # --- the llama.cpp worker: JSON lines on stdin/stdout ---------------------------------------------
 
 
