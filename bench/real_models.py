@@ -9,8 +9,8 @@ SOURCE is a packaged source (``quantpipe/core/packaged.py``: ``gemma-3-270m``,
 ``export-fp16`` -> ``calibrate`` with each ``--algos`` entry (``auto`` is the CLI default) ->
 ``sensitivity`` + ``plan --budget-bits`` on the first algorithm's calibration -> ``export`` of it
 in the native, GPTQ and compressed-tensors formats (W4) and as a ``--budget-bits`` plan ->
-``verify`` of each export -> ``generate`` (32 greedy tokens, chat template) -> ``serve`` (start,
-``/health``, one chat completion, stop) -> ``eval`` (KLD on the held-out prompts) -> ``report``
+``verify`` of each export -> ``generate`` (32 greedy tokens) -> ``serve`` (start, ``/health``,
+one completion, stop) -> ``eval`` (KLD on the held-out prompts) -> ``report``
 -> finally ``quantpipe run`` on the same source in a fresh WORKDIR (the whole pipeline in one
 process).
 
@@ -74,12 +74,12 @@ def serve_stage(qdir: Path, log_path: Path, port: int, timeout_s: float = 900.0)
                 except OSError:
                     time.sleep(0.5)
             rec["seconds_to_health"] = round(time.perf_counter() - t0, 2)
+            model = _get(base + "/v1/models")["data"][0]["id"]
             t1 = time.perf_counter()
-            out = _get(base + "/v1/chat/completions", {
-                "model": "quantpipe", "max_tokens": 32, "temperature": 0,
-                "messages": [{"role": "user", "content": PROMPT}]})
+            out = _get(base + "/v1/completions", {  # a base model has no chat template
+                "model": model, "max_tokens": 32, "temperature": 0, "prompt": PROMPT})
             rec["completion_seconds"] = round(time.perf_counter() - t1, 2)
-            rec["completion"] = out["choices"][0]["message"]["content"]
+            rec["completion"] = out["choices"][0]["text"]
             rec["rc"] = 0
         except (OSError, KeyError, ValueError) as exc:
             rec["rc"], rec["error"] = 1, f"{type(exc).__name__}: {exc}"
@@ -123,11 +123,12 @@ def stage_plan(source: str, work: Path, algos: list[str], samples: int,
     for name, qdir in [*q.items(), ("plan", plan_dir)]:
         stages.append((f"verify-{name}", ["verify", str(qdir)]))
     stages += [
-        ("generate", ["generate", str(q["native"]), "--chat", "--prompt", PROMPT,
+        ("generate", ["generate", str(q["native"]), "--prompt", PROMPT,
                       "--max-new-tokens", "32"]),
         ("serve", []),  # serve_stage
         ("eval", ["eval", "--reference", str(fp16), "--candidate", str(q["native"]),
-                  "--max-tokens", str(eval_tokens), "--json", str(work / "eval.json")]),
+                  "--prompts", "business-eval", "--max-tokens", str(eval_tokens),
+                  "--json", str(work / "eval.json")]),
         ("report", ["report", "--reference", str(fp16), "--candidate", str(q["native"]),
                     "--out", str(work / "report.html")]),
         ("run", ["run", source, "--out", str(work / "run")]),
