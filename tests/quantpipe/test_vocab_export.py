@@ -307,3 +307,11 @@ def test_streamed_eval_reads_the_quantized_table(tied):
     assert streamed.tokens == whole.tokens == 60
     assert math.isclose(streamed.kld["mean"], whole.kld["mean"], rel_tol=1e-4, abs_tol=1e-7)
     assert whole.kld["mean"] > 0
+
+
+def test_cli_vocab_choices_are_the_library_ones():
+    """export's --vocab-weights choices are written in the CLI (no torch import for --help):
+    they must be quantpipe.core.vocab.VOCAB_WEIGHTS, the first the default."""
+    option = next(p for p in main.commands["export"].params if p.name == "vocab_weights")
+    assert tuple(option.type.choices) == VOCAB_WEIGHTS
+    assert option.default == VOCAB_WEIGHTS[0] == VocabSpec().weights
