@@ -14,7 +14,13 @@ last error line and the stages that need its output are skipped.
 
 Shapes (``--shapes``): tinyllama-4 / tinyllama-16 (TinyLlama-1.1B widths, 4 or 16 layers),
 llama2-7b (32 layers, 4096 / 11008, MHA), qwen2.5-7b (28 layers, 3584 / 18944, GQA 28/4, qkv
-bias), llama3-70b-slice (2 layers of a 70B: 8192 / 28672, GQA 64/8).
+bias), llama3-70b-slice (2 layers of a 70B: 8192 / 28672, GQA 64/8), mixtral-8x7b (32 layers,
+4096, 8 experts of 14336, GQA 32/8; stored per expert under the hub's names).
+
+The MoE export-fp16 memory check (issue 27; ~6 GB source, ~6 GB output under --work):
+
+    python bench/scale.py --shapes mixtral-8x7b --layers 2 --stages export-fp16 \
+        --json bench/results/scale-mixtral-8x7b-2-export-fp16.json
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.core.io import save_safetensors_atomic, write_json_atomic
+from quantpipe.core.io import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +48,9 @@ SHAPES: dict[str, dict] = {
     "smoke": dict(model_type="llama", hidden_size=256, intermediate_size=512,
                   num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                   vocab_size=2048),  # checks this script in seconds
+    "mixtral-smoke": dict(model_type="mixtral", hidden_size=1024, intermediate_size=2048,
+                          num_local_experts=8, num_experts_per_tok=2, num_attention_heads=8,
+                          num_key_value_heads=2, num_hidden_layers=2, vocab_size=2048),
     "tinyllama-4": dict(_TINYLLAMA, num_hidden_layers=4),
     "tinyllama-16": dict(_TINYLLAMA, num_hidden_layers=16),
     "llama2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
@@ -53,6 +62,11 @@ SHAPES: dict[str, dict] = {
     "llama3-70b-slice": dict(model_type="llama", hidden_size=8192, intermediate_size=28672,
                              num_attention_heads=64, num_key_value_heads=8,
                              num_hidden_layers=2, vocab_size=128256),
+    # Mixtral-8x7B: 8 experts of 14336 per layer (46.7B parameters at 32 layers); its source is
+    # written with the hub's per-expert names (block_sparse_moe.experts.E.w1/w2/w3)
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+                         num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32,
+                         num_key_value_heads=8, num_hidden_layers=32, vocab_size=32000),
 }
 SHARD_BYTES = 2 * 10**9
 CHAT_TEMPLATE = (
@@ -91,10 +105,40 @@ def _random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.
     return (torch.randn(shape, generator=gen) * 0.02).to(torch.float16)  # biases
 
 
+def _hub_tensors(skeleton, model_type: str) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of every tensor as a hub checkpoint stores it: a MoE family's 3-D experts
+    per expert and linear (``block_sparse_moe.experts.E.w1`` for Mixtral), in block order."""
+    from quantpipe.core.experts import hub_name, split_fused_name
+    from quantpipe.core.families import FAMILIES
+
+    family = FAMILIES.get(model_type)
+    moe = None if family is None else family.moe
+    out = []
+    for name, t in skeleton.state_dict().items():
+        found = None if moe is None else split_fused_name(name, family.blocks, moe)
+        if found is None:
+            out.append((hub_name(name, family.blocks, moe) if moe else name, t.shape))
+            continue
+        prefix, kind = found
+        gate, up, down = moe.linear_names
+        if kind == moe.gate_up:  # [E, 2I, H] -> gate [I, H] and up [I, H] per expert
+            parts = [(gate, t.shape[1] // 2), (up, t.shape[1] // 2)]
+        else:  # [E, H, I] -> down [H, I] per expert
+            parts = [(down, t.shape[1])]
+        for e in range(t.shape[0]):
+            for lin, rows in parts:
+                part = f"{prefix}.{moe.path}.{e}.{lin}.weight"
+                out.append((hub_name(part, family.blocks, moe), torch.Size([rows, t.shape[2]])))
+    return out
+
+
 def make_source(shape: str, out: Path) -> int:
-    """Write a random-weight HF folder of ``shape`` shard by shard; returns bytes of weights."""
+    """Write a random-weight HF folder of ``shape`` tensor by tensor (hub names; each tensor is
+    on disk before the next is made); returns bytes of weights."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantpipe.core.io import write_shards
 
     if (out / "model.safetensors.index.json").is_file():
         idx = json.loads((out / "model.safetensors.index.json").read_text())
@@ -106,35 +150,17 @@ def make_source(shape: str, out: Path) -> int:
                                pad_token_id=2, dtype="float16", **kw)
     with init_empty_weights():  # shapes only: no memory for the weights
         skeleton = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
-    shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
+    tensors = _hub_tensors(skeleton, model_type)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, shp in shapes.items():
-        nbytes = shp.numel() * 2
-        if groups[-1] and size + nbytes > SHARD_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    weight_map, total = {}, 0
-    for i, names in enumerate(groups, start=1):
-        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        shard = {n: _random_tensor(n, shapes[n], gen) for n in names}  # one shard in memory
-        save_safetensors_atomic(shard, tmp / fname, metadata={"format": "pt"})
-        total += sum(t.numel() * 2 for t in shard.values())
-        weight_map.update({n: fname for n in names})
-        del shard
+    write_shards(((n, _random_tensor(n, shp, gen)) for n, shp in tensors), tmp, SHARD_BYTES)
     cfg.save_pretrained(tmp)
     _tokenizer().save_pretrained(tmp)
-    write_json_atomic(tmp / "model.safetensors.index.json",
-                      {"metadata": {"total_size": total}, "weight_map": weight_map})
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    return total
+    return sum(shp.numel() * 2 for _, shp in tensors)
 
 
 # runs the CLI and, at exit, writes the process's own peak RSS (VmHWM, kB) to argv[1]
@@ -233,7 +259,9 @@ def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: i
     base.mkdir(parents=True, exist_ok=True)
     res, fp16 = _fp16_folder(shape, base, reuse, fp16_dir)
     st = res["stages"]
-    if st["export-fp16"]["rc"] != 0:
+    if st["export-fp16"]["rc"] != 0 or stages == "export-fp16":
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
         return res
     for algo in algos:
         calib, qdir = base / f"calib-{algo}", base / f"int4-{algo}"
@@ -291,15 +319,16 @@ def main() -> None:
                     help="override the depth: a slice of N layers of each shape at its real "
                          "widths (peak RSS is reached within one block; named SHAPE-N)")
     ap.add_argument("--stages", default="all",
-                    help="all, or calibrate: stop after calibrate (memory of one stage)")
+                    help="all; calibrate or export-fp16: stop after that stage (memory of "
+                         "one stage)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
-    if args.stages not in ("all", "calibrate"):
-        ap.error("--stages is all or calibrate")
+    if args.stages not in ("all", "calibrate", "export-fp16"):
+        ap.error("--stages is all, calibrate or export-fp16")
     if args.fp16 is not None and len(shapes) != 1:
         ap.error("--fp16 is the FP16 folder of one shape: pass one --shapes")
     if args.layers:

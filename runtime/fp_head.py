@@ -32,9 +32,13 @@ Modes of :class:`HalfHead` (``head_dtype`` of the runtime's loaders):
 |      |                         | kernels, else 1), bf16 above              |                   |
 
 Mode ``int8`` (:class:`Int8Head`) quantizes the head at load time to int8 per row and 32
-columns with fp16 scales (llama.cpp's Q8_0 precision) and runs it with ``int8_mm`` (exact int8
-weights, fp32 activations): half the bytes of fp16 per generated token; the embedding table
-stays fp16. Without the kernels it falls back to fp16 with a warning.
+columns with fp16 scales (llama.cpp's Q8_0 precision) and runs it with ``int8_a8_mm`` (the
+activations quantized to int8 per 32 columns as for the W4A8 linears, exact integer dot
+products, fp32 scaling: llama.cpp's Q8_0 x Q8_0 dot): half the bytes of fp16 per generated
+token, and one int8 dot-product instruction per 64 weights instead of an FMA per 16, so the
+head of a large vocabulary (Gemma 3's 262,144 x 640) runs at the speed its weights stream from
+memory, and a few rows cost little more than one. The embedding table stays fp16. Without the
+kernels it falls back to fp16 with a warning.
 
 Without the kernels, torch's matmul runs with the inputs cast to the weight dtype (its fp16
 matmul is fast only for M = 1). Logits come back in the model's activation dtype. The
@@ -59,6 +63,8 @@ from torch import nn
 from quantpipe.core.heap import release_freed_memory
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import block_rows
+from quantpipe.runtime.quant_embedding import QuantEmbedding
+from quantpipe.runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +122,7 @@ def _file_backed(t: torch.Tensor) -> bool:
     return False
 
 
-def _page_out(t: torch.Tensor) -> None:
+def page_out(t: torch.Tensor) -> None:
     """Ask the kernel to reclaim the whole pages of t's bytes now (MADV_PAGEOUT). Only for a
     file-backed source that is about to be dropped: its clean pages are released (read again
     from the file if touched), so they are not resident beside the copy made from them. A
@@ -169,7 +175,7 @@ def relayout_rows(w: torch.Tensor, layouts: list, release: bool = True) -> list[
                 pad[:src.shape[0] - full] = src[full:]
                 out[-1:].copy_(arrange(pad))
         if release:
-            _page_out(src)
+            page_out(src)
     return outs
 
 
@@ -294,10 +300,20 @@ def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return wb.to(torch.int8).view(n, k), scales  # [N, K] int8
 
 
+def block_row_quads(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] (K % 4 == 0) -> [ceil(N / 16), K / 4, 64]: int8_a8_mm's layout, byte
+    4r + e of chunk (b, c) = q[16b + r, 4c + e] (16 rows x 4 columns, rows zero-padded)."""
+    b = block_rows(q)  # [N / 16, K, 16]
+    nb, k, _ = b.shape
+    # [N/16, K, 16] -> [N/16, K/4, 4, 16] -> [N/16, K/4, 16, 4] -> [N/16, K/4, 64]
+    return b.view(nb, k // 4, 4, BLOCK).transpose(2, 3).reshape(nb, k // 4, 4 * BLOCK)
+
+
 def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 [N, K] -> int8_mm's operands: q8 int8 [N / 16, K, 16] and scales fp16
-    [N / 16, K / 32, 16] (:func:`quantize_head_int8`'s values, rows zero-padded to 16), made
+    """fp16 [N, K] -> int8_a8_mm's operands: q8 int8 [N / 16, K / 4, 64] (:func:`block_row_quads`)
+    and scales fp16 [N / 16, K / 32, 16] (:func:`quantize_head_int8`'s values, rows zero-padded
+    to 16), made
     ``INT8_HEAD_CHUNK_ROWS`` rows at a time. With ``release``, where the weight is a view of a file
     mapping (the checkpoint's head), each chunk's pages are handed back once read (as
     :func:`relayout_rows` does): the peak is the int8 copy plus one chunk, not the copy plus
@@ -305,17 +321,17 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
     n, k = weight_fp16.shape
     release = release and weight_fp16.is_contiguous() and _file_backed(weight_fp16)
     nb = -(-n // BLOCK)
-    q8 = torch.empty(nb, k, BLOCK, dtype=torch.int8)
+    q8 = torch.empty(nb, k // 4, 4 * BLOCK, dtype=torch.int8)
     scales = torch.empty(nb, k // INT8_HEAD_GROUP, BLOCK, dtype=torch.float16)
     for r0 in range(0, n, INT8_HEAD_CHUNK_ROWS):
         src = weight_fp16[r0:r0 + INT8_HEAD_CHUNK_ROWS]
         q, s = quantize_head_int8(src)  # [rows, K], [rows, K / 32]
         b0, b1 = r0 // BLOCK, -(-(r0 + src.shape[0]) // BLOCK)
-        q8[b0:b1] = block_rows(q)
+        q8[b0:b1] = block_row_quads(q)
         scales[b0:b1] = block_rows(s)
         del q, s
         if release:
-            _page_out(src)
+            page_out(src)
         # the chunk's temporaries: handed back before the next chunk, so that the heap does
         # not keep a chunk's worth of them per chunk beside the growing copy
         release_freed_memory()
@@ -323,9 +339,10 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
 
 
 class Int8Head(nn.Module):
-    """y = x @ (q * scale)^T (+ b): the head quantized to int8 at load time (``head_dtype
-    int8``), run by the active ISA build's ``int8_mm`` (exact int8 weights, fp32 activations
-    and sums): half the bytes of the fp16 head per generated token. Needs the kernels."""
+    """y = x_q @ (q * scale)^T (+ b): the head quantized to int8 at load time (``head_dtype
+    int8``), run by the active ISA build's ``int8_a8_mm`` (x_q: x quantized to int8 per row and
+    32 columns; exact integer dots, fp32 scaling and sums): half the bytes of the fp16 head per
+    generated token. Needs the kernels."""
 
     def __init__(self, weight_fp16: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> None:
@@ -335,13 +352,13 @@ class Int8Head(nn.Module):
             raise ValueError(f"head dtype int8 needs hidden size % {INT8_HEAD_GROUP} == 0, "
                              f"not {self.in_features}; use fp16")
         self.out_dtype = out_dtype
-        # [N / 16, K, 16] and [N / 16, K / 32, 16] (int8_mm's layout)
+        # [N / 16, K / 4, 64] and [N / 16, K / 32, 16] (int8_a8_mm's layout)
         q8, scales = int8_head_blocked(weight_fp16)
         self.register_buffer("q8", q8, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(),
                              persistent=False)
-        self._int8_mm = cpu_ext.ops().int8_mm.default
+        self._int8_a8_mm = cpu_ext.ops().int8_a8_mm.default
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode=int8"
@@ -349,7 +366,7 @@ class Int8Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2d = x.reshape(rows, self.in_features).float().contiguous()  # [M, in] fp32
-        y = self._int8_mm(x2d, self.q8, self.scales, None, INT8_HEAD_GROUP)  # [M, padded out]
+        y = self._int8_a8_mm(x2d, self.q8, self.scales)  # [M, padded out]
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features].contiguous()
         y = y.view(*x.shape[:-1], self.out_features)
@@ -383,6 +400,9 @@ def set_half_head(model: nn.Module, mode: str, act_dtype: torch.dtype | None = N
         raise ValueError(f"head dtype {mode!r}: use one of {HEAD_DTYPES}")
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
+    if isinstance(emb, QuantEmbedding) or isinstance(head, QuantLinear):
+        _keep_quantized_tables(model, mode, act_dtype)
+        return
     act_dtype = act_dtype or emb.weight.dtype
     if mode == "fp32":
         _cast_tables(model, act_dtype)
@@ -418,6 +438,19 @@ def set_half_head(model: nn.Module, mode: str, act_dtype: torch.dtype | None = N
     model.set_input_embeddings(CastEmbedding(table, act_dtype, emb.num_embeddings,
                                              getattr(emb, "embed_scale", None)))
     model.set_output_embeddings(new_head)
+
+
+def _keep_quantized_tables(model: nn.Module, mode: str, act_dtype: torch.dtype | None) -> None:
+    """A checkpoint that stores its vocabulary tables quantized (``export --vocab-weights``)
+    runs them as stored; an FP input table beside a quantized head is cast as fp32 mode
+    does."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    log.info("the embedding table / head are stored quantized (%s, %s): head dtype %s does "
+             "not apply", type(emb).__name__, type(head).__name__, mode)
+    if isinstance(emb, nn.Embedding) and act_dtype is not None and emb.weight.dtype != act_dtype:
+        model.set_input_embeddings(CastEmbedding(emb.weight.detach(), act_dtype,
+                                                 emb.num_embeddings,
+                                                 getattr(emb, "embed_scale", None)))
 
 
 def _cast_tables(model: nn.Module, act_dtype: torch.dtype) -> None:

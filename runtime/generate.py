@@ -161,6 +161,16 @@ def engine_decode(model, tokenizer, ids: list[int], max_new_tokens: int,
     return new, t1 - t0, time.perf_counter() - t1
 
 
+def check_chat_template(folder: Path) -> None:
+    """--chat on a model whose tokenizer has no chat template (a base model) is a one-line
+    error before the model loads, not transformers' error after it."""
+    from quantpipe.core.sources import load_folder_tokenizer
+
+    if not getattr(load_folder_tokenizer(folder), "chat_template", None):
+        raise ValueError(f"--chat: the tokenizer in {folder} has no chat template (a base "
+                         "model); drop --chat to continue the prompt as plain text")
+
+
 def run_generate(spec: GenerateSpec) -> GenerateResult:
     from quantpipe.runtime.engine import load_model_for_serving
     from quantpipe.runtime.engine.detokenize import eos_ids
@@ -171,6 +181,8 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
             raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
         torch.cuda.reset_peak_memory_stats()
     folder = Path(spec.model_dir)
+    if spec.chat:
+        check_chat_template(folder)
     model, tokenizer = load_model_for_serving(folder, spec.device, head_dtype=spec.head_dtype,
                                               verify=spec.verify)
     ids = prompt_ids(tokenizer, spec.prompt, spec.chat)

@@ -43,7 +43,11 @@ from quantpipe.core.formats.native import quantized_tensors
 from quantpipe.core.heap import release_freed_memory
 from quantpipe.core.hf_model import build_causal_lm
 from quantpipe.core.io import LazyTensors
+from quantpipe.core.qformat import QuantSpec
+from quantpipe.core.vocab import vocab_tables
+from quantpipe.runtime.fp_head import page_out
 from quantpipe.runtime.kernels.layout import PackedLinear
+from quantpipe.runtime.quant_embedding import QuantEmbedding
 from quantpipe.runtime.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -181,12 +185,17 @@ def load_quantized_model(qdir: str | Path, device: str | torch.device = "cpu",
     tensors = ckpt.fp_tensors(mapped)
     if experts is not None:
         quant_linears, tensors = experts.take(quant_linears), experts.placeholders(tensors)
+    vocab = _QuantVocab(ckpt, dtype, device, backend) if ckpt.source.embeddings else None
+    if vocab is not None:
+        quant_linears, tensors = vocab.head(quant_linears), vocab.placeholders(tensors)
     model = build_causal_lm(ckpt.config, tensors, dtype, device=device,
                             modules=quant_linears, where=qdir,
                             keep_fp16_embeddings=keep_fp16_embeddings)
     if experts is not None:
         experts.install(model)
-    del ckpt, quant_linears, tensors, experts
+    if vocab is not None:
+        vocab.install(model)
+    del ckpt, quant_linears, tensors, experts, vocab
     release_freed_memory()
     counts = Counter(m.backend for m in model.modules() if isinstance(m, QuantLinear))
     log.info("loaded %s on %s: %d QuantLinear layers %s", qdir, device, sum(counts.values()),
@@ -203,6 +212,77 @@ def _quant_linears(ckpt: PackedCheckpoint, device: torch.device, backend: str | 
         module = QuantLinear(packed, device, backend=backend, bias_dtype=dtype)
         del packed
         yield name, module
+
+
+class _QuantVocab:
+    """A checkpoint's quantized embedding table (``export --vocab-weights``): the decoder's
+    ``embed_tokens`` becomes a :class:`QuantEmbedding` over the stored packed table (on CPU a
+    read-only memory map of its shard: the rows looked up are read), and a head tied to it a
+    :class:`QuantLinear` made from the same stored tensors (the checkpoint holds the table
+    once; the head's kernel layout is its own copy). An untied quantized head is a layer of
+    the plan and is built like every other."""
+
+    def __init__(self, ckpt: PackedCheckpoint, dtype: torch.dtype, device: torch.device,
+                 backend: str | None) -> None:
+        tables = vocab_tables(ckpt.config)
+        (self.name,) = ckpt.source.embeddings  # native stores at most the one input table
+        assert self.name == tables.embedding, (self.name, tables.embedding)
+        self.tied, self.head_name = tables.tied, tables.head
+        self.dtype, self.device, self.backend = dtype, device, backend
+        self.packed = self._packed(ckpt)
+
+    def _packed(self, ckpt: PackedCheckpoint) -> PackedLinear:
+        """The stored table as the native layout (mapped on CPU, else read to ``device``)."""
+        source, name = ckpt.source, self.name
+        if source.checkpoint_format == NATIVE:
+            stored = LazyTensors.of_folder(source.folder)
+            spec = QuantSpec.from_dict(source.config["quantization_config"]["embeddings"][name])
+
+            def read(key: str) -> torch.Tensor | None:
+                if key not in stored:
+                    return None
+                t = stored.mapped(key) if self.device.type == "cpu" else None
+                return (stored[key] if t is None else t).to(self.device)
+
+            qweight = read(f"{name}.qweight")  # int32 [vocab, hidden * bits / 32]
+            return PackedLinear(spec, qweight, read(f"{name}.scales"), read(f"{name}.qzeros"),
+                                None, None, qweight.shape[1] * 32 // spec.bits)
+        qw = source.embeddings[name]  # unpacked to quantpipe's convention, packed again
+        t = quantized_tensors(name, qw)
+        return PackedLinear(qw.spec, t[f"{name}.qweight"].to(self.device),
+                            t[f"{name}.scales"].to(self.device),
+                            None if qw.spec.sym else t[f"{name}.qzeros"].to(self.device),
+                            None, None, qw.shape[1])
+
+    def head(self, quant_linears: Iterator[tuple[str, torch.nn.Module]]
+             ) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The quantized linears, then a tied head made from the table."""
+        yield from quant_linears
+        if self.tied:
+            yield self.head_name, QuantLinear(self.packed, self.device, backend=self.backend,
+                                              bias_dtype=self.dtype)
+
+    def placeholders(self, tensors: Iterator[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The FP tensors and a zero-stride stand-in (no memory) for the table's weight,
+        replaced by :meth:`install` once the model is built."""
+        yield from tensors
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        yield f"{self.name}.weight", zero.expand(self.packed.out_features,
+                                                 self.packed.in_features)
+
+    def install(self, model: torch.nn.Module) -> None:
+        """``embed_tokens`` -> QuantEmbedding over the stored table."""
+        emb = model.get_input_embeddings()
+        p = self.packed
+        model.set_input_embeddings(QuantEmbedding(
+            p.spec, p.qweight, p.scales, p.qzeros, self.dtype, emb.num_embeddings,
+            getattr(emb, "embed_scale", None)))
+        if self.tied and self.device.type == "cpu":
+            # the tied head's repack read the whole mapped table: hand its clean file pages
+            # back, so that only rows looked up from now on are resident
+            for t in (p.qweight, p.scales):
+                page_out(t)
 
 
 class _Experts:

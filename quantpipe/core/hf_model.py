@@ -67,7 +67,9 @@ def build_causal_lm(
     missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
     if missing or unexpected:
         raise ValueError(f"{where}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
-    if tied:
+    # a head given in ``modules`` (a quantized head made from a quantized table) is tied by
+    # the caller; an nn.Linear head is tied here
+    if tied and isinstance(model.get_output_embeddings(), torch.nn.Linear):
         model.tie_weights()  # the meta skeleton's head is not tied to the loaded embeddings
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     model.to(device)  # non-persistent buffers (rotary inv_freq) were built on the CPU

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -390,16 +391,16 @@ def save_sharded(
 
 
 def write_shards(
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | ChunkedTensor]],
     out_dir: str | os.PathLike,
     max_shard_size: int | str = "2GB",
     prefix: str = "model",
 ) -> list[dict]:
     """:func:`save_sharded` for ``(name, tensor)`` pairs made on demand (a generator). Each
     tensor's bytes go to disk as it arrives (:class:`StreamingShard`), so one tensor is in
-    memory at a time, whatever ``max_shard_size``; a new shard starts when the next tensor
-    would take the current one past ``max_shard_size``. Shards get their final ``-of-N``
-    names at the end."""
+    memory at a time, whatever ``max_shard_size`` (a :class:`ChunkedTensor`: one of its
+    chunks); a new shard starts when the next tensor would take the current one past
+    ``max_shard_size``. Shards get their final ``-of-N`` names at the end."""
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
     written: list[tuple[Path, list[str], int]] = []  # finished file, names, tensor bytes
@@ -410,7 +411,7 @@ def write_shards(
 
     shard = new_shard()
     for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
+        nbytes = tensor_nbytes(t)
         if shard.names and shard.nbytes + nbytes > limit:
             written.append((shard.finish({"format": "pt"}), shard.names, shard.nbytes))
             shard = new_shard()
@@ -436,6 +437,27 @@ def write_shards(
     return entries
 
 
+@dataclass(frozen=True)
+class ChunkedTensor:
+    """A tensor written to a shard in consecutive row-major chunks, never whole: the chunks'
+    bytes, in order, are the tensor's (e.g. a MoE block's fused experts ``[E, 2I, H]``
+    assembled from each expert's gate and up ``[I, H]``, one expert in memory at a time)."""
+
+    shape: tuple[int, ...]  # of the whole tensor
+    dtype: torch.dtype  # of every chunk
+    chunks: Callable[[], Iterator[torch.Tensor]]  # made on demand, one at a time
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+def tensor_nbytes(t: torch.Tensor | ChunkedTensor) -> int:
+    return t.numel() * t.element_size()
+
+
 _ST_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
               torch.float64: "F64", torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16",
               torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
@@ -459,16 +481,23 @@ class StreamingShard:
         self._data_path = path.with_name(f".{path.name}.data")
         self._data = open(self._data_path, "wb")  # noqa: SIM115  (closed in finish/abort)
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor | ChunkedTensor) -> None:
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes] raw, LSB first
+        chunks = t.chunks() if isinstance(t, ChunkedTensor) else iter((t,))
+        written = 0
         try:
-            write_bytes(self._data, flat.numpy())
+            for chunk in chunks:
+                assert chunk.dtype == t.dtype, f"{name}: {chunk.dtype} chunk of a {t.dtype} tensor"
+                flat = chunk.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes] raw
+                write_bytes(self._data, flat.numpy())
+                written += flat.numel()
+                del chunk, flat  # on disk: the next chunk is made only now
         except BaseException as exc:
             self.abort()
             _raise_write_error(exc, self.path)
-        end = self.nbytes + flat.numel()
+        assert written == tensor_nbytes(t), f"{name}: {written} bytes for shape {t.shape}"
+        end = self.nbytes + written
         self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                               "data_offsets": [self.nbytes, end]}
         self.names.append(name)

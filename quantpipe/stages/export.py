@@ -6,22 +6,28 @@ calibration by ``calibration.plan`` and applied here; the chosen format's writer
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.plan import Plan, PlanSpec, check_budget_bits, make_plan
-from quantpipe.core.formats.registry import FORMAT_NAMES
+from quantpipe.calibration.vocab import quantize_table
+from quantpipe.core.formats.registry import FORMAT_NAMES, format_named, layer_bits
 from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.io import (
+    LazyTensors,
     check_not_overlapping,
     check_output_dir,
     output_lock,
     parse_size,
+    tensor_shape,
 )
-from quantpipe.core.qformat import check_bits
+from quantpipe.core.qformat import LazyWeights, QuantizedWeight, QuantSpec, check_bits
+from quantpipe.core.vocab import VOCAB_SPEC_VERSION, VocabSpec, VocabTables, vocab_tables
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,8 @@ class ExportSpec:
     max_shard_size: str = "2GB"
     force: bool = False
     damage: str = "auto"  # what --budget-bits minimises: auto, kld or proxy (PlanSpec.damage)
+    # the embedding table and output head: fp16 (as exported) or int8 / int4 RTN
+    vocab: VocabSpec = field(default_factory=VocabSpec)
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
@@ -62,17 +70,91 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
     check_not_overlapping(spec.out, {"CALIB_DIR": spec.calib_dir})
     calib = read_calibration(spec.calib_dir)
     check_not_overlapping(spec.out, {"FP16_DIR (of the calibration)": calib.fp16_dir})
+    vocab = _vocab_plan(spec, calib.fp16_dir)  # an unsupported option fails here
     check_output_dir(spec.out, spec.force)  # fail before reading the weights
     with output_lock(spec.out):
         plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides,
                                          spec.damage, spec.fmt))
         weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
-        _write(spec, calib, plan, weights)
+        _write(spec, calib, plan, weights, vocab)
     size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))
     return ExportResult(Path(spec.out), plan, size, time.perf_counter() - t0)
 
 
-def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: dict) -> None:
+@dataclass(frozen=True)
+class VocabPlan:
+    """Which vocabulary tables an export quantizes, read from the FP16 folder's headers."""
+
+    tables: VocabTables
+    spec: QuantSpec | None  # None: both stay FP16
+    quantize: tuple[str, ...]  # module names of the tables written quantized
+    shapes: dict[str, tuple[int, int]]  # [vocab, hidden] of each table stored
+    why: str  # why a table stays FP16 in this format ("" when none does)
+
+
+def _vocab_plan(spec: ExportSpec, fp16_dir: Path) -> VocabPlan | None:
+    """The tables ``--vocab-weights`` quantizes in ``--format``; ValueError (one line) when the
+    format can hold neither, or the group size does not divide the hidden size."""
+    if not spec.vocab.quantized:
+        return None
+    tables = vocab_tables(json.loads((Path(fp16_dir) / "config.json").read_text()))
+    state = LazyTensors.of_folder(fp16_dir)
+    # a tied head is the table (a stray lm_head.weight of a tied model is not written)
+    names = (tables.embedding,) if tables.tied else (tables.embedding, tables.head)
+    shapes = {n: tuple(tensor_shape(state, f"{n}.weight")) for n in names
+              if f"{n}.weight" in state}
+    if tables.embedding not in shapes:
+        raise ValueError(f"--vocab-weights: {fp16_dir} has no {tables.embedding}.weight")
+    qspec = spec.vocab.quant_spec(shapes[tables.embedding][1])
+    support = format_named(spec.fmt).vocab_support(tables.tied)
+    quantize = tuple(n for n, ok in ((tables.embedding, support.embedding),
+                                     (tables.head, support.head and not tables.tied))
+                     if ok and n in shapes)
+    if not quantize:
+        raise ValueError(f"--vocab-weights {spec.vocab.weights} with --format {spec.fmt}: "
+                         f"{support.why}")
+    if support.why:
+        log.warning("--vocab-weights %s with --format %s: %s", spec.vocab.weights, spec.fmt,
+                    support.why)
+    return VocabPlan(tables, qspec, quantize, shapes, support.why)
+
+
+def _vocab_weights(vocab: VocabPlan, fp16_dir: Path, head: bool) -> LazyWeights:
+    """The quantized head (``head``) or embedding table, quantized (RTN) from the FP16 folder
+    when it is written."""
+    state = LazyTensors.of_folder(fp16_dir)
+    names = [n for n in vocab.quantize if (n == vocab.tables.head) == head]
+
+    def load(name: str) -> QuantizedWeight:
+        return quantize_table(state[f"{name}.weight"], vocab.spec)  # [vocab, hidden]
+
+    return LazyWeights({n: vocab.spec for n in names}, {n: vocab.shapes[n] for n in names}, load)
+
+
+def _vocab_record(spec: ExportSpec, vocab: VocabPlan | None) -> dict:
+    """The manifest's ``vocab``: what was stored and its bits (the registry's count)."""
+    if vocab is None:
+        return {"version": VOCAB_SPEC_VERSION, "weights": "fp16"}
+    tables = {}
+    for name, shape in vocab.shapes.items():
+        q = vocab.spec if name in vocab.quantize else None
+        tables[name] = {"spec": None if q is None else q.to_dict(), "shape": list(shape),
+                        "bits_per_weight": layer_bits(q, shape, spec.fmt) / (shape[0] * shape[1])}
+    return {"version": VOCAB_SPEC_VERSION, "weights": spec.vocab.weights,
+            "method": "rtn (min-max symmetric, no calibration data)",
+            "tied": vocab.tables.tied, "tables": tables, "kept_fp16_because": vocab.why}
+
+
+def _with(weights: LazyWeights, extra: LazyWeights) -> LazyWeights:
+    """``weights`` and ``extra`` as one lazy mapping (``extra``'s after)."""
+    if not extra:
+        return weights
+    specs, shapes = {**weights.specs, **extra.specs}, {**weights.shapes, **extra.shapes}
+    return LazyWeights(specs, shapes, lambda n: extra[n] if n in extra else weights[n])
+
+
+def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: LazyWeights,
+           vocab: VocabPlan | None = None) -> None:
     """Hand the plan's weights to the chosen format's writer (the registry's)."""
     manifest_fields = {
         "calibration": {
@@ -85,13 +167,18 @@ def _write(spec: ExportSpec, calib: Calibration, plan: Plan, weights: dict) -> N
             "seconds": calib.manifest.get("seconds"),
         },
         "plan": plan.to_dict(),
+        "vocab": _vocab_record(spec, vocab),
     }
+    embeddings: Mapping[str, QuantizedWeight] = {}
+    if vocab is not None:  # a quantized untied head is one more linear
+        weights = _with(weights, _vocab_weights(vocab, calib.fp16_dir, head=True))
+        embeddings = _vocab_weights(vocab, calib.fp16_dir, head=False)
     args = dict(
         fp_overrides=calib.fp_tensors(), manifest_fields=manifest_fields,
         max_shard_size=spec.max_shard_size, force=spec.force,
         # export reads FP tensors from the FP16 folder: it must hold the very bytes the
         # calibration was computed from, or the manifest would claim a wrong source hash
         fp16_shards=calib.manifest["fp16_shards"],
-        recorded_by=f"the calibration {spec.calib_dir}",
+        recorded_by=f"the calibration {spec.calib_dir}", embeddings=embeddings,
     )
     write_checkpoint(spec.fmt, spec.out, calib.fp16_dir, weights, **args)

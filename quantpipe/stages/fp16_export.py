@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +13,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from quantpipe.core.experts import model_name, split_fused_name
+from quantpipe.core.families import FAMILIES
 from quantpipe.core.io import (
+    ChunkedTensor,
     LazyTensors,
     atomic_output_dir,
     parse_size,
@@ -92,10 +97,12 @@ def export_fp16(spec: Fp16ExportSpec) -> Fp16ExportResult:
     """Write the FP16 folder; bad input fails before ``spec.out`` is touched, and the whole
     export runs under the output lock inside a hidden temp folder (see quantpipe.core.io).
 
-    A safetensors folder whose tensor names are the model's, and a GGUF file of an architecture
-    whose tensors transformers converts one by one, are converted tensor by tensor (one tensor
-    in memory, never the model); other sources (``.bin``, GGUF MoE files, checkpoints that
-    transformers renames while loading) are loaded whole by transformers.
+    A safetensors folder (tensor names the model's, or a MoE family's hub names: experts per
+    expert, renamed and fused per tensor) and a GGUF file of an architecture whose tensors
+    transformers converts one by one (MoE experts one expert at a time) are converted tensor by
+    tensor (one tensor, or one expert's part, in memory; never the model); other sources
+    (``.bin``, quantized safetensors, other GGUF architectures) are loaded whole by
+    transformers.
     """
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
@@ -160,19 +167,38 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """A MoE block's 3-D experts parameter (transformers' ``gate_up_proj`` [E, 2I, H] or
+    ``down_proj`` [E, H, I]) that the source stores per expert: the source tensors whose rows,
+    in order, are its rows (expert 0's gate, its up, expert 1's gate, ...; or each expert's
+    down), as transformers' loader concatenates them."""
+
+    parts: tuple[str, ...]  # source names, in row order
+    shape: tuple[int, ...]  # of the fused parameter
+    part_shape: tuple[int, ...]  # of each part: [I, H] (gate, up) or [H, I] (down)
+
+
 @dataclass
 class StreamPlan:
-    """A safetensors source read tensor by tensor, in the model's own state-dict order."""
+    """A source read tensor by tensor, in the model's own state-dict order."""
 
     folder: Path
     dtype: torch.dtype  # what floating tensors are written as
     config: object  # transformers PretrainedConfig
-    source: LazyTensors  # the source's tensors, read on access
+    source: Mapping[str, torch.Tensor]  # the source's tensors, read on access
     numel: dict[str, int]  # tensors to write (tied duplicates left out) -> element count
     buffers: dict[str, torch.Tensor]  # persistent buffers the source does not store
+    stored_as: dict[str, str]  # model tensor -> the source's name for it (Mixtral's router)
+    fused: dict[str, FusedExperts]  # experts assembled from per-expert source tensors
 
-    def converted(self, name: str) -> torch.Tensor:
-        t = self.buffers[name] if name in self.buffers else self.source[name]
+    def converted(self, name: str) -> torch.Tensor | ChunkedTensor:
+        if name in self.fused:
+            fused = self.fused[name]
+            # one expert's part in memory at a time: never the fused parameter
+            return ChunkedTensor(fused.shape, self.dtype, lambda: (
+                _cast(p, self.source[p], self.dtype) for p in fused.parts))
+        t = self.buffers[name] if name in self.buffers else self.source[self.stored_as[name]]
         return _cast(name, t, self.dtype)
 
     def generation_config(self):
@@ -205,12 +231,13 @@ def stream_plan(src: ModelSource, dtype: torch.dtype,
                 trust_remote_code: bool = False) -> StreamPlan | None:
     """How to convert ``src`` tensor by tensor, or None when it must be loaded whole: remote
     code, an already quantized checkpoint, tensor names that transformers would rename or
-    convert while loading, or a GGUF architecture whose tensors transformers converts together
-    (its MoE processors gather experts across tensors)."""
+    convert while loading (other than a MoE family's per-expert hub names, which are done
+    here), or a GGUF architecture whose tensors transformers converts in ways not repeated
+    here (GPT-OSS, MiniMax-M2, ...)."""
+    if src.kind == "gguf":  # transformers builds a GGUF's model from its own classes
+        return _gguf_plan(src, dtype)
     if trust_remote_code:
         return None
-    if src.kind == "gguf":
-        return _gguf_plan(src, dtype)
     if src.kind != "folder" or not any(src.path.glob("*.safetensors")):
         return None
     from transformers import AutoConfig
@@ -238,30 +265,90 @@ def _skeleton(config):
 
 def _plan(src: ModelSource, dtype: torch.dtype, config, stored: set[str], source,
           skeleton=None) -> StreamPlan | None:
-    """The plan when the source stores ``stored`` (model names); ``source()`` reads them. None
-    when a parameter of the model is not stored under its name."""
+    """The plan when the source stores ``stored``; ``source()`` reads them. Names are the
+    model's, or a MoE family's hub names (per expert, Mixtral's ``block_sparse_moe``), renamed
+    and fused per tensor as transformers' loader does. None when a parameter of the model is
+    stored neither way."""
     skeleton = _skeleton(config) if skeleton is None else skeleton
     emb_in, emb_out = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
     tied = emb_out is not None and emb_out.weight is emb_in.weight
     out_name = next((n for n, m in skeleton.named_modules() if m is emb_out), None)
+    state = skeleton.state_dict()
+    stored_as = _model_names(config.model_type, stored)
+    fused = _fused_experts(config.model_type, state, stored_as)
     numel, buffers = {}, {}
-    for name, t in skeleton.state_dict().items():
+    for name, t in state.items():
         if tied and name == f"{out_name}.weight":
             continue  # stored once, as the input embeddings
-        if name not in stored:
+        if name not in stored_as and name not in fused:
             if t.is_meta:
                 log.info("%s: %s is not stored under the model's name; loading it whole",
                          src.path, name)
                 return None
             buffers[name] = t  # a persistent buffer the checkpoint does not carry
         numel[name] = t.numel()
-    return StreamPlan(src.folder, dtype, config, source(), numel, buffers)
+    plan = StreamPlan(src.folder, dtype, config, source(), numel, buffers, stored_as, fused)
+    _check_parts(src, plan)
+    return plan
+
+
+def _model_names(model_type: str, stored: set[str]) -> dict[str, str]:
+    """Model tensor name -> the source's name for it: the identity, except for a MoE family's
+    hub names (Mixtral ``block_sparse_moe.`` -> ``mlp.``, transformers' WeightRenaming)."""
+    family = FAMILIES.get(model_type)
+    if family is None or family.moe is None:
+        return {k: k for k in stored}
+    return {model_name(k, family.blocks, family.moe): k for k in stored}
+
+
+def _fused_experts(model_type: str, state: Mapping[str, torch.Tensor],
+                   stored_as: dict[str, str]) -> dict[str, FusedExperts]:
+    """The model's 3-D experts parameters that the source stores per expert (hub layout:
+    ``{block}.{experts}.{e}.{linear}.weight``), as transformers' WeightConverter fuses them:
+    gate_up [E, 2I, H] = each expert's gate rows then its up rows; down [E, H, I] stacked."""
+    family = FAMILIES.get(model_type)
+    moe = None if family is None else family.moe
+    if moe is None:
+        return {}
+    gate, up, down = moe.linear_names
+    out = {}
+    for name, t in state.items():
+        found = split_fused_name(name, family.blocks, moe)
+        if found is None or name in stored_as:
+            continue  # not experts, or stored fused already (e.g. a quantpipe FP16 export)
+        prefix, kind = found
+        linears, rows = ((gate, up), t.shape[1] // 2) if kind == moe.gate_up else ((down,),
+                                                                                  t.shape[1])
+        per_expert = [f"{prefix}.{moe.path}.{e}.{lin}.weight" for e in range(t.shape[0])
+                      for lin in linears]
+        if all(p in stored_as for p in per_expert):
+            out[name] = FusedExperts(tuple(stored_as[p] for p in per_expert), tuple(t.shape),
+                                     (rows, t.shape[2]))
+    return out
+
+
+def _check_parts(src: ModelSource, plan: StreamPlan) -> None:
+    """Every per-expert part has the shape the config gives it (its bytes are written as rows
+    of the fused parameter, so a wrong shape must fail here, naming it, not corrupt the
+    output)."""
+    for name, fused in plan.fused.items():
+        for part in fused.parts:
+            shape = tuple(plan.source.shape(part))
+            if shape != fused.part_shape:
+                raise ValueError(f"{src.path}: {part} has shape {list(shape)}, but the config "
+                                 f"makes each expert part of {name} "
+                                 f"{list(fused.part_shape)}; the checkpoint does not match "
+                                 "its config.json")
 
 
 # transformers' GGUF tensor processors that convert each tensor on its own (llama.cpp's q/k
-# row permutation undone, Gemma's norm offset); the others gather tensors (MoE experts) or
-# split them, so those architectures are loaded whole
-_GGUF_TENSOR_BY_TENSOR = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
+# row permutation undone, Gemma's norm offset), and Qwen2-MoE's, which gathers only the 3-D
+# expert tensors (read here one expert at a time, see _expert_entries); the others gather or
+# split tensors in ways not repeated here, so those architectures are loaded whole
+_GGUF_TENSOR_BY_TENSOR = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor",
+                          "Qwen2MoeTensorProcessor")
+# llama.cpp's MoE experts: one 3-D tensor per block and linear, [E, rows, cols] as numpy reads it
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 @dataclass(frozen=True)
@@ -272,12 +359,14 @@ class _GGUFEntry:
     np_dtype: object  # numpy dtype and shape of its raw data (GGUFReader's view of it)
     shape: tuple[int, ...]
     qtype: object  # gguf GGMLQuantizationType
+    logical: tuple[int, ...]  # its shape once dequantized (numpy order)
 
 
 class GGUFTensors:
     """A GGUF file's tensors under the model's names, each read with a plain file read (no
     mapping stays behind it), dequantized and processed as transformers' GGUF loader does when
-    it is accessed: one tensor in memory at a time."""
+    it is accessed: one tensor in memory at a time. A MoE block's 3-D expert tensors appear
+    per expert (``{block}.mlp.experts.{e}.{linear}.weight``), each expert's rows read alone."""
 
     def __init__(self, path: Path, entries: dict[str, _GGUFEntry], processor) -> None:
         self.path = path
@@ -296,10 +385,75 @@ class GGUFTensors:
         weights = self.processor.process(weights=dequantize(data, e.qtype), name=e.name).weights
         return torch.from_numpy(np.array(weights, copy=True))  # writable, owns its memory
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's dequantized shape (before the processor; nothing is read)."""
+        return self.entries[name].logical
+
+
+def _entry(t, name: str | None = None) -> _GGUFEntry:
+    return _GGUFEntry(name or t.name, int(t.data_offset), int(t.n_bytes), t.data.dtype,
+                      tuple(t.data.shape), t.tensor_type,
+                      tuple(int(n) for n in reversed(t.shape)))
+
+
+def _expert_entries(t, m: re.Match, family) -> dict[str, _GGUFEntry]:
+    """A 3-D ``blk.N.ffn_{gate,up,down}_exps`` tensor as one entry per expert, named as the hub
+    names the expert's linear; expert e's bytes are the e-th of E equal slices (llama.cpp
+    quantizes along rows, so a slice dequantizes to exactly that expert's rows)."""
+    moe = family.moe
+    whole = _entry(t)
+    n = whole.shape[0]  # experts
+    assert whole.nbytes % n == 0, t.name
+    per = whole.nbytes // n
+    linear = moe.linear_names[("gate", "up", "down").index(m.group(2))]
+    prefix = f"{family.blocks}.{m.group(1)}.{moe.path}"
+    return {f"{prefix}.{e}.{linear}.weight": _GGUFEntry(
+        t.name, whole.offset + e * per, per, whole.np_dtype, whole.shape[1:], whole.qtype,
+        whole.logical[1:]) for e in range(n)}
+
+
+def _mixtral_config(reader, config):
+    """llama.cpp writes Mixtral as architecture ``llama`` with ``llama.expert_count``;
+    transformers reads such a file as a dense Llama (and initialises its missing MLPs at
+    random). The Mixtral config of the same fields, with the expert counts; None for a
+    dense Llama."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    experts = read_field(reader, "llama.expert_count")
+    if not experts or not experts[0]:
+        return None
+    used = read_field(reader, "llama.expert_used_count")
+    keep = set(AutoConfig.for_model("mixtral").to_dict()) - {
+        "model_type", "architectures", "transformers_version"}
+    fields = {k: v for k, v in config.to_dict().items() if k in keep}
+    fields.update(num_local_experts=int(experts[0]), num_experts_per_tok=int(used[0]))
+    return AutoConfig.for_model("mixtral", **fields)
+
+
+# GGUF keys of a Qwen MoE's expert widths -> config fields (transformers' GGUF config reads
+# neither and keeps the config class defaults, right only for the models they were taken from)
+_GGUF_EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
+                       "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _expert_widths(reader, arch: str, config) -> None:
+    """Set a Qwen MoE config's expert widths from the file, where it has them."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    if arch not in ("qwen2moe", "qwen3moe"):
+        return
+    for key, field in _GGUF_EXPERT_WIDTHS.items():
+        value = read_field(reader, f"{arch}.{key}")
+        if value and hasattr(config, field):
+            setattr(config, field, int(value[0]))
+
 
 def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
     """GGUF: transformers' config, name map and tensor processor, applied a tensor at a time
-    (the same values as its whole-model load: the same dequantization and processing)."""
+    (the same values as its whole-model load: the same dequantization and processing); MoE
+    experts read one expert at a time (llama.cpp's Mixtral, a ``llama`` file with experts that
+    transformers cannot load, gets the Mixtral config)."""
     from gguf import GGUFReader
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import (
@@ -321,15 +475,29 @@ def _gguf_plan(src: ModelSource, dtype: torch.dtype) -> StreamPlan | None:
                                             trust_remote_code=False)
     if hasattr(config, "quantization_config"):  # the file's types, dequantized here
         del config.quantization_config
+    mixtral = _mixtral_config(reader, config) if arch == "llama" else None
+    config = mixtral or config
+    _expert_widths(reader, arch, config)
     skeleton = _skeleton(config)
     config.architectures = [type(skeleton).__name__]  # as the loaded model records it
     # the processors read HF config keys (num_attention_heads, ...): the config parsed above
     # has them, so the file's metadata is not parsed a third time
     processor = processor_cls(config=config.to_dict())
-    names = get_gguf_hf_weights_map(skeleton, processor)  # GGUF name -> model name
-    entries = {names[t.name]: _GGUFEntry(t.name, int(t.data_offset), int(t.n_bytes),
-                                         t.data.dtype, tuple(t.data.shape), t.tensor_type)
-               for t in reader.tensors if t.name in names}
+    # GGUF name -> model name (a Mixtral skeleton through llama.cpp's "llama" names)
+    names = get_gguf_hf_weights_map(skeleton, processor, model_type=arch if mixtral else None)
+    family = FAMILIES.get(config.model_type)
+    entries = {}
+    for t in reader.tensors:
+        m = _GGUF_EXPERTS.fullmatch(t.name)
+        if m and family is not None and family.moe is not None:
+            entries.update(_expert_entries(t, m, family))
+        elif t.name in names:
+            entries[names[t.name]] = _entry(t)
     del reader  # its file mapping: nothing of the tensors was read through it
-    return _plan(src, dtype, config, set(entries),
+    plan = _plan(src, dtype, config, set(entries),
                  lambda: GGUFTensors(src.path, entries, processor), skeleton)
+    if plan is None and mixtral is not None:
+        raise ValueError(f"{src.path}: a Mixtral GGUF whose experts are not 3-D "
+                         "blk.N.ffn_{gate,up,down}_exps tensors (an older llama.cpp layout); "
+                         "convert the model again with a current llama.cpp")
+    return plan

@@ -15,20 +15,23 @@ The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused 
 is no custom paged-attention kernel.
 
 On CPU with fp32 activations, when quantpipe's C++ kernels are usable
-(``runtime.kernels.cpu_ext``), the norms (with the residual add folded in) and RoPE run as one
-C++ call each instead of ~8 small torch ops, and a step whose chunks are all short (decode
-tokens, prefill chunks of at most ``KERNEL_ATTENTION_MAX_Q`` tokens) attends with
-``quantpipe_cpu::paged_attention``, which reads each sequence's K/V straight from its paged
-blocks (no gather, no padding, no mask): the same formulas in fp32 (:func:`fused_ops_status`
-says whether and why not). Longer prefill chunks, and layers with a sliding window or score
-soft-capping (the kernel has neither), keep the gather + SDPA path. The C++ norm takes the
-gain as a weight, so a (1 + w) norm passes (1 + w), computed once.
+(``runtime.kernels.cpu_ext``), the norms (with the residual add folded in; the per-head q/k
+norms and the norms around the sublayer outputs too) and RoPE run as one C++ call each instead
+of ~8 small torch ops, and a step whose chunks are all short (decode tokens, prefill chunks of
+at most ``KERNEL_ATTENTION_MAX_Q`` tokens) attends with ``quantpipe_cpu::paged_attention``,
+which reads each sequence's K/V straight from its paged blocks (no gather, no padding, no
+mask; a sliding-window layer's keys at or beyond ``window`` positions back are skipped, the
+rule of :func:`window_mask`): the same formulas in fp32 (:func:`fused_ops_status` says whether
+and why not). Longer prefill chunks, and layers with score soft-capping (the kernel has none),
+keep the gather + SDPA path. The C++ norm takes the gain as a weight, so a (1 + w) norm passes
+(1 + w), computed once.
 
-Where a layer's parts are all W4A8 (q/k/v and gate/up stacked, o and down) with a silu MLP, no
-sliding window, soft-capping, q/k norms or sublayer-output norms, a step the paged kernel takes
-runs that whole layer as one C++ call (``decoder_layer``: the same kernels in the same order,
-bit-identical results), so no Python runs between its ops (``ModelRunner.layer_ops``;
-``QUANTPIPE_CPU_LAYER_OP=0`` turns it off).
+Where a layer's parts are all W4A8 (q/k/v and gate/up stacked, o and down) with a gated MLP of
+:data:`GATED_ACTS` (silu, Gemma's gelu_pytorch_tanh) and no score soft-capping, a step the
+paged kernel takes runs that whole layer as one C++ call (``decoder_layer``: q/k norms, sandwich
+norms and sliding windows included; the same kernels in the same order, bit-identical results),
+so no Python runs between its ops (``ModelRunner.layer_ops``; ``QUANTPIPE_CPU_LAYER_OP=0``
+turns it off).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ from quantpipe.runtime.kernels.cpu import (
 # "0" runs a step layer by layer in Python (each op its own call) even where the whole-layer
 # C++ op (quantpipe_cpu::decoder_layer) could run it: side-by-side comparisons and tests
 LAYER_OP_ENV = "QUANTPIPE_CPU_LAYER_OP"
+
+# the gated MLPs whose act(gate) * up is one C++ op (transformers' activation name -> op name):
+# their gate/up projections are stacked, and decoder_layer runs their layers
+GATED_ACTS = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 
 # longest query chunk for the kernel attention path (its cost is O(q_len * ctx) per sequence;
 # a mixed step of 7 decodes and one 16-token prefill: 14 ms of SDPA + gathers -> ~1 ms)
@@ -247,8 +254,9 @@ class FusedProjections:
     """A layer's projections that share an input, as one W4A8 matmul each (None: not fused).
 
     The q/k/v projections (and gate/up) read the same normed input, so one kernel call
-    quantizes it once and streams the stacked weights once; the MLP's silu(gate) * up is then
-    one op as well. Built only where every part is a bias-free W4A8 layer of the same build.
+    quantizes it once and streams the stacked weights once; the MLP's act(gate) * up is then
+    one op as well (:data:`GATED_ACTS`). Built only where every part is a bias-free W4A8 layer
+    of the same build (q/k/v: or every part has a bias).
     """
 
     qkv: CpuA8W4 | None  # [(H + 2 KV) * D, hidden]
@@ -294,8 +302,9 @@ def _fuse(mods, with_bias: bool = False) -> CpuA8W4 | None:
 
 def fuse_projections(layer, hidden_act: str | None,
                      family: Family | None = None) -> FusedProjections:
-    """Stack separate q/k/v (and silu gate/up) W4A8 layers; a family whose checkpoint already
-    has one qkv_proj / gate_up_proj linear (Phi-3) runs that linear as it is."""
+    """Stack separate q/k/v (and gate/up of a :data:`GATED_ACTS` MLP) W4A8 layers; a family
+    whose checkpoint already has one qkv_proj / gate_up_proj linear (Phi-3) runs that linear as
+    it is."""
     attn, mlp = layer.self_attn, layer.mlp
     family = family or FAMILIES["llama"]
     qkv = bias = None
@@ -305,7 +314,7 @@ def fuse_projections(layer, hidden_act: str | None,
         if qkv is not None and parts[0].bias is not None:
             bias = torch.cat([m.bias.float() for m in parts])
     gate_up = None
-    if hidden_act == "silu" and not family.gate_up_proj and family.moe is None:
+    if hidden_act in GATED_ACTS and not family.gate_up_proj and family.moe is None:
         gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
     return FusedProjections(qkv, gate_up, bias)
 
@@ -358,6 +367,12 @@ class LayerPlan:
     mlp_in_norm: torch.nn.Module
     attn_out_norm: torch.nn.Module | None
     mlp_out_norm: torch.nn.Module | None
+    q_norm: torch.nn.Module | None  # per-head RMSNorms of q and k before RoPE (Gemma 3, Qwen3)
+    k_norm: torch.nn.Module | None
+
+    def optional_norms(self) -> tuple[torch.nn.Module | None, ...]:
+        """The norms a layer may lack, in decoder_layer's order (q, k, attention out, MLP out)."""
+        return (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
 
 
 class ModelRunner:
@@ -387,7 +402,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # activation (and KV) dtype; runtime.fp_head's CastEmbedding stores fp16, returns this
         embed = self.decoder.embed_tokens
-        self.dtype = getattr(embed, "out_dtype", embed.weight.dtype)
+        # fp_head.CastEmbedding and QuantEmbedding (no .weight) say their output dtype
+        self.dtype = embed.out_dtype if hasattr(embed, "out_dtype") else embed.weight.dtype
         # KV cache element type: the activation dtype, or bf16 (half the bytes of fp32; keys and
         # values rounded once when written)
         self.kv_dtype = kv_dtype or self.dtype
@@ -397,9 +413,11 @@ class ModelRunner:
         self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
                                                          self.dtype, self.device, family)
         self.ops = cpu_ext.ops() if self.fused else None  # the active ISA build's ops
-        # the C++ norm's gain, one tensor per norm module: weight, or (1 + weight) computed once
-        self.gains = {id(n): self._gain(n) for n in self._residual_norms()} if self.fused else {}
-        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        # the C++ norm's (gain, eps), one per norm module that is an fp32 RMSNorm (the residual
+        # norms all are, fused_ops_status checked): weight, or (1 + weight) computed once
+        self.gains = {id(n): self._gain(n) for n in self._c_norms()} if self.fused else {}
+        self.act = act = (getattr(cfg, "hidden_activation", None)
+                          or getattr(cfg, "hidden_act", None))
         # stacked at load (stack_projections): the fused layers are views of those stacks
         self.projections = [self._fused(layer, act, family) for layer in self.layers]
         # the layers a short step runs as one C++ call each (None: layer by layer)
@@ -414,14 +432,13 @@ class ModelRunner:
         return fuse_projections(layer, act, family)  # each part's own memory handed back
 
     def _layer_op(self, layer, plan: LayerPlan, proj: FusedProjections) -> tuple | None:
-        """decoder_layer's per-layer arguments (weights, group sizes, vnni, eps), or None where
-        the layer needs anything that op does not do: a sliding window, score soft-capping,
-        q/k norms, norms around the sublayer outputs, a part that is not W4A8 (8-bit or FP
-        layers of a mixed plan), an MLP other than silu(gate) * up."""
+        """decoder_layer's per-layer arguments (weights, group sizes, vnni, eps, window,
+        activation), or None where the layer needs anything that op does not do: score
+        soft-capping, a part that is not W4A8 (8-bit or FP layers of a mixed plan), an MLP
+        other than a :data:`GATED_ACTS` one, a norm that is not an fp32 RMSNorm."""
         if (not self.fused or os.environ.get(LAYER_OP_ENV, "1") == "0"
-                or plan.window is not None or self.attn_softcap is not None
-                or self.family.qk_norm or plan.attn_out_norm is not None
-                or plan.mlp_out_norm is not None or proj.qkv is None or proj.gate_up is None):
+                or self.attn_softcap is not None or self.act not in GATED_ACTS
+                or proj.qkv is None or proj.gate_up is None):
             return None
         o, down = layer.self_attn.o_proj, layer.mlp.down_proj
         if _a8_parts([o, down]) is None:
@@ -429,25 +446,36 @@ class ModelRunner:
         linears = [proj.qkv, o._w, proj.gate_up, down._w]
         if len({w.vnni for w in linears}) != 1 or len({w.op for w in linears}) != 1:
             return None
-        (g_in, eps_in), (g_mlp, eps_mlp) = (self.gains[id(layer.input_layernorm)],
-                                            self.gains[id(plan.mlp_in_norm)])
-        weights = [g_in, g_mlp, proj.qkv_bias]
+        norms = [layer.input_layernorm, plan.mlp_in_norm, *plan.optional_norms()]
+        if any(n is not None and id(n) not in self.gains for n in norms):
+            return None  # a norm the C++ op cannot run (the layer's modules run it)
+        gains = [None if n is None else self.gains[id(n)] for n in norms]
+        weights = [gains[0][0], gains[1][0], proj.qkv_bias] + [None if g is None else g[0]
+                                                               for g in gains[2:]]
         for w in linears:
             weights += [w.packed, w.scales, w.mz, w.perm]
-        return (weights, [w.group_size for w in linears], linears[0].vnni, [eps_in, eps_mlp])
+        eps = [0.0 if g is None else g[1] for g in gains]
+        return (weights, [w.group_size for w in linears], linears[0].vnni, eps,
+                self.scale, plan.window or 0, self.act)
 
     @staticmethod
     def _plan(layer, window: int | None, rope_key: str | None, family: Family) -> LayerPlan:
         def part(name):
             return None if name is None else layer.get_submodule(name)
 
+        attn = layer.self_attn
         return LayerPlan(window, rope_key, part(family.mlp_in_norm), part(family.attn_out_norm),
-                         part(family.mlp_out_norm))
+                         part(family.mlp_out_norm), attn.q_norm if family.qk_norm else None,
+                         attn.k_norm if family.qk_norm else None)
 
-    def _residual_norms(self) -> list[torch.nn.Module]:
-        """The norms that run fused with a residual add (the C++ add_rms_norm_)."""
-        return [self.final_norm] + [n for layer, plan in zip(self.layers, self.plans)
-                                    for n in (layer.input_layernorm, plan.mlp_in_norm)]
+    def _c_norms(self) -> list[torch.nn.Module]:
+        """The norms the C++ add_rms_norm_ runs: those fused with a residual add, and the
+        optional ones (q/k, sublayer outputs) that are fp32 RMSNorms (others run as modules)."""
+        residual = [self.final_norm] + [n for layer, plan in zip(self.layers, self.plans)
+                                        for n in (layer.input_layernorm, plan.mlp_in_norm)]
+        optional = [n for plan in self.plans for n in plan.optional_norms()
+                    if n is not None and _norm_eps(n, self.family) is not None]
+        return residual + optional
 
     def _gain(self, norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
         w = norm.weight.detach()
@@ -483,19 +511,16 @@ class ModelRunner:
             cos, sin = rope[plan.rope_key]
             if op_args is not None and cos.shape[-1] == self.head_dim:  # one C++ call
                 delta = self.ops.decoder_layer(
-                    h, delta, *op_args, self.scale, cos, sin, self.k_pools[i], self.v_pools[i],
+                    h, delta, *op_args, cos, sin, self.k_pools[i], self.v_pools[i],
                     meta.write_slots, meta.gather_blocks, meta.ctx_lens, meta.q_lens)
                 continue
             x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
-            kernel = attn_kernel and plan.window is None and self.attn_softcap is None
+            kernel = attn_kernel and self.attn_softcap is None
             o = self._attention(i, layer, x, meta, rope[plan.rope_key],
                                 None if kernel else self._mask(masks, meta, plan.window))
-            if plan.attn_out_norm is not None:
-                o = plan.attn_out_norm(o)
+            o = self._norm(o, plan.attn_out_norm)
             x = self._add_norm(h, o, plan.mlp_in_norm)
-            delta = self._mlp(i, layer, x)
-            if plan.mlp_out_norm is not None:
-                delta = plan.mlp_out_norm(delta)
+            delta = self._norm(self._mlp(i, layer, x), plan.mlp_out_norm)
         h_last = h[meta.last_index] + delta[meta.last_index]  # [B, hidden]: rows we sample
         last = self._add_norm(h_last, None, self.final_norm)
         logits = self.model.lm_head(last).float()  # [B, vocab] fp32 logits
@@ -535,8 +560,9 @@ class ModelRunner:
         attn = layer.self_attn
         T = x.shape[0]
         q, k, v = self._qkv(i, attn, x)
-        if self.family.qk_norm:  # RMSNorm over D of each head, before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        plan = self.plans[i]
+        if plan.q_norm is not None:  # RMSNorm over D of each head, before RoPE
+            q, k = self._head_norm(q, plan.q_norm), self._head_norm(k, plan.k_norm)
         cos, sin = cos_sin
         if self.fused and cos.shape[-1] == self.head_dim:
             self.ops.rope_(q, k, cos, sin)  # in place
@@ -549,7 +575,7 @@ class ModelRunner:
         if mask is None:  # read the paged blocks directly
             o = self.ops.paged_attention.default(
                 q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
-                meta.q_lens, self.scale)  # [T, H, D]
+                meta.q_lens, self.scale, plan.window or 0)  # [T, H, D]
         else:
             o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask, self.scale,
                                 self.attn_softcap)
@@ -557,11 +583,29 @@ class ModelRunner:
 
     def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
         fp = self.projections[i]
-        if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> silu(gate) * up [T, I]
-            return layer.mlp.down_proj(self.ops.silu_mul(a8w4_matmul(x, fp.gate_up)))
+        if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> act(gate) * up [T, I]
+            gated = getattr(self.ops, GATED_ACTS[self.act])
+            return layer.mlp.down_proj(gated(a8w4_matmul(x, fp.gate_up)))
         if self.family.moe is not None:  # transformers' MoE blocks take [batch, seq, hidden]
             return layer.mlp(x[None])[0]
         return layer.mlp(x)
+
+    def _norm(self, x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+        """norm(x) [T, hidden] (x itself where the layer has no such norm): the C++ RMSNorm
+        where it runs this norm (the layer op's arithmetic), else the module."""
+        if norm is None:
+            return x
+        if id(norm) in self.gains:
+            gain, eps = self.gains[id(norm)]
+            return self.ops.add_rms_norm_(x, None, gain, eps)
+        return norm(x)
+
+    def _head_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        """x [T, heads, D] -> norm over D of each head, [T, heads, D]."""
+        if id(norm) not in self.gains:
+            return norm(x)
+        T, n, D = x.shape
+        return self._norm(x.reshape(T * n, D), norm).view(T, n, D)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
                   norm: torch.nn.Module) -> torch.Tensor:

@@ -257,3 +257,25 @@ def test_budget_without_sensitivity_gives_a_remedy_this_command_takes(dirs, tmp_
     assert_one_line_error(r, "no sensitivity.json", "--damage proxy to this command")
     r = invoke(command, dirs["calib"], "--budget-bits", "6", "--damage", "proxy", *out)
     assert r.exit_code == 0, r.output
+
+
+def test_generate_chat_without_template(dirs, tmp_path, monkeypatch):
+    """A base model's tokenizer has no chat template: --chat is refused before the model
+    loads, naming the remedy."""
+    import json
+
+    from quantpipe.runtime import engine
+
+    qdir = copy_of(dirs["int4"], tmp_path, "no-template")
+    cfg_path = qdir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    (qdir / "chat_template.jinja").unlink(missing_ok=True)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the chat template was checked")
+
+    monkeypatch.setattr(engine, "load_model_for_serving", no_load)
+    r = invoke("generate", qdir, "--chat", "--prompt", "hi", "--no-verify")
+    assert_one_line_error(r, "no chat template", "drop --chat")

@@ -31,8 +31,8 @@ def test_fp16_export_generates_like_source(smollm2_fp16_dir):
 def test_gguf_export_streams_the_values_transformers_loads(smollm2_fp16_dir, monkeypatch):
     """The GGUF is converted a tensor at a time (transformers' name map and q/k un-permutation
     applied per tensor); every stored tensor equals transformers' whole-model load cast to
-    fp16, bit for bit. An architecture whose tensors transformers converts together (its MoE
-    processors) is loaded whole instead."""
+    fp16, bit for bit. An architecture whose tensors transformers converts together in ways
+    not repeated per tensor (GPT-OSS's processor) is loaded whole instead."""
     from safetensors.torch import load_file
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -49,5 +49,5 @@ def test_gguf_export_streams_the_values_transformers_loads(smollm2_fp16_dir, mon
     for name, t in whole.items():
         assert torch.equal(stored[name], t.to(torch.float16)), name
     monkeypatch.setitem(gguf_utils.TENSOR_PROCESSORS, "llama",
-                        gguf_utils.Qwen2MoeTensorProcessor)
+                        gguf_utils.GptOssTensorProcessor)
     assert stream_plan(src, torch.float16) is None

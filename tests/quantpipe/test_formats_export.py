@@ -35,8 +35,9 @@ def _same_layers(got, weights):
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_mixed_plan_round_trip(fp16, tmp_path, fmt):
     weights = quantize_plan(fp16, MIXED, skip=KEEP)
+    # for_vllm=False: the plan mixes what vLLM refuses (asymmetric GPTQ, mixed q/k/v)
     manifest = write_checkpoint(fmt, tmp_path / "q", fp16, weights,
-                                manifest_fields={"algorithm": "rtn"})
+                                manifest_fields={"algorithm": "rtn"}, for_vllm=False)
     assert manifest["checkpoint_format"] == fmt and manifest["algorithm"] == "rtn"
     ckpt = load_quantized(tmp_path / "q")
     assert ckpt.checkpoint_format == fmt and ckpt.report.hashes_checked
@@ -61,7 +62,7 @@ def test_mixed_plan_round_trip(fp16, tmp_path, fmt):
 @pytest.mark.parametrize("sym", [True, False])
 def test_gptq_bits_exact_against_reference_decoder(fp16, tmp_path, bits, group_size, sym):
     weights = quantize_plan(fp16, [QuantSpec(bits, group_size, sym)])
-    write_checkpoint("gptq", tmp_path / "q", fp16, weights)
+    write_checkpoint("gptq", tmp_path / "q", fp16, weights, for_vllm=sym)
     qcfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     state = read_fp_state(tmp_path / "q")
     for name, qw in weights.items():
@@ -77,7 +78,8 @@ def test_gptq_act_order_and_v2(fp16, tmp_path):
     name = next(iter(weights))
     weights[name].zeros[0, 0] = 0  # v1 cannot store zero 0 -> "auto" writes gptq_v2
     weights[name].q[0] = torch.where(weights[name].group_index() == 0, 0, weights[name].q[0])
-    write_checkpoint("gptq", tmp_path / "q", fp16, weights)
+    # GPTQModel's layout (desc_act, v2 zeros); vLLM refuses both (test_vllm_support.py)
+    write_checkpoint("gptq", tmp_path / "q", fp16, weights, for_vllm=False)
     qcfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qcfg["checkpoint_format"] == "gptq_v2" and qcfg["desc_act"] is True
     state = read_fp_state(tmp_path / "q")
@@ -88,12 +90,13 @@ def test_gptq_act_order_and_v2(fp16, tmp_path):
         assert torch.equal(w.float(), qw.dequantize(torch.float32))
     _same_layers(load_quantized(tmp_path / "q"), weights)
     with pytest.raises(ValueError, match="gptq_v2"):
-        write_checkpoint("gptq", tmp_path / "q1", fp16, weights, checkpoint_format="gptq")
+        write_checkpoint("gptq", tmp_path / "q1", fp16, weights, checkpoint_format="gptq",
+                         for_vllm=False)
 
 
 def test_ct_refuses_act_order_permutation(fp16, tmp_path):
     weights = quantize_plan(fp16, [QuantSpec(4, 32, True, act_order=True)], act_order_seed=3)
-    with pytest.raises(ValueError, match="--format gptq"):
+    with pytest.raises(ValueError, match="--format native"):
         write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights)
     assert not (tmp_path / "q").exists()
 
@@ -102,8 +105,11 @@ def test_ct_refuses_act_order_permutation(fp16, tmp_path):
                                      ("gptq", "native")])
 def test_convert_checkpoint(fp16, tmp_path, src, dst):
     weights = quantize_plan(fp16, MIXED, skip=KEEP)
-    write_checkpoint(src, tmp_path / "src", fp16, weights, manifest_fields={"algorithm": "rtn"})
-    manifest = convert_checkpoint(tmp_path / "src", tmp_path / "out", dst)
+    # MIXED holds what vLLM refuses; the conversion itself is what is tested
+    write_checkpoint(src, tmp_path / "src", fp16, weights, manifest_fields={"algorithm": "rtn"},
+                     **({} if src == "native" else {"for_vllm": False}))
+    manifest = convert_checkpoint(tmp_path / "src", tmp_path / "out", dst,
+                                  **({} if dst == "native" else {"for_vllm": False}))
     assert manifest["checkpoint_format"] == dst
     assert manifest["converted_from"]["checkpoint_format"] == src
     assert manifest["algorithm"] == "rtn" and "source_fp16" in manifest
@@ -128,7 +134,9 @@ def test_compressed_tensors_library_decompresses_export(fp16, tmp_path, bits, gr
 
     spec = QuantSpec(bits, group_size, sym, act_order=group_size == 64)  # actorder "weight"
     weights = quantize_plan(fp16, [spec], skip=KEEP)
-    write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights)
+    # 8-bit asymmetric: the library reads it, vLLM does not (for_vllm=False)
+    write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights,
+                     for_vllm=not (bits == 8 and not sym))
     deq = CompressedTensorsDequantizer(tmp_path / "q", dtype=torch.float16)
     # validate(): decompress + fail on any quantization param left behind (untargeted layer)
     out = deq.validate(dict(read_fp_state(tmp_path / "q")))  # the library wants a dict
@@ -153,7 +161,7 @@ def test_transformers_loads_compressed_tensors_export(fp16, tmp_path, spec):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     weights = quantize_plan(fp16, [spec], skip=KEEP)
-    write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights)
+    write_checkpoint("compressed-tensors", tmp_path / "q", fp16, weights, for_vllm=spec.sym)
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path / "q", dtype=torch.float16,
         quantization_config=CompressedTensorsConfig(run_compressed=False),

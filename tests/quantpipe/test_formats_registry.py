@@ -98,23 +98,33 @@ def test_bits_per_weight_by_hand(spec, fmt, expected):
     assert registry.bits_per_weight(spec, (OUT, IN), fmt) == pytest.approx(expected, rel=1e-14)
 
 
-@pytest.fixture(scope="module")
-def calibrated(tiny_llama_dir, tmp_path_factory):
-    """A tiny asymmetric RTN calibration (zero points stored in every format)."""
+def _calibrate(tiny_llama_dir, root, sym: bool):
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
     from tests.tiny_models import CORPUS
 
-    root = tmp_path_factory.mktemp("bpw")
     fp16 = export_tiny(tiny_llama_dir, root / "fp16")
     prompts = root / "p.txt"
     prompts.write_text("\n\n".join(f"{p} Request {i}." for i in range(4) for p in CORPUS[:8]))
     calibrate(CalibrateSpec(fp16, root / "calib", str(prompts), algo="rtn", group_size=32,
-                            sym=False, samples=4, seq_len=32, min_tokens=4, batch_size=4))
+                            sym=sym, samples=4, seq_len=32, min_tokens=4, batch_size=4))
     return root / "calib"
 
 
+@pytest.fixture(scope="module")
+def calibrated(tiny_llama_dir, tmp_path_factory):
+    """A tiny asymmetric RTN calibration (zero points stored in every format)."""
+    return _calibrate(tiny_llama_dir, tmp_path_factory.mktemp("bpw"), sym=False)
+
+
+@pytest.fixture(scope="module")
+def calibrated_sym(tiny_llama_dir, tmp_path_factory):
+    """Symmetric: the GPTQ export refuses asymmetric layers (vLLM has no zero points there;
+    GPTQ stores symmetric zero points anyway)."""
+    return _calibrate(tiny_llama_dir, tmp_path_factory.mktemp("bpw-sym"), sym=True)
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_export_verify_plan_and_report_count_the_same_bits(calibrated, tmp_path, fmt):
+def test_export_verify_plan_and_report_count_the_same_bits(request, tmp_path, fmt):
     """One number for one checkpoint: what export prints, what verify reads off the disk (every
     byte of the quantized layers, the plan's FP16 layers at 16), what `plan --format` and the
     report show. Before one count, GPTQ's export said 4.219 and its verify 4.319."""
@@ -123,7 +133,9 @@ def test_export_verify_plan_and_report_count_the_same_bits(calibrated, tmp_path,
     from quantpipe.reports.build import calibration_facts
     from quantpipe.stages.export import export_quantized
 
-    overrides = ("re:.*down_proj=8", "model.layers.0.mlp.up_proj=fp16")
+    calibrated = request.getfixturevalue("calibrated_sym" if fmt == "gptq" else "calibrated")
+    # gate/up kept FP16 together: vLLM loads them as one module
+    overrides = ("re:.*down_proj=8", "re:model\\.layers\\.0\\.mlp\\.(gate|up)_proj=fp16")
     res = export_quantized(ExportSpec(calibrated, tmp_path / "q", 4, fmt, overrides=overrides))
     exported = res.plan.effective_bits()
     verified = verify_checkpoint(tmp_path / "q").bits_per_weight
@@ -157,7 +169,9 @@ def test_export_reads_each_layer_once_and_shows_progress(tiny_llama_dir, tmp_pat
     lazy = LazyWeights({n: qw.spec for n, qw in weights.items()},
                        {n: qw.shape for n, qw in weights.items()}, load)
     capsys.readouterr()
-    write_checkpoint(fmt, tmp_path / "q", fp16, lazy)
+    # the specs cycle through q/k/v: for_vllm=False (the reads are what is tested)
+    write_checkpoint(fmt, tmp_path / "q", fp16, lazy,
+                     **({} if fmt == "native" else {"for_vllm": False}))
     asym = {n for n, qw in weights.items() if not qw.spec.sym}
     assert asym and reads == {n: 2 if fmt == "gptq" and n in asym else 1 for n in weights}
     err = capsys.readouterr().err
@@ -172,7 +186,8 @@ def test_a_converted_folder_counts_its_own_format(calibrated, tmp_path):
 
     overrides = ("model.layers.0.mlp.up_proj=fp16",)
     export_quantized(ExportSpec(calibrated, tmp_path / "n", 4, "native", overrides=overrides))
-    manifest = convert_checkpoint(tmp_path / "n", tmp_path / "g", "gptq")
+    # asymmetric and gate/up split: for GPTQModel, not vLLM (the bit count is what is tested)
+    manifest = convert_checkpoint(tmp_path / "n", tmp_path / "g", "gptq", for_vllm=False)
     verified = verify_checkpoint(tmp_path / "g").bits_per_weight
     assert manifest["plan"]["checkpoint_format"] == "gptq"
     assert manifest["plan"]["effective_bits_per_weight"] == pytest.approx(verified, rel=1e-12)

@@ -32,7 +32,7 @@ def weights(fp16):
 @pytest.fixture(scope="module")
 def gptq_dir(fp16, weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("ver") / "gptq"
-    write_checkpoint("gptq", out, fp16, weights)
+    write_checkpoint("gptq", out, fp16, weights, for_vllm=False)  # w8g64-asym: GPTQModel's
     return out
 
 

@@ -219,6 +219,45 @@ def test_int8_kernel_matches_float64_reference_every_tile(isa, spec, ops):
         assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
 
 
+def _int8_a8_reference(x, q, scales, ops):
+    """float64 y [M, N] of int8_a8_mm: x quantized by the kernels' own quantize_a8 (tested
+    bit-exact above), exact integer dots per block of 32, scaled by scale * dx; and the bound
+    on fp32's rounding of the scaling and the sums."""
+    n, k = q.shape
+    xq, dx, _ = ops.quantize_a8(x, 32)
+    dots = (q.double().view(1, n, k // 32, 32)
+            * xq.double().view(-1, 1, k // 32, 32)).sum(-1)  # [M, N, K/32] exact
+    terms = dots * scales.double()[None] * dx.double()[:, None, :]  # [M, N, K/32]
+    return terms.sum(-1), 1e-6 * terms.abs().sum(-1) + 1e-30
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_a8_kernel_matches_float64_reference_every_tile(isa, ops):
+    """int8_a8_mm (the int8 head): int8 weights (the extremes -127 / 127, and -128, included)
+    times int8 activations per 32 columns; every tile size, rows padded to 16."""
+    from quantpipe.runtime.fp_head import block_row_quads
+    from quantpipe.runtime.kernels.cpu import block_rows
+
+    gen = torch.Generator().manual_seed(9)
+    n, k = 40, 160
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    q[0, :32], q[1, :32], q[2, :8] = -127, 127, -128
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-3).half()
+    q8, s8 = block_row_quads(q), block_rows(scales)
+    assert q8.shape == (3, k // 4, 64) and s8.shape == (3, k // 32, 16)
+    for m in range(1, 18):
+        x = torch.randn(m, k, generator=gen) * 3
+        x[0, 32:64] = 0  # an all-zero activation block
+        got = ops.int8_a8_mm(x, q8, s8)
+        assert got.shape == (m, 48) and not got[:, n:].any()  # padded rows: zero weights
+        want, bound = _int8_a8_reference(x, q, scales, ops)
+        assert ((got[:, :n].double() - want).abs() <= bound).all(), m
+    with pytest.raises(RuntimeError, match="q8 must be contiguous int8"):
+        ops.int8_a8_mm(x, q8.view(3, k // 2, 32), s8)
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        ops.int8_a8_mm(torch.randn(2, k - 32), q8, s8)
+
+
 @needs_512
 def test_kernel_takes_bf16_input_and_empty_batches(avx512):
     p = random_packed(32, 128, QuantSpec(4, 32, False), seed=11)
@@ -392,8 +431,9 @@ def test_add_rms_norm_and_rope_match_float64_reference(isa, d, ops):
     torch.testing.assert_close(k.double(), want_k, rtol=0, atol=1e-5)
 
 
-def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale):
-    """float64, one sequence and one query at a time, keys gathered slot by slot."""
+def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale, window=0):
+    """float64, one sequence and one query at a time, keys gathered slot by slot; ``window`` > 0:
+    the query at position p sees the keys at positions j with p - window < j <= p."""
     _, bs, kv, d = k_pool.shape
     heads = q.shape[1]
     out, row = [], 0
@@ -402,9 +442,11 @@ def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale):
         k = k_pool.reshape(-1, kv, d)[slots].double().repeat_interleave(heads // kv, 1)
         v = v_pool.reshape(-1, kv, d)[slots].double().repeat_interleave(heads // kv, 1)
         for t in range(n_q):
-            visible = n_ctx - n_q + 1 + t  # causal: keys up to this query's position
-            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:visible]) * scale
-            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v[:visible]))
+            p = n_ctx - n_q + t  # this query's position; causal: keys j <= p
+            j = torch.arange(p + 1)
+            seen = j > p - window if window else j >= 0
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k[:p + 1][seen]) * scale
+            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v[:p + 1][seen]))
             row += 1
     return torch.stack(out)
 
@@ -450,6 +492,51 @@ def test_paged_attention_matches_float64_reference_decode_and_chunks(isa, d, ops
                                                 torch.tensor(q_lens), 0.125)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [64, 36])
+def test_paged_attention_sliding_window_matches_float64_reference(isa, d, ops):
+    """window w > 0: a query at position p sees keys p - w < j <= p (transformers' sliding
+    window); windows shorter than, equal to and longer than the contexts, block boundaries
+    inside the window, fp32 and bf16 pools; window 0 is full attention."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv, bs = 4, 2, 4
+    k_pool = torch.randn(30, bs, kv, d, generator=gen)
+    v_pool = torch.randn(30, bs, kv, d, generator=gen)
+    ctx_lens, q_lens = [1, 9, 6, 17, 13], [1, 1, 4, 5, 3]
+    tables = (torch.randperm(29, generator=gen)[:25] + 1).view(5, 5)  # scattered blocks
+    q = torch.randn(sum(q_lens), heads, d, generator=gen)
+    args = (tables, torch.tensor(ctx_lens), torch.tensor(q_lens), 0.125)
+    for pools in ((k_pool, v_pool), (k_pool.bfloat16(), v_pool.bfloat16())):
+        for window in (1, 3, 5, 8, 17, 40):
+            got = ops.paged_attention(q, *pools, *args, window)
+            want = _attention_reference(q, pools[0].double(), pools[1].double(),
+                                        tables.tolist(), ctx_lens, q_lens, 0.125, window)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+        full = ops.paged_attention(q, *pools, *args)
+        assert torch.equal(ops.paged_attention(q, *pools, *args, 0), full)
+        assert torch.equal(ops.paged_attention(q, *pools, *args, 17), full)  # covers every ctx
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops.paged_attention(q, k_pool, v_pool, *args, -1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("width", [64, 37])  # 37: the tail after the 16- / 8-wide vectors
+def test_gated_activations_match_float64_reference(isa, width, ops):
+    """silu_mul and gelu_tanh_mul (gelu_pytorch_tanh) on gu = [gate | up], including gates far
+    out in both tails (exp clamped) and zeros."""
+    gen = torch.Generator().manual_seed(width)
+    gate = torch.randn(6, width, generator=gen) * 4
+    gate[0, :6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 120.0, -120.0])
+    up = torch.randn(6, width, generator=gen)
+    gu = torch.cat([gate, up], 1)
+    g64, u64 = gate.double(), up.double()
+    want = {"silu_mul": torch.nn.functional.silu(g64) * u64,
+            "gelu_tanh_mul": torch.nn.functional.gelu(g64, approximate="tanh") * u64}
+    for name, ref in want.items():
+        got = getattr(ops, name)(gu)
+        torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-7, msg=name)
+
+
 # --- the kernels' thread pool (csrc/thread_pool.h) ---------------------------------------------
 
 
@@ -480,6 +567,12 @@ def _split_cases(isa, ops):
         cases += [(f"int4_a8_mm m={m}", lambda x=x: cpu_kernels.a8w4_matmul(x, w4)),
                   (f"int8_mm m={m}", lambda x=x: cpu_kernels.q8_matmul(x, w8)),
                   (f"fp16_mm m={m}", lambda x=x: ops.fp16_mm(x, wh))]
+    head_q8 = torch.randint(-127, 128, (8192 // 16, 576 // 4, 64), generator=gen,
+                            dtype=torch.int8)
+    head_s = (torch.rand(8192 // 16, 576 // 32, 16, generator=gen) * 0.01).half()
+    for m in (1, 3):
+        x = torch.randn(m, 576, generator=gen)
+        cases.append((f"int8_a8_mm m={m}", lambda x=x: ops.int8_a8_mm(x, head_q8, head_s)))
     cases.append(("paged_attention", lambda: ops.paged_attention(q, k_pool, v_pool, *kv_args)))
     return cases
 

@@ -4,7 +4,10 @@ step run op by op from Python (each op its own call), on each ISA build this CPU
 The layer op calls the same kernels in the same order on the same tensors, so the logits must
 be *equal*, not close: the tests compare with torch.equal. Covered: asymmetric and symmetric
 layers (a symmetric layer stores no mz: the kernel forms -8 * scale), q/k/v biases (Qwen2),
-act-order column orders, fp32 and bf16 KV caches, prefill chunks and mixed decode steps."""
+Gemma 3's layer (per-head q/k norms, the sandwich norms around both sublayers, (1 + w) gains,
+gelu_pytorch_tanh, query_pre_attn_scalar, sliding and global layers with a window shorter than
+the sequence), act-order column orders, fp32 and bf16 KV caches, prefill chunks and mixed
+decode steps."""
 
 from __future__ import annotations
 
@@ -12,13 +15,13 @@ import pytest
 import torch
 
 from quantpipe.core.qformat import QuantSpec
-from quantpipe.runtime.engine import load_model_for_serving
+from quantpipe.runtime.engine import load_model_for_serving, model_runner
 from quantpipe.runtime.engine.model_runner import LAYER_OP_ENV, ModelRunner, SeqChunk
 from quantpipe.runtime.kernels import cpu as cpu_kernels
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import quantize_folder, random_packed
-from tests.tiny_models import make_model, save_model
+from tests.tiny_models import make_family_model, make_model, save_model
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ext.cpu_can_run(isa),
                                                    reason=f"the CPU cannot run the {isa} build"))
@@ -43,12 +46,13 @@ def isa_env(request, monkeypatch):
 def folders(tmp_path_factory):
     """(family, symmetric) -> a quantized tiny model folder (every linear W4 g32)."""
     out = {}
-    for family in ("llama", "qwen2"):
-        model, tok = make_model(family)
+    for family in ("llama", "qwen2", "gemma3_text"):
+        # gemma3_text: sliding window 8 on layer 0, full attention on layer 1 (FAMILY_CONFIGS)
+        model, tok = make_family_model(family) if family == "gemma3_text" else make_model(family)
         src = save_model(model, tok, tmp_path_factory.mktemp(f"src-{family}"))
         fp16 = tmp_path_factory.mktemp(f"fp16-{family}") / "fp16"
         export_fp16(Fp16ExportSpec(str(src), fp16))
-        for sym in (False, True):
+        for sym in (False, True) if family != "gemma3_text" else (False,):
             q = tmp_path_factory.mktemp(f"q-{family}-{sym}") / "q"
             quantize_folder(fp16, q, [QuantSpec(4, 32, sym)])
             out[family, sym] = q
@@ -75,18 +79,23 @@ class CountingOps:
 
 
 def _steps(prompts):
-    """Prefill chunks (one longer than a block), a mixed step, then decode steps."""
+    """Prefill chunks (one longer than a block), a mixed step, then decode steps: the contexts
+    grow to 13 and 10 tokens, past the gemma3_text model's sliding window of 8."""
     a, b = prompts
+    A = [0, 1, 2, 6]  # a's blocks
     return [
-        [SeqChunk(a, 0, [0, 1, 2])],
-        [SeqChunk(b[:5], 0, [3, 4]), SeqChunk([7], len(a), [0, 1, 2])],
-        [SeqChunk(b[5:], 5, [3, 4]), SeqChunk([9], len(a) + 1, [0, 1, 2])],
-        [SeqChunk([4], len(b), [3, 4]), SeqChunk([5], len(a) + 2, [0, 1, 2])],
+        [SeqChunk(a, 0, A)],
+        [SeqChunk(b[:5], 0, [3, 4, 5]), SeqChunk([7], len(a), A)],
+        [SeqChunk(b[5:], 5, [3, 4, 5]), SeqChunk([9], len(a) + 1, A)],
+        [SeqChunk([4], len(b), [3, 4, 5]), SeqChunk([5], len(a) + 2, A)],
+        [SeqChunk([6], len(b) + 1, [3, 4, 5]), SeqChunk([8], len(a) + 3, A)],
+        [SeqChunk([3], len(b) + 2, [3, 4, 5])],
     ]
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16], ids=["kv-fp32", "kv-bf16"])
-@pytest.mark.parametrize("family,sym", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,sym", [("llama", False), ("llama", True), ("qwen2", False),
+                                        ("gemma3_text", False)])
 @pytest.mark.parametrize("isa", ISAS)
 def test_layer_op_logits_equal_the_op_by_op_run(isa, isa_env, folders, family, sym, kv_dtype,
                                                 monkeypatch):
@@ -97,6 +106,10 @@ def test_layer_op_logits_equal_the_op_by_op_run(isa, isa_env, folders, family, s
     qkv = whole.projections[0].qkv
     assert (qkv.mz is None) == sym  # symmetric layers hold no mz tensor
     assert (whole.projections[0].qkv_bias is not None) == (family == "qwen2")
+    if family == "gemma3_text":  # the layer op runs a sliding and a global layer
+        assert [p.window for p in whole.plans] == [8, None]
+        assert whole.act == "gelu_pytorch_tanh" and whole.scale == 32**-0.5
+        assert all(w is not None for w in whole.layer_ops[0][0][3:7])  # q/k and sandwich norms
     monkeypatch.setenv(LAYER_OP_ENV, "0")
     by_op = ModelRunner(model, 4, 16, kv_dtype)
     assert all(args is None for args in by_op.layer_ops)
@@ -141,11 +154,10 @@ def test_sym_layer_without_mz_equals_explicit_mz(isa, isa_env):
         assert torch.equal(cpu_kernels.a8w4_matmul(x, w), cpu_kernels.a8w4_matmul(x, explicit))
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_layer_op_with_act_order_equals_its_ops(isa, isa_env):
-    """The op on random layers with act-order column orders and mixed mz / no mz, against the
-    same ops called one by one (the engine's checkpoints above have no column orders)."""
-    ops = cpu_ext.ops(isa)
+def _random_layer_op_args(isa, gemma: bool):
+    """decoder_layer's weights, group sizes, vnni, eps and window/activation for random W4A8
+    layers with act-order column orders and mixed mz / no mz; ``gemma``: with q/k norms, the
+    sandwich norms, a sliding window of 5 and gelu_pytorch_tanh."""
     hidden, inter, H, KV, D = 64, 96, 4, 2, 16
     specs = [QuantSpec(4, 32, False, True), QuantSpec(4, 32, True, True),
              QuantSpec(4, 32, False, False), QuantSpec(4, 32, True, True)]
@@ -153,12 +165,29 @@ def test_layer_op_with_act_order_equals_its_ops(isa, isa_env):
     ws = [cpu_kernels.repack_a8w4(random_packed(o, i, s, seed=20 + n), isa)
           for n, ((o, i), s) in enumerate(zip(shapes, specs))]
     g = torch.Generator().manual_seed(4)
-    gains = [torch.rand(hidden, generator=g) + 0.5 for _ in range(2)]
+    # gains of input, mlp-in, q, k, attention-out and mlp-out norms
+    gains = [torch.rand(n, generator=g) + 0.5 for n in (hidden, hidden, D, D, hidden, hidden)]
+    if not gemma:
+        gains[2:] = [None] * 4
     bias = torch.randn((H + 2 * KV) * D, generator=g)
-    weights = [gains[0], gains[1], bias]
+    weights = gains[:2] + [bias] + gains[2:]
     for w in ws:
         weights += [w.packed, w.scales, w.mz, w.perm]
-    T = 3
+    eps = [1e-5, 1e-6, 2e-6, 3e-6, 4e-6, 5e-6]
+    extra = (5, "gelu_pytorch_tanh") if gemma else (0, "silu")
+    return ws, gains, bias, weights, eps, extra, (H, KV, D)
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama-layer", "gemma3-layer"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_layer_op_with_act_order_equals_its_ops(isa, isa_env, gemma):
+    """The op on random layers with act-order column orders and mixed mz / no mz (and Gemma
+    3's norms, window and activation), against the same ops called one by one (the engine's
+    checkpoints above have no column orders)."""
+    ops = cpu_ext.ops(isa)
+    ws, gains, bias, weights, eps, (window, act), (H, KV, D) = _random_layer_op_args(isa, gemma)
+    g = torch.Generator().manual_seed(5)
+    T, hidden = 3, gains[0].numel()
     h0 = torch.randn(T, hidden, generator=g)
     delta = torch.randn(T, hidden, generator=g)
     cos, sin = torch.rand(T, D, generator=g), torch.rand(T, D, generator=g)
@@ -167,24 +196,51 @@ def test_layer_op_with_act_order_equals_its_ops(isa, isa_env):
     tables, ctx, qlen = torch.tensor([[0, 1]]), torch.tensor([8]), torch.tensor([3])
 
     h1, kp1, vp1 = h0.clone(), pools[0].clone(), pools[1].clone()
-    got = ops.decoder_layer(h1, delta, weights, [32] * 4, ws[0].vnni, [1e-5, 1e-6], 0.25,
+    got = ops.decoder_layer(h1, delta, weights, [32] * 4, ws[0].vnni, eps, 0.25, window, act,
                             cos, sin, kp1, vp1, slots, tables, ctx, qlen)
 
+    def norm(x, i):  # the optional norm i (2: q, 3: k, 4: attention out, 5: MLP out)
+        return x if gains[i] is None else ops.add_rms_norm_(x, None, gains[i], eps[i])
+
     h2, kp2, vp2 = h0.clone(), pools[0].clone(), pools[1].clone()
-    x = ops.add_rms_norm_(h2, delta, gains[0], 1e-5)
+    x = ops.add_rms_norm_(h2, delta, gains[0], eps[0])
     qkv = cpu_kernels.a8w4_matmul(x, ws[0]) + bias
-    q, k, v = (t.reshape(T, -1, D).contiguous() for t in qkv.split([H * D, KV * D, KV * D], 1))
+    q, k, v = (t.reshape(-1, D).contiguous() for t in qkv.split([H * D, KV * D, KV * D], 1))
+    q, k, v = norm(q, 2).view(T, H, D), norm(k, 3).view(T, KV, D), v.view(T, KV, D)
     ops.rope_(q, k, cos, sin)
     kp2.view(-1, KV, D)[slots] = k
     vp2.view(-1, KV, D)[slots] = v
-    o = ops.paged_attention(q, kp2, vp2, tables, ctx, qlen, 0.25)
-    x = ops.add_rms_norm_(h2, cpu_kernels.a8w4_matmul(o.reshape(T, -1), ws[1]), gains[1], 1e-6)
-    want = cpu_kernels.a8w4_matmul(ops.silu_mul(cpu_kernels.a8w4_matmul(x, ws[2])), ws[3])
+    o = ops.paged_attention(q, kp2, vp2, tables, ctx, qlen, 0.25, window)
+    o = norm(cpu_kernels.a8w4_matmul(o.reshape(T, -1), ws[1]), 4)
+    x = ops.add_rms_norm_(h2, o, gains[1], eps[1])
+    gated = ops.gelu_tanh_mul if gemma else ops.silu_mul
+    want = norm(cpu_kernels.a8w4_matmul(gated(cpu_kernels.a8w4_matmul(x, ws[2])), ws[3]), 5)
     assert torch.equal(got, want) and torch.equal(h1, h2)
     assert torch.equal(kp1, kp2) and torch.equal(vp1, vp2)
-    with pytest.raises(RuntimeError, match="19 weights"):
-        ops.decoder_layer(h1, None, weights[:-1], [32] * 4, ws[0].vnni, [1e-5, 1e-6], 0.25,
+    with pytest.raises(RuntimeError, match="23 weights"):
+        ops.decoder_layer(h1, None, weights[:-1], [32] * 4, ws[0].vnni, eps, 0.25, window, act,
                           cos, sin, kp1, vp1, slots, tables, ctx, qlen)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        ops.decoder_layer(h1, None, weights, [32] * 4, ws[0].vnni, [1e-5, 1e-6], 0.25,
+        ops.decoder_layer(h1, None, weights, [32] * 4, ws[0].vnni, eps, 0.25, window, act,
                           cos, sin, kp1, vp1, torch.tensor([5, 6, 99]), tables, ctx, qlen)
+    with pytest.raises(RuntimeError, match="activation 'relu'"):
+        ops.decoder_layer(h1, None, weights, [32] * 4, ws[0].vnni, eps, 0.25, window, "relu",
+                          cos, sin, kp1, vp1, slots, tables, ctx, qlen)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemma3_layer_op_matches_the_torch_modules(isa, isa_env, folders, monkeypatch):
+    """Gemma 3's layer op against the runner without quantpipe's fused ops (transformers' norms
+    and gelu, SDPA under window_mask; the same W4A8 linears): close, as only the rounding of
+    the norms, the activation and the attention sums differs."""
+    model, tok = load_model_for_serving(folders["gemma3_text", False], "cpu", torch.float32)
+    whole = ModelRunner(model, 4, 16)
+    assert all(args is not None for args in whole.layer_ops)
+    monkeypatch.setattr(model_runner, "fused_ops_status", lambda *a: (False, "test"))
+    plain = ModelRunner(model, 4, 16)
+    assert not plain.fused
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (9, 7)]
+    for chunks in _steps(prompts):
+        got, want = whole.forward(chunks), plain.forward(chunks)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

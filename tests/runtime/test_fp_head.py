@@ -152,12 +152,19 @@ def test_int8_head_quantization_bound_and_kernel_match_float64():
     if not KERNEL:
         pytest.skip("quantpipe's CPU kernels are not usable here")
     head = fp_head.Int8Head(w16, None, torch.float32)
+    ops = cpu_ext.ops()
     for rows in (1, 3, 9):
         x = torch.randn(rows, 64, generator=g)
         got = head(x).double()
-        want = x.double() @ w_q.T  # exact int8 weights, fp32 activations: fp32 sums only
         assert got.shape == (rows, 90)
-        assert ((got - want).abs() <= 1e-5 * (x.double().abs() @ w_q.abs().T)).all()
+        # int8 weights times x quantized to int8 per 32 columns (the kernels' quantize_a8):
+        # exact integer dots, fp32 scaling and sums
+        xq, dx, _ = ops.quantize_a8(x, 32)
+        x_q = (xq.double().view(rows, 2, 32) * dx.double()[..., None]).view(rows, 64)
+        want = x_q @ w_q.T
+        assert ((got - want).abs() <= 1e-5 * (x_q.abs() @ w_q.abs().T) + 1e-30).all()
+        # the activation rounding: |x - x_q| <= dx / 2 per element
+        assert ((x.double() - x_q).abs() <= dx.double().repeat_interleave(32, 1) / 2).all()
 
 
 def test_set_half_head_int8_keeps_the_fp16_table_and_falls_back_without_kernels(

@@ -25,4 +25,15 @@ def test_chunked_quantization_and_layout_equal_the_whole_head(monkeypatch):
         q, s = fp_head.quantize_head_int8(w)
         assert torch.equal(q, want_q) and torch.equal(s, want_s)
         q8, s8 = fp_head.int8_head_blocked(w)
-        assert torch.equal(q8, block_rows(want_q)) and torch.equal(s8, block_rows(want_s))
+        assert torch.equal(q8, fp_head.block_row_quads(want_q))
+        assert torch.equal(s8, block_rows(want_s))
+
+
+def test_block_row_quads_places_each_code_where_the_kernel_reads_it():
+    """Byte 4r + e of chunk (b, c) holds q[16b + r, 4c + e]; rows past N are zero."""
+    q = torch.randint(-127, 128, (37, 64), generator=torch.Generator().manual_seed(1),
+                      dtype=torch.int8)
+    quads = fp_head.block_row_quads(q)  # [3, 16, 64]
+    assert quads.shape == (3, 16, 64)
+    back = quads.view(3, 16, 16, 4).permute(0, 2, 1, 3).reshape(48, 64)  # [b, r, c, e] -> rows
+    assert torch.equal(back[:37], q) and not back[37:].any()

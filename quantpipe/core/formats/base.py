@@ -56,6 +56,25 @@ class FolderToWrite:
     manifest_fields: dict  # extra quantpipe.json fields (source_fp16, calibration, plan, ...)
     max_shard_size: str = "2GB"
     force: bool = False  # replace a non-empty ``out``
+    # input embedding tables stored quantized (``export --vocab-weights``): module name (e.g.
+    # "model.embed_tokens") -> [vocab, hidden] weight; only formats whose ``vocab_support``
+    # says ``embedding`` get any (a quantized untied head is one more entry of ``weights``)
+    embeddings: Mapping[str, QuantizedWeight] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VocabSupport:
+    """Which vocabulary tables (quantpipe.core.vocab) a format stores quantized for a model
+    whose head is tied or not, such that the loaders that read the format run them."""
+
+    embedding: bool  # the input embedding table (a tied head with it: stored once)
+    head: bool  # the output head: an untied one as a quantized linear named lm_head
+    why: str = ""  # one line: why a table stays FP16 here ("" when both are quantized)
+
+
+def vocab_fp16_only(tied: bool) -> VocabSupport:
+    """The default of :attr:`CheckpointFormat.vocab_support`: both tables stay FP16."""
+    return VocabSupport(False, False, "this format stores no quantized vocabulary tables")
 
 
 # quantization_config -> (plan, stored layers), appending every problem found to the list
@@ -65,6 +84,14 @@ ReadLayers = Callable[[dict, Mapping[str, torch.Tensor], list[str]],
 Unpack = Callable[[StoredLayer, Mapping[str, torch.Tensor], dict], UnpackedLayer]
 # (layer name, spec, [out, in]) -> every tensor the format writes for that layer
 Layout = Callable[[str, QuantSpec, tuple[int, int]], Expected]
+# quantization_config -> the quantized embedding tables stored (verified like layers)
+ReadEmbeddings = Callable[[dict, Mapping[str, torch.Tensor], list[str]], list[StoredLayer]]
+
+
+def no_embeddings(qcfg: dict, tensors: Mapping[str, torch.Tensor],
+                  problems: list[str]) -> list[StoredLayer]:
+    """The default of :attr:`CheckpointFormat.read_embeddings`: none stored."""
+    return []
 
 
 def stored_bits(tensors: Expected) -> int:
@@ -101,3 +128,7 @@ class CheckpointFormat:
     layout: Layout  # what ``write`` stores for one layer (the bits-per-weight count reads it)
     # problems between quantpipe.json and config.json beyond the plan (verify, step 1)
     manifest_problems: Callable[[dict, dict], list[str]] = field(default=no_manifest_checks)
+    # tied -> which vocabulary tables ``write`` stores quantized (``export --vocab-weights``)
+    vocab_support: Callable[[bool], VocabSupport] = field(default=vocab_fp16_only)
+    # the quantized embedding tables of a folder (verify, step 2; loaders)
+    read_embeddings: ReadEmbeddings = field(default=no_embeddings)

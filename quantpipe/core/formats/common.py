@@ -229,13 +229,21 @@ def replace_quantized(
     state: Mapping[str, torch.Tensor],
     weights: Mapping[str, QuantizedWeight],
     layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
+    embeddings: Mapping[str, QuantizedWeight] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors to save, in ``state``'s order, each quantized ``P.weight`` replaced by the
-    format's tensors; produced one at a time (one layer unpacked and packed at a time)."""
+    """The tensors to save, in ``state``'s order, each quantized ``P.weight`` (a linear of
+    ``weights`` or a table of ``embeddings``) replaced by the format's tensors, the names in
+    ``skip`` left out; produced one at a time (one layer unpacked and packed at a time)."""
+    embeddings = embeddings or {}
     for k in state:
+        if k in skip:
+            continue
         lin = k[: -len(".weight")] if k.endswith(".weight") else None
         if lin is not None and lin in weights:
             yield from layer_tensors(lin, weights[lin]).items()
+        elif lin is not None and lin in embeddings:
+            yield from layer_tensors(lin, embeddings[lin]).items()
         else:
             yield k, state[k]
 
@@ -248,10 +256,12 @@ def write_quantized_folder(
     layer_tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]],
     manifest_fields: dict,
     extra_json: dict[str, dict] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> dict:
     """Write config.json, side files, shards and the manifest (last) atomically; each quantized
-    layer's tensors are made by ``layer_tensors`` when its shard is written (one layer in
-    memory at a time). ``manifest_fields``: the format's own, before ``job.manifest_fields``."""
+    layer's tensors (and each of ``job.embeddings``) are made by ``layer_tensors`` when its
+    shard is written (one layer in memory at a time); state tensors named in ``skip`` are not
+    written. ``manifest_fields``: the format's own, before ``job.manifest_fields``."""
     config = dict(job.config)
     config["quantization_config"] = quantization_config
     with atomic_output_dir(job.out, job.force) as tmp:
@@ -259,7 +269,7 @@ def write_quantized_folder(
         for fname, obj in (extra_json or {}).items():
             write_json_atomic(tmp / fname, obj)
         copy_side_files(job.side_dir, tmp)
-        with tqdm(total=len(job.weights), desc=f"export {checkpoint_format}",
+        with tqdm(total=len(job.weights) + len(job.embeddings), desc=f"export {checkpoint_format}",
                   unit="layer") as bar:
             def counted(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
                 out = layer_tensors(name, qw)
@@ -267,7 +277,7 @@ def write_quantized_folder(
                 return out
 
             tensors: Iterable[tuple[str, torch.Tensor]] = replace_quantized(
-                job.state, job.weights, counted)
+                job.state, job.weights, counted, job.embeddings, skip)
             shards = write_shards(tensors, tmp, job.max_shard_size)
         manifest = write_manifest(
             tmp,

@@ -36,12 +36,14 @@ from collections.abc import Mapping
 
 import torch
 
+from quantpipe.core.formats import vllm_support
 from quantpipe.core.formats.base import (
     CheckpointFormat,
     Expected,
     FolderToWrite,
     StoredLayer,
     UnpackedLayer,
+    VocabSupport,
 )
 from quantpipe.core.formats.common import (
     check_act_order,
@@ -65,8 +67,9 @@ def pack_ct(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """One linear's pack-quantized tensors (compressed-tensors ``pack_to_int32``)."""
     if not is_sequential_g_idx(qw):
         raise ValueError(
-            "compressed-tensors >= 0.20 has no act-order g_idx (actorder='group' was removed); "
-            "export this plan with --format gptq (desc_act) or calibrate without act-order"
+            "compressed-tensors >= 0.20 has no act-order g_idx (actorder='group' was removed) "
+            "and vLLM reads none in any format; calibrate with --static-groups (the default "
+            "with act-order) or --no-act-order, or export --format native"
         )
     bits = qw.spec.bits
     out_f, in_f = qw.shape
@@ -234,10 +237,16 @@ def ct_plan(
 # ---- writing -------------------------------------------------------------------------------
 
 
-def write(job: FolderToWrite) -> dict:
-    """Write a compressed-tensors pack-quantized folder; returns the manifest."""
+def write(job: FolderToWrite, for_vllm: bool = True) -> dict:
+    """Write a compressed-tensors pack-quantized folder; returns the manifest. ``for_vllm``
+    (the default, and what ``quantpipe export`` does): refuse what vLLM cannot load
+    (:mod:`~quantpipe.core.formats.vllm_support`: 8-bit asymmetric layers, asymmetric group
+    sizes without a kernel, fused modules with mixed specs) before writing anything."""
     plan = {n: weight_spec(job.weights, n) for n in job.weights}
-    qcfg = ct_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)))
+    kept_fp16 = kept_fp16_linears(job.state, set(job.weights))
+    if for_vllm:
+        vllm_support.check_plan(NAME, plan, kept_fp16)
+    qcfg = ct_quantization_config(plan, kept_fp16)
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         check_act_order(name, qw)
@@ -288,5 +297,19 @@ def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) ->
                      tensors.get(f"{name}.weight_zero_point"), g_idx, lay.spec)
 
 
+def vocab_support(tied: bool) -> VocabSupport:
+    """vLLM (``compressed_tensors.py`` ``get_quant_method``) runs a targeted ``lm_head`` as a
+    WNA16 linear; its quantized-embedding lookup (``compressed_tensors_embedding.py``) is a
+    Triton kernel (no CPU build runs it), and a tied head is tied by sharing the table's
+    ``.weight`` (``QuantizeMethodBase.tie_weights``), which a packed table does not have."""
+    if tied:
+        return VocabSupport(False, False, "vLLM ties a head to the table's FP16 .weight, which "
+                                          "a packed compressed-tensors table lacks; use "
+                                          "--format native")
+    return VocabSupport(False, True, "vLLM's compressed-tensors embedding lookup is a Triton "
+                                     "kernel (none on CPU): the input table stays FP16")
+
+
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack, layout=layout)
+                          read_layers=read_layers, unpack=unpack, layout=layout,
+                          vocab_support=vocab_support)

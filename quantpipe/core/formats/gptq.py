@@ -16,8 +16,10 @@ Facts checked against the real code (cited next to each routine below):
   it does ``zeros -= 1`` before packing qzeros along the output dim (the "v1" format).
 - GPTQModel ``gptqmodel/utils/model.py`` ``convert_gptq_v1_to_v2_format_module``: v1 stores
   ``zero - 1``; ``checkpoint_format: "gptq_v2"`` stores the zero itself.
-- vLLM ``model_executor/layers/quantization/gptq.py``: ``use_v2_format = checkpoint_format ==
-  "gptq_v2"``; qweight [in/pf, out], qzeros [G, out/pf], scales [G, out], g_idx [in].
+- vLLM 0.32 ``model_executor/layers/quantization/auto_gptq.py`` (its one GPTQ method): qweight
+  [in/pf, out], qzeros [G, out/pf], scales [G, out]; symmetric types only (qzeros and g_idx
+  are not read), so ``checkpoint_format`` does not matter to it. What it refuses is checked
+  before writing (:mod:`~quantpipe.core.formats.vllm_support`).
 - vLLM ``model_executor/layers/quantization/utils/gptq_utils.py`` ``get_dynamic_override``:
   ``dynamic`` maps a regex to overrides, checked in order with ``re.match`` on the module name;
   ``"-:"`` excludes the module (kept unquantized), ``"+:"`` (or no prefix) overrides
@@ -34,14 +36,21 @@ from collections.abc import Mapping
 import torch
 
 from quantpipe import __version__
+from quantpipe.core.formats import vllm_support
 from quantpipe.core.formats.base import (
     CheckpointFormat,
     Expected,
     FolderToWrite,
     StoredLayer,
     UnpackedLayer,
+    VocabSupport,
 )
-from quantpipe.core.formats.common import check_act_order, kept_fp16_linears, write_quantized_folder
+from quantpipe.core.formats.common import (
+    check_act_order,
+    is_sequential_g_idx,
+    kept_fp16_linears,
+    write_quantized_folder,
+)
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
 
 log = logging.getLogger(__name__)
@@ -125,20 +134,33 @@ def layout(name: str, spec: QuantSpec, shape: tuple[int, int]) -> Expected:
 
 
 def layer_pattern(name: str) -> str:
-    """An anchored regex for one module that also matches vLLM's fused module name."""
+    """An anchored regex for one module that also matches vLLM's fused module name: q/k/v ->
+    ``qkv_proj``, gate/up -> ``gate_up_proj``, a MoE expert's linear -> the block's ``experts``
+    (vLLM's FusedMoE prefix; every expert of a block has one spec, vllm_support checks it)."""
+    expert = re.match(r"^(.+\.experts)\.(\d+)\.([^.]+)$", name)
+    if expert:
+        moe, e, leaf = expert.groups()
+        return f"^{re.escape(moe)}(?:\\.{e}\\.{re.escape(leaf)})?$"
     prefix, _, leaf = name.rpartition(".")
     alts = [leaf] + ([VLLM_FUSED_NAMES[leaf]] if leaf in VLLM_FUSED_NAMES else [])
     head = re.escape(prefix) + r"\." if prefix else ""
     return f"^{head}(?:{'|'.join(alts)})$"
 
 
-def _spec_fields(spec: QuantSpec) -> dict:
-    return {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
-            "desc_act": spec.act_order}
+def _spec_fields(spec: QuantSpec, for_vllm: bool) -> dict:
+    """A spec's GPTQ fields. ``for_vllm``: act-order is written as ``static_groups`` with
+    ``desc_act: false`` (groups stay sequential; vLLM refuses desc_act with groups), else as
+    ``desc_act`` (GPTQModel / transformers read permuted g_idx)."""
+    fields = {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym,
+              "desc_act": spec.act_order and not for_vllm}
+    if for_vllm and spec.act_order:
+        fields["static_groups"] = True
+    return fields
 
 
 def gptq_quantization_config(
-    plan: dict[str, QuantSpec], kept_fp16: list[str], checkpoint_format: str
+    plan: dict[str, QuantSpec], kept_fp16: list[str], checkpoint_format: str,
+    for_vllm: bool = True,
 ) -> dict:
     """``quantization_config`` / ``quantize_config.json``: the most common spec is the default;
     each layer that differs gets a ``"+:"`` rule, each kept-FP16 linear a ``"-:"`` rule."""
@@ -154,11 +176,11 @@ def gptq_quantization_config(
         dynamic[f"-:{layer_pattern(name)}"] = {}
     for name, spec in plan.items():
         if spec != base:
-            dynamic[f"+:{layer_pattern(name)}"] = _spec_fields(spec)
+            dynamic[f"+:{layer_pattern(name)}"] = _spec_fields(spec, for_vllm)
     cfg = {
         "quant_method": QUANT_METHOD,
         "checkpoint_format": checkpoint_format,
-        **_spec_fields(base),
+        **_spec_fields(base, for_vllm),
         "lm_head": "lm_head" in plan,  # GPTQModel: is the output head quantized
         "pack_dtype": "int32",
         "true_sequential": True,
@@ -177,7 +199,8 @@ def gptq_plan(qcfg: dict, layer_names: list[str]) -> tuple[dict[str, QuantSpec],
         problems.append(f"config.json quantization_config.checkpoint_format={fmt!r}: quantpipe "
                         f"reads {CHECKPOINT_FORMATS} (marlin-repacked checkpoints are not read)")
     base = {"bits": qcfg.get("bits"), "group_size": qcfg.get("group_size", -1),
-            "sym": qcfg.get("sym", True), "desc_act": qcfg.get("desc_act", False)}
+            "sym": qcfg.get("sym", True), "desc_act": qcfg.get("desc_act", False),
+            "static_groups": qcfg.get("static_groups", False)}
     dynamic = qcfg.get("dynamic") or {}
     plan: dict[str, QuantSpec] = {}
     for name in layer_names:
@@ -192,8 +215,10 @@ def gptq_plan(qcfg: dict, layer_names: list[str]) -> tuple[dict[str, QuantSpec],
                 fields.update({k: v for k, v in over.items() if k in fields})
                 break
         try:
+            # act-order: desc_act (permuted g_idx), or static_groups (sequential g_idx)
             plan[name] = QuantSpec(int(fields["bits"]), int(fields["group_size"]),
-                                   bool(fields["sym"]), bool(fields["desc_act"]))
+                                   bool(fields["sym"]),
+                                   bool(fields["desc_act"] or fields["static_groups"]))
         except (TypeError, ValueError) as exc:
             problems.append(f"{name}: quantization_config gives {fields}: {exc}")
     return plan, problems
@@ -233,16 +258,25 @@ def choose_checkpoint_format(weights: dict[str, QuantizedWeight], requested: str
 # ---- writing -------------------------------------------------------------------------------
 
 
-def write(job: FolderToWrite, checkpoint_format: str = "auto") -> dict:
+def write(job: FolderToWrite, checkpoint_format: str = "auto", for_vllm: bool = True) -> dict:
     """Write a GPTQ folder; returns the manifest. ``checkpoint_format``: "auto" (v1 "gptq"
-    unless an asymmetric zero point is 0, then "gptq_v2"), "gptq" or "gptq_v2"."""
+    unless an asymmetric zero point is 0, then "gptq_v2"), "gptq" or "gptq_v2".
+    ``for_vllm`` (the default, and what ``quantpipe export`` does): refuse what vLLM cannot
+    load (:mod:`~quantpipe.core.formats.vllm_support`: asymmetric layers, group sizes Marlin
+    lacks, act-order permutations, fused modules with mixed specs) before writing anything;
+    False writes them for GPTQModel / transformers."""
+    plan = {n: weight_spec(job.weights, n) for n in job.weights}
+    kept_fp16 = kept_fp16_linears(job.state, set(job.weights))
+    if for_vllm:
+        vllm_support.check_plan(NAME, plan, kept_fp16)
     fmt = choose_checkpoint_format(job.weights, checkpoint_format)
     v1 = fmt == "gptq"
-    plan = {n: weight_spec(job.weights, n) for n in job.weights}
-    qcfg = gptq_quantization_config(plan, kept_fp16_linears(job.state, set(job.weights)), fmt)
+    qcfg = gptq_quantization_config(plan, kept_fp16, fmt, for_vllm)
 
     def layer_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         check_act_order(name, qw)
+        if for_vllm and not is_sequential_g_idx(qw):
+            raise ValueError(vllm_support.g_idx_problem(name))
         return {f"{name}.{k}": v for k, v in pack_gptq(qw, v1).items()}
 
     return write_quantized_folder(
@@ -295,6 +329,18 @@ def manifest_problems(manifest: dict, qcfg: dict) -> list[str]:
             f"says {qcfg.get('checkpoint_format')!r}"]
 
 
+def vocab_support(tied: bool) -> VocabSupport:
+    """vLLM (``quantization/utils/gptq_utils.py`` ``get_linear_quant_method``) quantizes a
+    ``ParallelLMHead`` only with ``"lm_head": true`` and never a ``VocabParallelEmbedding``; a
+    tied head is given the embedding table's weight (``tie_weights``), so it stays FP16."""
+    if tied:
+        return VocabSupport(False, False, "vLLM's GPTQ loader quantizes only an untied lm_head "
+                                          "(no quantized embedding table, a tied head is the "
+                                          "FP16 table); use --format native")
+    return VocabSupport(False, True, "vLLM's GPTQ loader has no quantized embedding table: "
+                                     "the input table stays FP16")
+
+
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
                           read_layers=read_layers, unpack=unpack, layout=layout,
-                          manifest_problems=manifest_problems)
+                          manifest_problems=manifest_problems, vocab_support=vocab_support)

@@ -4,7 +4,7 @@ format-neutral structure, after :mod:`quantpipe.core.formats.verify` has passed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,19 +36,26 @@ class QuantizedCheckpoint:
     fp_tensors: Mapping[str, torch.Tensor]
     manifest: dict | None  # quantpipe.json; None for folders made by other tools
     report: VerifyReport
+    # quantized input embedding tables [vocab, hidden] by module name (``export
+    # --vocab-weights``; a tied head is the table), unpacked on access
+    embeddings: Mapping[str, QuantizedWeight] = field(default_factory=dict)
 
     def model_config(self) -> dict:
         """config.json without its quantization_config (to build the FP model skeleton)."""
         return {k: v for k, v in self.config.items() if k != "quantization_config"}
 
-    def dequantized_tensors(self, dtype: torch.dtype = torch.float16
+    def dequantized_tensors(self, dtype: torch.dtype = torch.float16, prefix: str = ""
                             ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, tensor)`` of every FP tensor, then of every quantized linear's weight
-        dequantized to ``dtype`` (the reference weights), each read when it is asked for."""
+        and embedding table dequantized to ``dtype`` (the reference weights), each read when
+        it is asked for; only names starting with ``prefix``."""
         for k in self.fp_tensors:
-            yield k, self.fp_tensors[k]
-        for name in self.layers:
-            yield f"{name}.weight", self.layers[name].dequantize(dtype)  # [out, in]
+            if k.startswith(prefix):
+                yield k, self.fp_tensors[k]
+        for quantized in (self.layers, self.embeddings):
+            for name in quantized:
+                if f"{name}.weight".startswith(prefix):
+                    yield f"{name}.weight", quantized[name].dequantize(dtype)  # [out, in]
 
     def dequantized_state_dict(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
         """HF state dict with every quantized linear dequantized (the reference weights)."""
@@ -70,6 +77,7 @@ def load_quantized(folder: str | Path, hashes: str = "stamp") -> QuantizedCheckp
         fp_tensors=ins.fp_tensors,
         manifest=ins.manifest,
         report=ins.report,
+        embeddings=ins.embeddings,
     )
 
 

@@ -15,6 +15,13 @@ Layout of a quantized folder (QDIR), one entry per quantized linear ``P`` (e.g.
 ``config.json["quantization_config"]`` = ``{"quant_method": "quantpipe", "format_version": 1,
 "layers": {P: spec dict}}`` and ``quantpipe.json`` (stage ``quantized``) holds the whole plan,
 shard hashes and the source hashes.
+
+Vocabulary tables (``export --vocab-weights int8|int4``, :mod:`quantpipe.core.vocab`): the input
+embedding table ``E`` (``model.embed_tokens``) is stored in the same layout as a linear
+``[vocab, hidden]`` (``E.qweight``, ``E.scales``; symmetric, so no ``E.qzeros``) and listed under
+``quantization_config["embeddings"] = {E: spec dict}``; an untied head is one more quantized
+linear ``lm_head`` of ``layers``. A tied head is not stored: it is the table (one tensor in the
+file, ``tie_word_embeddings`` in config.json), and ``lm_head.weight`` is never written.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from quantpipe.core.formats.base import (
     FolderToWrite,
     StoredLayer,
     UnpackedLayer,
+    VocabSupport,
 )
 from quantpipe.core.formats.common import read_fp_state, write_quantized_folder
 from quantpipe.core.io import MANIFEST_NAME, read_manifest
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
+from quantpipe.core.vocab import HEAD, vocab_tables
 
 NAME = "native"
 QUANT_METHOD = "quantpipe"
@@ -76,10 +85,22 @@ def write(job: FolderToWrite) -> dict:
     layers = {name: weight_spec(job.weights, name).to_dict() for name in job.weights}
     qcfg = {"quant_method": QUANT_METHOD, "format_version": NATIVE_FORMAT_VERSION,
             "layers": layers}
+    fields = {"native_format_version": NATIVE_FORMAT_VERSION, "layers": layers}
+    skip: frozenset[str] = frozenset()
+    if job.embeddings:
+        embeddings = {name: qw.spec.to_dict() for name, qw in job.embeddings.items()}
+        qcfg["embeddings"] = fields["embeddings"] = embeddings
+        if vocab_tables(job.config).tied:  # the head is the table: never a second copy
+            skip = frozenset({f"{HEAD}.weight"})
     return write_quantized_folder(
         job, checkpoint_format=NAME, quantization_config=qcfg, layer_tensors=quantized_tensors,
-        manifest_fields={"native_format_version": NATIVE_FORMAT_VERSION, "layers": layers},
+        manifest_fields=fields, skip=skip,
     )
+
+
+def vocab_support(tied: bool) -> VocabSupport:
+    """Both tables: the embedding table as ``embeddings``, an untied head as a linear."""
+    return VocabSupport(embedding=True, head=True)
 
 
 # ---- reading (verify) ----------------------------------------------------------------------
@@ -129,10 +150,39 @@ def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
         layers.append(StoredLayer(name, spec, exp, {
             "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
             "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in tensors else None}))
+    tables = qcfg.get("embeddings") or {}
     for k in tensors:
-        if k.endswith(".qweight") and k[: -len(".qweight")] not in plan:
+        name = k[: -len(".qweight")]
+        if k.endswith(".qweight") and name not in plan and name not in tables:
             problems.append(f"{k}: packed weight of a layer that config.json's plan does not list")
     return plan, layers
+
+
+def read_embeddings(qcfg: dict, tensors: Mapping[str, torch.Tensor],
+                    problems: list[str]) -> list[StoredLayer]:
+    """The quantized embedding tables of ``quantization_config.embeddings`` (module doc)."""
+    tables = qcfg.get("embeddings") or {}
+    if not isinstance(tables, dict):
+        problems.append(f"config.json quantization_config.embeddings = {tables!r}: expected "
+                        "{module name: spec}")
+        return []
+    stored = []
+    for name, d in tables.items():
+        try:
+            spec = QuantSpec.from_dict(d)
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"config.json quantization_config.embeddings[{name!r}] = {d}: {exc}")
+            continue
+        qweight = tensors.get(f"{name}.qweight")
+        if qweight is None or qweight.dim() != 2:
+            problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
+                            f"[vocab, hidden*{spec.bits}/32])")
+            continue
+        shape = (qweight.shape[0], qweight.shape[-1] * (32 // spec.bits))  # [vocab, hidden]
+        stored.append(StoredLayer(name, spec, expected_native(name, spec, shape, False), {
+            "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
+            "g_idx": None}))
+    return stored
 
 
 def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) -> UnpackedLayer:
@@ -140,7 +190,8 @@ def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) ->
 
 
 FORMAT = CheckpointFormat(name=NAME, quant_method=QUANT_METHOD, write=write,
-                          read_layers=read_layers, unpack=unpack, layout=layout)
+                          read_layers=read_layers, unpack=unpack, layout=layout,
+                          vocab_support=vocab_support, read_embeddings=read_embeddings)
 
 
 # ---- the packed view, without the verifier ---------------------------------------------------

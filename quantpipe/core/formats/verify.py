@@ -11,11 +11,13 @@ stored layers, the checks are the same for every format. All are collected befor
    before those were recorded: the report says they could not be checked), manifest
    ``checkpoint_format`` and per-layer plan equal to what config.json describes.
    Folders made by other tools (no manifest) skip these and get the checks below.
-2. every safetensors file parses; every quantized layer of the plan has all its tensors with
-   the shape and dtype the format and the layer's spec require, and no stray ``.weight``;
+2. every safetensors file parses; every quantized layer of the plan, and every quantized
+   embedding table (``export --vocab-weights``; the format's ``read_embeddings``), has all its
+   tensors with the shape and dtype the format and the spec require, and no stray ``.weight``;
+   a head tied to a quantized table has no tensor of its own (the table is stored once);
 3. group size divides ``in_features``; scales finite and > 0; zero points in ``[0, 2**bits-1]``
    (symmetric layers: exactly ``2**(bits-1)``); ``g_idx`` in ``[0, G)`` and sequential unless
-   the layer uses act-order.
+   the layer uses act-order (the same checks on the embedding tables).
 4. config.json's sizes agree with the tensors' shapes read from the safetensors headers
    (:func:`quantpipe.core.config_check.config_problems`): an absurd ``num_hidden_layers`` or
    ``hidden_size`` is refused before any model is built.
@@ -52,6 +54,7 @@ from quantpipe.core.io import (
 )
 from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 from quantpipe.core.verified import file_keys, stamp_matches, write_stamp
+from quantpipe.core.vocab import HEAD, vocab_tables
 
 MAX_LISTED = 40  # problems listed in the error message (the count is always exact)
 HASH_MODES = ("full", "stamp", "skip")  # see the module docstring
@@ -82,6 +85,12 @@ class VerifyReport:
     checked: str = "full"
     unchecked: tuple[str, ...] = ()  # what could not be checked (e.g. files an old manifest
     # does not hash), said in the summary
+    # the embedding table and output head (a tied head counted once with the table): their
+    # vocab * hidden weights and stored bits, quantized or FP; what they are (e.g. "embedding
+    # w8pc, head tied"). A quantized head (lm_head) is counted here, not in quantized_*.
+    vocab_weights: int = 0
+    vocab_bits: int = 0
+    vocab: str = ""
 
     @property
     def bits_per_weight(self) -> float:
@@ -91,13 +100,23 @@ class VerifyReport:
         bits = 8 * self.quantized_bytes + self.kept_fp16_bits
         return bits / max(self.quantized_weights + self.kept_fp16_weights, 1)
 
+    @property
+    def bits_per_weight_with_vocab(self) -> float:
+        """:attr:`bits_per_weight` with the embedding table and the head counted too (as
+        stored: quantized or FP16, a tied head once)."""
+        bits = 8 * self.quantized_bytes + self.kept_fp16_bits + self.vocab_bits
+        return bits / max(self.quantized_weights + self.kept_fp16_weights + self.vocab_weights, 1)
+
     def summary(self) -> str:
         specs = ", ".join(f"{k} x{v}" for k, v in sorted(self.specs.items()))
+        vocab = (f", {self.bits_per_weight_with_vocab:.3f} with the embedding table and head "
+                 f"({self.vocab})" if self.vocab_weights else "")
         return (
             f"OK {self.folder}: {self.checkpoint_format}, {self.quantized_layers} quantized "
             f"layers ({specs}), {self.fp_tensors} other tensors, {self.files} file(s), "
             f"{self.total_bytes / 1e6:.2f} MB, {self.bits_per_weight:.3f} bits/weight over "
-            f"{'the calibrated' if self.kept_fp16_weights else 'the quantized'} linears; "
+            f"{'the calibrated' if self.kept_fp16_weights else 'the quantized'} linears"
+            f"{vocab}; "
             + ("manifest and sha256 verified" if self.hashes_checked
                else "no quantpipe.json (made by another tool): hashes not checked")
             + "".join(f"; {note}" for note in self.unchecked)
@@ -115,6 +134,8 @@ class Inspection:
     layers: Mapping[str, QuantizedWeight]  # unpacked on access, one at a time
     fp_tensors: Mapping[str, torch.Tensor]  # read from the mmapped files on access
     problems: list[str] = field(default_factory=list)
+    # quantized embedding tables [vocab, hidden] by module name, unpacked on access
+    embeddings: Mapping[str, QuantizedWeight] = field(default_factory=dict)
 
 
 def verify_checkpoint(folder: str | Path, hashes: str = "full") -> VerifyReport:
@@ -351,8 +372,16 @@ def inspect_checkpoint(folder: str | Path, hashes: str = "stamp") -> Inspection:
         unchecked += _check_tokenizer(folder, problems)
 
     plan, lays = fmt.read_layers(qcfg, tensors, problems) if fmt else ({}, [])
-    good, q_weights, q_bytes = _check_layers(fmt, lays, tensors, where, meta, qcfg, deep,
-                                             problems)
+    emb_lays = fmt.read_embeddings(qcfg, tensors, problems) if fmt else []
+    head = [lay for lay in lays if lay.name == HEAD]  # counted with the vocabulary tables
+    good, q_weights, q_bytes = _check_layers(fmt, [lay for lay in lays if lay.name != HEAD],
+                                             tensors, where, meta, qcfg, deep, problems)
+    vocab_good, _, _ = _check_layers(fmt, head + emb_lays, tensors, where, meta, qcfg, deep,
+                                     problems)
+    good_emb = [lay for lay in vocab_good if lay.name != HEAD]
+    good += [lay for lay in vocab_good if lay.name == HEAD]
+    if emb_lays:
+        _check_tied_head(config, meta, where, problems)
     if manifest is not None and fmt:  # no plan was read without a format
         _check_manifest_agrees(folder, fmt, manifest, plan, qcfg, problems)
     if problems:
@@ -367,7 +396,7 @@ def inspect_checkpoint(folder: str | Path, hashes: str = "stamp") -> Inspection:
         # a full check passed: the next load need not repeat it (unless a file changed since
         # the check began: then it is not stamped)
         write_stamp(folder, checked, before)
-    fp_tensors = tensors.without({t for lay in good for t in lay.expected})
+    fp_tensors = tensors.without({t for lay in good + good_emb for t in lay.expected})
     specs: dict[str, int] = {}
     for s in plan.values():
         specs[s.label()] = specs.get(s.label(), 0) + 1
@@ -381,9 +410,59 @@ def inspect_checkpoint(folder: str | Path, hashes: str = "stamp") -> Inspection:
         kept_fp16_bits=sum(layer_bits(None, shape, fmt.name) for shape in kept),
         checked="full" if deep else ("stamp" if hashes == "stamp" else "headers"),
         unchecked=tuple(unchecked),
+        **_vocab_counts(config, meta, vocab_good),
     )
     return Inspection(report, config, manifest, plan, LazyLayers(fmt, good, tensors, qcfg),
-                      fp_tensors)
+                      fp_tensors, embeddings=LazyLayers(fmt, good_emb, tensors, qcfg))
+
+
+_FP_LABELS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _vocab_counts(config: dict, meta: Meta, quantized: list[StoredLayer]) -> dict:
+    """VerifyReport's ``vocab_weights``, ``vocab_bits`` (stored bytes, from the headers) and
+    ``vocab`` (``quantized``: the verified quantized tables and head); nothing for a model
+    without a family entry (its table names are not known)."""
+    try:
+        tables = vocab_tables(config)
+    except ValueError:
+        return {}
+    weights = bits = 0
+    said = []
+    for role, name in (("embedding", tables.embedding), ("head", tables.head)):
+        lay = next((q for q in quantized if q.name == name), None)
+        if lay is not None:
+            stored, label = list(lay.expected), lay.spec.label()
+            # the codes: the largest int32 tensor, 32 / bits weights per word
+            codes = max((t for t in stored if meta[t][1] == torch.int32),
+                        key=lambda t: math.prod(meta[t][0]))
+            weights += math.prod(meta[codes][0]) * (32 // lay.spec.bits)
+        elif f"{name}.weight" in meta:
+            stored = [f"{name}.weight"]
+            label = _FP_LABELS.get(meta[stored[0]][1], str(meta[stored[0]][1]))
+            weights += math.prod(meta[stored[0]][0])
+        else:
+            said.append(f"{role} tied" if role == "head" and tables.tied else f"{role} absent")
+            continue
+        bits += sum(8 * math.prod(meta[t][0]) * meta[t][1].itemsize for t in stored)
+        said.append(f"{role} {label}")
+    return {"vocab_weights": weights, "vocab_bits": bits, "vocab": ", ".join(said)}
+
+
+def _check_tied_head(config: dict, meta: Meta, where: dict[str, str],
+                     problems: list[str]) -> None:
+    """A head tied to a quantized embedding table is the table: no tensor of its own."""
+    try:
+        tables = vocab_tables(config)
+    except ValueError as exc:
+        problems.append(f"config.json: {exc}")
+        return
+    if not tables.tied:
+        return
+    for k in meta:
+        if k.startswith(f"{tables.head}."):
+            problems.append(f"{where[k]}: {k} stored although config.json ties the head to the "
+                            f"quantized table {tables.embedding} (a tied table is stored once)")
 
 
 def _kept_fp16_shapes(manifest: dict | None) -> list[tuple[int, int]]:
@@ -475,6 +554,10 @@ def _check_manifest_agrees(folder: Path, fmt: CheckpointFormat, manifest: dict,
                           if want.get(n) != manifest["layers"].get(n))
             problems.append(f"{folder / MANIFEST_NAME}: plan differs from config.json for "
                             f"{len(diff)} layer(s), e.g. {diff[:3]}")
+    if manifest.get("embeddings") != qcfg.get("embeddings") and (
+            "embeddings" in manifest or qcfg.get("embeddings")):
+        problems.append(f"{folder / MANIFEST_NAME}: embeddings {manifest.get('embeddings')} "
+                        f"but config.json says {qcfg.get('embeddings')}")
     problems.extend(f"{folder / MANIFEST_NAME}: {p}" for p in fmt.manifest_problems(manifest, qcfg))
 
 

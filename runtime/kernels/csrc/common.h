@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -172,6 +173,48 @@ at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const a
   return y;
 }
 
+// --- int8_a8_mm: the int8 output head with int8 activations ---------------------------------
+// Weights q8 int8 [N/16, K/4, 64]: byte 4r + e of chunk (b, c) holds q[16b + r][4c + e] (16 rows
+// x 4 columns, as an int8 dot-product instruction reads them; rows 0..7 in the first 32 bytes),
+// q in [-127, 127]; scales fp16 [N/16, K/32, 16]: w = q * scale, per row and block of 32
+// columns, symmetric (llama.cpp's Q8_0). The activations are quantized as for int4_a8_mm (per
+// row and block of 32 columns: xq, dx), and
+//   y[m, n] = sum over blocks b of scale[n, b] * dx[m, b] * (sum_{k in b} q[n, k] * xq[m, k])
+// (integer dots exact, scaling and sums fp32): llama.cpp's Q8_0 x Q8_0 dot product. Where the
+// ISA's instruction multiplies unsigned by signed bytes, it takes q + 128 (q xor 0x80) and
+// subtracts 128 * sum(xq) of the block, given as xsum [M, K / 32]. tile(mt, a, xsum, m0, K, w,
+// sc, out, ldo) computes one block of 16 output rows for mt activation rows from m0: w the
+// block's chunks [K/4, 64], sc its [K/32, 16], out row m at out + m * ldo.
+template <int MaxTile, typename QuantizeRow, typename Tile>
+at::Tensor run_int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+                          const QuantizeRow& quantize_row, const Tile& tile) {
+  TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
+                  q8.size(2) == 64,
+              "q8 must be contiguous int8 [N/16, K/4, 64]");
+  const int64_t K = q8.size(1) * 4, NB = q8.size(0), N = NB * kRows, nb = K / kA8Block;
+  check_group_tensors(scales, c10::nullopt, NB, K, kA8Block, at::kHalf, kA8Block);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) == K,
+              "x must be contiguous fp32 [M, K] with K = ", K);
+  const int64_t M = x.size(0);
+  const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, kA8Block, quantize_row);
+  std::vector<int32_t> xsum(M * nb);  // sum of xq per row and block of 32
+  for (int64_t i = 0; i < M * nb; ++i) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kA8Block; ++k) sum += a.xq[i * kA8Block + k];
+    xsum[i] = sum;
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const int8_t* wp = q8.data_ptr<int8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  for_each_tile<MaxTile>(M, NB, K, [&](int64_t b, int64_t m0, auto mt) {
+    tile(mt, a, xsum.data(), m0, K, wp + b * K * kRows, scp + b * nb * kRows,
+         yp + m0 * N + b * kRows, N);
+  }, kMinA8MacsPerThread);
+  return y;
+}
+
 // --- int8_mm: W8A16 ---------------------------------------------------------------------------
 // Weights q8 int8 [N/16, K, 16] = q - 128 (16 output rows side by side per k), scales fp16 and
 // zf fp32 [N/16, G, 16]: w = (q - 128) * scale + zf, zf = (128 - z) * scale. int8 -> fp32 is
@@ -312,12 +355,17 @@ struct PagedRows {
   }
 };
 
-// Runs attend(q_rows, G, keys, values, n, scale, p, out_rows) for every (sequence, KV head,
-// query) of a paged_attention call, over torch's threads; fp32 or bf16 pools.
+// Runs attend(q_rows, G, keys, values, first, n, scale, p, out_rows) for every (sequence, KV
+// head, query) of a paged_attention call, over torch's threads; fp32 or bf16 pools. The query
+// at position p sees keys first .. p (n = p + 1 of them from key 0): first = 0, or with a
+// sliding window (window > 0) p - window + 1 where that is larger (keys at or beyond `window`
+// positions back are hidden, transformers' sliding-window rule).
 template <typename Attend>
 at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& ctx_lens,
-                     const at::Tensor& q_lens, double scale, const Attend& attend) {
+                     const at::Tensor& q_lens, double scale, int64_t window,
+                     const Attend& attend) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   const float sc = static_cast<float>(scale);
   const std::vector<int64_t> q_off = check_paged(q, k_pool, v_pool, block_tables, ctx_lens,
                                                  q_lens);
@@ -332,7 +380,8 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   float* op = out.data_ptr<float>();
   // threads only for enough work (query-key products): short contexts stay on one thread
   int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += qlens[b] * lens[b] * H * D;
+  for (int64_t b = 0; b < B; ++b)
+    work += qlens[b] * (window > 0 ? std::min(lens[b], window) : lens[b]) * H * D;
   const int64_t grain = work < kMinMacsPerThread ? B * KV : 1;
   auto run = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
@@ -343,11 +392,12 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
         const PagedRows<T> keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
         const PagedRows<T> values{vp, bt + b * max_blocks, BS, KV, kvh, D};
         for (int64_t t = 0; t < qlens[b]; ++t) {
-          const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys visible to this query
+          const int64_t n = lens[b] - qlens[b] + 1 + t;  // keys 0 .. this query's position
+          const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
           const int64_t row = q_off[b] + t;
-          p.resize(G * n);
+          p.resize(G * (n - first));
           // the G query heads of this KV head, in and out
-          attend(qp + (row * H + kvh * G) * D, G, keys, values, n, sc, p.data(),
+          attend(qp + (row * H + kvh * G) * D, G, keys, values, first, n, sc, p.data(),
                  op + (row * H + kvh * G) * D);
         }
       }
@@ -362,32 +412,34 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   return out;
 }
 
-// out_g = softmax(scale * q_g . k_j over j < n) . v_j for the G query heads of one KV head
-// (out zeroed by the caller); p: [G, n] scratch. The ISA's kernels: scores(q, G, keys, n, scale,
-// p) for D a multiple of Lanes, else dot(q_g, k_j, D) per key; softmax_numerators(p_g, n)
-// (p_g <- exp(p_g - max), returns the sum); axpy(alpha, v_j, out_g, D). Called from a
-// target-specific function of the ISA file, so that the kernels inline into its loops.
+// out_g = softmax(scale * q_g . k_j over first <= j < n) . v_j for the G query heads of one KV
+// head (out zeroed by the caller); p: [G, n - first] scratch. The ISA's kernels: scores(q, G,
+// keys, first, n, scale, p) for D a multiple of Lanes, else dot(q_g, k_j, D) per key;
+// softmax_numerators(p_g, cnt) (p_g <- exp(p_g - max), returns the sum); axpy(alpha, v_j,
+// out_g, D). Called from a target-specific function of the ISA file, so that the kernels
+// inline into its loops.
 template <int64_t Lanes, typename T, typename Scores, typename Dot, typename Softmax,
           typename Axpy>
 inline void attend_heads(const float* q, int64_t G, const PagedRows<T>& keys,
-                         const PagedRows<T>& values, int64_t n, float scale, float* p, float* out,
-                         const Scores& scores, const Dot& dot,
+                         const PagedRows<T>& values, int64_t first, int64_t n, float scale,
+                         float* p, float* out, const Scores& scores, const Dot& dot,
                          const Softmax& softmax_numerators, const Axpy& axpy) {
-  const int64_t D = keys.D, BS = keys.BS;
+  const int64_t D = keys.D, BS = keys.BS, cnt = n - first;
   if (D % Lanes == 0) {
-    scores(q, G, keys, n, scale, p);
+    scores(q, G, keys, first, n, scale, p);
   } else {
-    for (int64_t j = 0; j < n; ++j) {  // each key row is read once for the G heads
+    for (int64_t j = first; j < n; ++j) {  // each key row is read once for the G heads
       const T* kr = keys.row(j / BS, j % BS);
-      for (int64_t g = 0; g < G; ++g) p[g * n + j] = dot(q + g * D, kr, D) * scale;
+      for (int64_t g = 0; g < G; ++g) p[g * cnt + j - first] = dot(q + g * D, kr, D) * scale;
     }
   }
   float inv[64];
-  for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * n, n);
-  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += BS, ++blk) {  // block by block
-    for (int64_t j = j0; j < std::min(n, j0 + BS); ++j) {
-      const T* vr = values.row(blk, j - j0);
-      for (int64_t g = 0; g < G; ++g) axpy(p[g * n + j] * inv[g], vr, out + g * D, D);
+  for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * cnt, cnt);
+  for (int64_t blk = first / BS; blk * BS < n; ++blk) {  // block by block
+    for (int64_t j = std::max(first, blk * BS); j < std::min(n, (blk + 1) * BS); ++j) {
+      const T* vr = values.row(blk, j - blk * BS);
+      for (int64_t g = 0; g < G; ++g)
+        axpy(p[g * cnt + j - first] * inv[g], vr, out + g * D, D);
     }
   }
 }
@@ -468,9 +520,10 @@ inline void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at:
   rope_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
-// silu_mul's checks and row loop: row(gate_up_row, I, out_row) per row of gu [T, 2I]
+// silu_mul's and gelu_tanh_mul's checks and row loop: row(gate_up_row, I, out_row) per row of
+// gu [T, 2I]
 template <typename Row>
-at::Tensor run_silu_mul(const at::Tensor& gu, const Row& row) {
+at::Tensor run_gated_act(const at::Tensor& gu, const Row& row) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.scalar_type() == at::kFloat &&
                   gu.size(1) % 2 == 0,
               "gu must be contiguous fp32 [T, 2I] (gate then up)");
@@ -504,17 +557,19 @@ inline void def_ops(torch::Library& m) {
   m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size, "
         "bool vnni) -> Tensor");
   m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_a8_mm(Tensor x, Tensor q8, Tensor scales) -> Tensor");
   m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor ctx_lens, Tensor q_lens, float scale) -> Tensor");
+        "Tensor ctx_lens, Tensor q_lens, float scale, int window=0) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
   m.def("decoder_layer(Tensor(a!) h, Tensor? delta, Tensor?[] weights, int[] group_sizes, "
-        "bool vnni, float[] eps, float scale, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
-        "Tensor(c!) v_pool, Tensor slots, Tensor block_tables, Tensor ctx_lens, "
-        "Tensor q_lens) -> Tensor");
+        "bool vnni, float[] eps, float scale, int window, str activation, Tensor cos, "
+        "Tensor sin, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor slots, Tensor block_tables, "
+        "Tensor ctx_lens, Tensor q_lens) -> Tensor");
 }
 
 // the ISA's entry points of def_ops' ops (rope_ is common.h's own)
@@ -527,10 +582,13 @@ struct OpImpls {
   at::Tensor (*fp16_mm)(const at::Tensor&, const at::Tensor&);
   at::Tensor (*bf16_mm)(const at::Tensor&, const at::Tensor&);
   at::Tensor (*paged_attention)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                int64_t);
   at::Tensor (*add_rms_norm_)(at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
                               double);
   at::Tensor (*silu_mul)(const at::Tensor&);
+  at::Tensor (*gelu_tanh_mul)(const at::Tensor&);
+  at::Tensor (*int8_a8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 };
 
 // --- decoder_layer: one whole pre-norm decoder layer of a short step ------------------------
@@ -538,15 +596,22 @@ struct OpImpls {
 // paged kernel takes), in one call instead of about twenty torch ops and Python between them:
 //   x = add_rms_norm_(h, delta, gain_in)             h += delta (the last layer's MLP output)
 //   q, k, v = split(x @ Wqkv^T + bias)                the stacked q/k/v W4A8 layer
+//   q, k = rms_norm per head (q_norm, k_norm)         where given (Gemma 3, Qwen3)
 //   rope_(q, k); k, v -> their paged slots            (rounded to bf16 for a bf16 cache)
-//   o = paged_attention(q, ...) @ Wo^T
+//   o = paged_attention(q, ..., window) @ Wo^T        window 0: full attention
+//   o = rms_norm(o) (attn_out_norm)                   where given (Gemma 2/3's sandwich norm)
 //   x = add_rms_norm_(h, o, gain_mlp)                 h += o
-//   returns down(silu(gate) * up)                     the new delta, [T, hidden]
-// Each step is the op of the same name (same arithmetic, same results bit for bit: tested).
-// weights (Tensor?[], 19): gain_in, gain_mlp, qkv bias or None, then for each of qkv, o,
+//   d = down(act(gate) * up)                          act: "silu" or "gelu_pytorch_tanh"
+//   returns rms_norm(d) (mlp_out_norm) or d           the new delta, [T, hidden]
+// Each step is the op of the same name (same arithmetic, same results bit for bit: tested); a
+// norm here is add_rms_norm_ without delta, with the gain the runner passes ((1 + w) for
+// Gemma). weights (Tensor?[], 23): gain_in, gain_mlp, qkv bias, q_norm, k_norm, attn_out_norm,
+// mlp_out_norm (gains, or None where the layer has no such part), then for each of qkv, o,
 // gate_up, down: packed, scales, mz or None, perm or None (int4_a8_mm's operands and the
-// act-order column order). group_sizes: the four layers'; eps: the two norms'.
-constexpr int64_t kLayerWeights = 19;
+// act-order column order). group_sizes: the four layers'; eps (6): the norms', in the order of
+// their gains (an absent norm's is ignored).
+constexpr int64_t kLayerWeights = 23;
+constexpr int64_t kLayerNorms = 7;  // gains (and the qkv bias) before the linears' operands
 
 namespace {
 
@@ -554,13 +619,21 @@ OpImpls g_ops{};  // this build's entry points (impl_ops fills them; one copy pe
 
 inline at::Tensor layer_a8(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w,
                            int64_t i, int64_t group_size, bool vnni) {
-  const int64_t base = 3 + 4 * i;
+  const int64_t base = kLayerNorms + 4 * i;
   const c10::optional<at::Tensor> packed = w.get(base), scales = w.get(base + 1);
   const c10::optional<at::Tensor> mz = w.get(base + 2), perm = w.get(base + 3);
   TORCH_CHECK(packed.has_value() && scales.has_value(), "decoder_layer: linear ", i,
               " needs packed weights and scales");
   const at::Tensor xin = perm.has_value() ? x.index_select(1, *perm) : x.contiguous();
   return g_ops.int4_a8_mm(xin, *packed, *scales, mz, group_size, vnni);
+}
+
+// RMSNorm of each row of x [rows, D] with weights[i]'s gain, or x itself where weights[i] is
+// None: add_rms_norm_ without delta (x is not written)
+inline at::Tensor optional_norm(at::Tensor x, const c10::List<c10::optional<at::Tensor>>& w,
+                                int64_t i, double eps) {
+  const c10::optional<at::Tensor> gain = w.get(i);
+  return gain.has_value() ? g_ops.add_rms_norm_(x, c10::nullopt, *gain, eps) : x;
 }
 
 // rows of src [T, KV, D] fp32 -> pool [blocks, block_size, KV, D] (fp32 or bf16) at slots [T]
@@ -589,23 +662,18 @@ inline void write_slots(const at::Tensor& src, at::Tensor& pool, const at::Tenso
   }
 }
 
-at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
-                         const c10::List<c10::optional<at::Tensor>>& w,
-                         at::IntArrayRef group_sizes, bool vnni, at::ArrayRef<double> eps,
-                         double scale, const at::Tensor& cos, const at::Tensor& sin,
-                         at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
-                         const at::Tensor& block_tables, const at::Tensor& ctx_lens,
-                         const at::Tensor& q_lens) {
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == kLayerWeights && group_sizes.size() == 4 &&
-                  eps.size() == 2,
-              "decoder_layer takes 19 weights, 4 group sizes and 2 eps");
-  TORCH_CHECK(w.get(0).has_value() && w.get(1).has_value(), "decoder_layer needs both gains");
-  TORCH_CHECK(k_pool.dim() == 4, "k_pool must be [blocks, block_size, KV, D]");
-  const int64_t T = h.size(0), KV = k_pool.size(2), D = k_pool.size(3);
-  at::Tensor x = g_ops.add_rms_norm_(h, delta, *w.get(0), eps[0]);
-  at::Tensor qkv = layer_a8(x, w, 0, group_sizes[0], vnni);  // [T, (H + 2 KV) D]
-  if (w.get(2).has_value()) qkv.add_(*w.get(2));
-  const int64_t N = qkv.size(1), H = N / D - 2 * KV;
+// the gated MLP's activation op by its transformers name
+inline at::Tensor gated_act(const at::Tensor& gu, c10::string_view activation) {
+  if (activation == "silu") return g_ops.silu_mul(gu);
+  if (activation == "gelu_pytorch_tanh") return g_ops.gelu_tanh_mul(gu);
+  TORCH_CHECK(false, "decoder_layer: activation '", std::string(activation),
+              "' is not silu or gelu_pytorch_tanh");
+}
+
+// qkv [T, (H + 2 KV) D] -> q [T, H, D], k and v [T, KV, D] (contiguous copies of its parts)
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv,
+                                                                 int64_t KV, int64_t D) {
+  const int64_t T = qkv.size(0), N = qkv.size(1), H = N / D - 2 * KV;
   TORCH_CHECK(N % D == 0 && H >= KV, "qkv has ", N, " outputs: not (H + 2 * ", KV, ") * ", D);
   at::Tensor q = at::empty({T, H, D}, qkv.options());
   at::Tensor k = at::empty({T, KV, D}, qkv.options());
@@ -617,15 +685,41 @@ at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
     std::memcpy(v.data_ptr<float>() + t * KV * D, src + t * N + (H + KV) * D,
                 KV * D * sizeof(float));
   }
+  return {q, k, v};
+}
+
+at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                         const c10::List<c10::optional<at::Tensor>>& w,
+                         at::IntArrayRef group_sizes, bool vnni, at::ArrayRef<double> eps,
+                         double scale, int64_t window, c10::string_view activation,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                         at::Tensor& v_pool, const at::Tensor& slots,
+                         const at::Tensor& block_tables, const at::Tensor& ctx_lens,
+                         const at::Tensor& q_lens) {
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == kLayerWeights && group_sizes.size() == 4 &&
+                  eps.size() == 6,
+              "decoder_layer takes 23 weights, 4 group sizes and 6 eps");
+  TORCH_CHECK(w.get(0).has_value() && w.get(1).has_value(), "decoder_layer needs both gains");
+  TORCH_CHECK(k_pool.dim() == 4, "k_pool must be [blocks, block_size, KV, D]");
+  const int64_t T = h.size(0), KV = k_pool.size(2), D = k_pool.size(3);
+  at::Tensor x = g_ops.add_rms_norm_(h, delta, *w.get(0), eps[0]);
+  at::Tensor qkv = layer_a8(x, w, 0, group_sizes[0], vnni);  // [T, (H + 2 KV) D]
+  if (w.get(2).has_value()) qkv.add_(*w.get(2));
+  auto [q, k, v] = split_qkv(qkv, KV, D);
+  const int64_t H = q.size(1);
+  q = optional_norm(q.view({T * H, D}), w, 3, eps[2]).view({T, H, D});
+  k = optional_norm(k.view({T * KV, D}), w, 4, eps[3]).view({T, KV, D});
   rope_(q, k, cos, sin);
   write_slots(k, k_pool, slots);
   write_slots(v, v_pool, slots);
   const at::Tensor o = g_ops.paged_attention(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
-                                             scale);
-  const at::Tensor attn = layer_a8(o.view({T, H * D}), w, 1, group_sizes[1], vnni);
+                                             scale, window);
+  const at::Tensor attn = optional_norm(layer_a8(o.view({T, H * D}), w, 1, group_sizes[1], vnni),
+                                        w, 5, eps[4]);
   x = g_ops.add_rms_norm_(h, attn, *w.get(1), eps[1]);
   const at::Tensor gu = layer_a8(x, w, 2, group_sizes[2], vnni);
-  return layer_a8(g_ops.silu_mul(gu), w, 3, group_sizes[3], vnni);
+  return optional_norm(layer_a8(gated_act(gu, activation), w, 3, group_sizes[3], vnni), w, 6,
+                       eps[5]);
 }
 
 }  // namespace
@@ -642,6 +736,8 @@ inline void impl_ops(torch::Library& m, const OpImpls& ops) {
   m.impl("add_rms_norm_", ops.add_rms_norm_);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", ops.silu_mul);
+  m.impl("gelu_tanh_mul", ops.gelu_tanh_mul);
+  m.impl("int8_a8_mm", ops.int8_a8_mm);
 }
 
 }  // namespace qp

@@ -6,12 +6,16 @@
 //   quantize_a8    int4_a8_mm's activation quantizer (exposed for tests)
 //   int4_mm        W4A16 GEMM/GEMV, bf16 activations (QUANTPIPE_CPU_INT4_ACT=bf16)
 //   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
+//   int8_a8_mm     int8 weights x int8 activations, vpdpbusd (the int8 output head)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
-//   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills)
+//   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills),
+//                  optionally within a sliding window
 //   add_rms_norm_  h += delta (optional), then RMSNorm(h) (Llama/Qwen2/Mistral norms)
 //   rope_          rotary embedding (rotate-half convention) applied in place to q and k
 //   silu_mul       silu(gate) * up of a fused gate/up projection
+//   gelu_tanh_mul  gelu_pytorch_tanh(gate) * up (Gemma's MLP)
+//   decoder_layer  a whole decoder layer of a short step (common.h)
 
 // --- int4_mm ------------------------------------------------------------------------------
 //
@@ -349,6 +353,49 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
                                       });
 }
 
+// --- int8_a8_mm: the int8 head, int8 activations (common.h gives the layout and formula) ------
+
+// The exact integer dot of one 32-column block, all 16 rows: vpdpbusd multiplies unsigned bytes
+// (q + 128, as q xor 0x80) by the signed activations; the chains start at -128 * sum(xq), so
+// they end at sum(q * xq).
+struct DotI8Vnni512 {
+  template <int MT>
+  QP_TARGET static void run(const int8_t* w, const int8_t* const* xb, const int32_t* xs,
+                            __m512i (&iacc)[MT]) {
+    constexpr int A = MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i acc[MT][A];
+    for (int m = 0; m < MT; ++m) {
+      acc[m][0] = _mm512_set1_epi32(-128 * xs[m]);
+      for (int i = 1; i < A; ++i) acc[m][i] = _mm512_setzero_si512();
+    }
+    for (int c = 0; c < 8; ++c) {  // 8 chunks of 4 columns
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + c * 64), flip);
+      for (int m = 0; m < MT; ++m)
+        acc[m][c % A] = _mm512_dpbusd_epi32(acc[m][c % A], u, Simd::bcast4(xb[m] + 4 * c));
+    }
+    for (int m = 0; m < MT; ++m) {
+      iacc[m] = acc[m][0];
+      for (int i = 1; i < A; ++i) iacc[m] = _mm512_add_epi32(iacc[m], acc[m][i]);
+    }
+  }
+};
+
+template <int MT>
+QP_TARGET __attribute__((flatten)) void i8a8_tile(const A8Acts& a, const int32_t* xsum,
+                                                  int64_t m0, int64_t K, const int8_t* w,
+                                                  const uint16_t* sc, float* out, int64_t ldo) {
+  qp::simd::i8a8_tile<Simd, DotI8Vnni512, MT>(a, xsum, m0, K, w, sc, out, ldo);
+}
+
+at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales) {
+  check_cpu();
+  return qp::run_int8_a8_mm<kMaxTile>(x, q8, scales, &qp::simd::quantize_row<Simd>,
+                                      [](auto mt, const auto&... args) {
+                                        i8a8_tile<decltype(mt)::value>(args...);
+                                      });
+}
+
 // --- bf16_mm: the output head in bf16 -------------------------------------------------------
 // common.h gives the layout: each k pair of the 16 rows is one vdpbf16ps operand. Half the
 // instructions of fp16_mm per row, so it is the faster head from a few rows up.
@@ -399,5 +446,6 @@ TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   using namespace qp::simd;
   qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
-                   &add_rms_norm_<Simd>, &silu_mul<Simd>});
+                   &add_rms_norm_<Simd>, &silu_mul<Simd>, &gelu_tanh_mul<Simd>,
+                   &int8_a8_mm});
 }

@@ -7,9 +7,11 @@
 //                  (pmaddubsw + pmaddwd, or AVX-VNNI vpdpbusd where the CPU has it)
 //   quantize_a8    the activation quantizer int4_a8_mm uses (exposed for tests)
 //   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations
+//   int8_a8_mm     int8 weights x int8 activations (pmaddubsw; the int8 output head)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16-rounded activations (the output head)
-//   paged_attention, add_rms_norm_, rope_   as in cpu_ops.cpp
+//   paged_attention, add_rms_norm_, rope_, silu_mul, gelu_tanh_mul, decoder_layer
+//                  as in cpu_ops.cpp
 //
 // Every weight layout is the AVX-512 build's (16 output rows per block); an AVX2 register holds
 // 8 fp32 lanes, so each block is computed as two halves of 8 rows. The kernels both builds share
@@ -192,6 +194,43 @@ at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::T
                                       });
 }
 
+// --- int8_a8_mm: the int8 head, int8 activations (common.h gives the layout and formula) ------
+
+// The exact integer dot of one 32-column block, 8 output rows: pmaddubsw multiplies |q| (as
+// unsigned bytes) by xq with q's sign, so each int16 pair sum is at most 2 * 128 * 127 < 2^15
+// (no saturation); pmaddwd widens to int32 per chunk. xs is not needed here.
+struct DotI8Maddubs {
+  template <int MT>
+  static inline void run(const int8_t* w, const int8_t* const* xb, const int32_t*,
+                         __m256i (&iacc)[MT]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MT; ++m) iacc[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {  // 8 chunks of 4 columns
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
+      const __m256i aq = _mm256_sign_epi8(q, q);  // |q| (-128 -> 128 as unsigned)
+      for (int m = 0; m < MT; ++m) {
+        const __m256i sx = _mm256_sign_epi8(Simd::bcast4(xb[m] + 4 * c), q);
+        iacc[m] = _mm256_add_epi32(iacc[m],
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
+      }
+    }
+  }
+};
+
+template <int MT>
+__attribute__((flatten)) void i8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0,
+                                        int64_t K, const int8_t* w, const uint16_t* sc,
+                                        float* out, int64_t ldo) {
+  qp::simd::i8a8_tile<Simd, DotI8Maddubs, MT>(a, xsum, m0, K, w, sc, out, ldo);
+}
+
+at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales) {
+  return qp::run_int8_a8_mm<kMaxTile>(x, q8, scales, &qp::simd::quantize_row<Simd>,
+                                      [](auto mt, const auto&... args) {
+                                        i8a8_tile<decltype(mt)::value>(args...);
+                                      });
+}
+
 // --- bf16_mm: the output head (the AVX-512 build's layout) ------------------------------------
 // wb bf16 [N/16, K/2, 16, 2]; each 32-bit lane holds (w[k], w[k + 1]) of one row, so w[k] is the
 // lane shifted left by 16 and w[k + 1] the lane's high half; x rounded to bf16 (held as fp32).
@@ -251,5 +290,6 @@ TORCH_LIBRARY_IMPL(quantpipe_cpu_avx2, CPU, m) {
   using namespace qp::simd;
   qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
-                   &add_rms_norm_<Simd>, &silu_mul<Simd>});
+                   &add_rms_norm_<Simd>, &silu_mul<Simd>, &gelu_tanh_mul<Simd>,
+                   &int8_a8_mm});
 }

