@@ -18,7 +18,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels import timeit as _timeit  # noqa: E402
 from bench.vs_llamacpp import lscpu  # noqa: E402
 from quantpipe.runtime.fp_head import block_row_pairs, int8_head_blocked  # noqa: E402
 from quantpipe.runtime.kernels import cpu_ext  # noqa: E402
@@ -33,16 +33,8 @@ from quantpipe.runtime.kernels.cpu import block_rows  # noqa: E402
 
 
 def timeit(fn, min_s: float) -> float:
-    """Median seconds per call over at least ``min_s`` seconds and 5 calls."""
-    fn()
-    times = []
-    t_end = time.perf_counter() + min_s
-    while time.perf_counter() < t_end or len(times) < 5:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+    """Median seconds per call over at least ``min_s`` seconds and 5 calls (bench/kernels.py)."""
+    return _timeit(fn, torch.device("cpu"), min_s)
 
 
 def copy_rate(min_s: float) -> float:

@@ -140,16 +140,9 @@ def read_layers(qcfg: dict, tensors: Mapping[str, torch.Tensor],
             problems.append(f"config.json quantization_config.layers[{name!r}] = {d}: {exc}")
     layers = []
     for name, spec in plan.items():
-        qweight = tensors.get(f"{name}.qweight")
-        if qweight is None or qweight.dim() != 2:
-            problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
-                            f"[out, in*{spec.bits}/32])")
-            continue
-        shape = (qweight.shape[0], qweight.shape[-1] * (32 // spec.bits))  # [out, in]
-        exp = expected_native(name, spec, shape, f"{name}.g_idx" in tensors)
-        layers.append(StoredLayer(name, spec, exp, {
-            "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
-            "g_idx": f"{name}.g_idx" if f"{name}.g_idx" in tensors else None}))
+        layer = _stored(name, spec, tensors, problems, "out, in", f"{name}.g_idx" in tensors)
+        if layer is not None:
+            layers.append(layer)
     tables = qcfg.get("embeddings") or {}
     for k in tensors:
         name = k[: -len(".qweight")]
@@ -173,16 +166,26 @@ def read_embeddings(qcfg: dict, tensors: Mapping[str, torch.Tensor],
         except (KeyError, TypeError, ValueError) as exc:
             problems.append(f"config.json quantization_config.embeddings[{name!r}] = {d}: {exc}")
             continue
-        qweight = tensors.get(f"{name}.qweight")
-        if qweight is None or qweight.dim() != 2:
-            problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
-                            f"[vocab, hidden*{spec.bits}/32])")
-            continue
-        shape = (qweight.shape[0], qweight.shape[-1] * (32 // spec.bits))  # [vocab, hidden]
-        stored.append(StoredLayer(name, spec, expected_native(name, spec, shape, False), {
-            "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
-            "g_idx": None}))
+        table = _stored(name, spec, tensors, problems, "vocab, hidden", False)
+        if table is not None:
+            stored.append(table)
     return stored
+
+
+def _stored(name: str, spec: QuantSpec, tensors: Mapping[str, torch.Tensor],
+            problems: list[str], dims: str, act_order: bool) -> StoredLayer | None:
+    """One packed weight (a linear: ``dims`` "out, in"; a table: "vocab, hidden") as stored,
+    or None with a problem recorded when its qweight is missing or not 2-D."""
+    qweight = tensors.get(f"{name}.qweight")
+    if qweight is None or qweight.dim() != 2:
+        rows, cols = dims.split(", ")
+        problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
+                        f"[{rows}, {cols}*{spec.bits}/32])")
+        return None
+    shape = (qweight.shape[0], qweight.shape[-1] * (32 // spec.bits))  # [rows, cols] unpacked
+    return StoredLayer(name, spec, expected_native(name, spec, shape, act_order), {
+        "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
+        "g_idx": f"{name}.g_idx" if act_order else None})
 
 
 def unpack(lay: StoredLayer, tensors: Mapping[str, torch.Tensor], qcfg: dict) -> UnpackedLayer:
