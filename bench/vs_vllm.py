@@ -237,7 +237,7 @@ def chat_prompt_ids(model_dir: Path, prompts: str) -> tuple[tuple[int, ...], ...
 
     from quantpipe.calibration.prompts import load_prompt_records, render_eval_texts
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     texts = render_eval_texts(tok, load_prompt_records(prompts))
     return tuple(tuple(tok.encode(t, add_special_tokens=False)) for t in texts)
 
