@@ -9,8 +9,9 @@ for ever. Here:
 * :class:`GuardedH11Protocol` closes a connection whose request headers have not all arrived
   ``header_timeout`` seconds after it opened, or after its previous response (Apache's
   ``mod_reqtimeout``, nginx's ``client_header_timeout``);
-* at most ``max_connections`` connections are open: one more closes the oldest connection still
-  waiting for its headers (nginx reuses idle connections the same way), so a new client, such
+* at most ``max_connections`` connections are open: one more closes (``EVICT_DELAY`` later,
+  once requests already sent have been read) the oldest connection still waiting for its
+  headers (nginx reuses idle connections the same way), so a new client, such
   as a health check, always gets in; if every connection is busy with a request it gets 503;
 * :func:`raise_fd_limit` raises the soft ``RLIMIT_NOFILE`` to the hard limit at start, and
   :func:`connection_cap` keeps ``max_connections`` below it, leaving room for the descriptors
@@ -39,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger(__name__)
 
 LOG_EVERY = 10.0  # seconds between two summary lines (closed connections, accept errors)
+EVICT_DELAY = 0.05  # seconds from a connection over the cap to the eviction it causes
 ACCEPT_BATCH = 32  # asyncio accepts up to this many connections per loop pass
 LISTEN_QUEUE = 2048  # connections the kernel queues before accept() (uvicorn's default backlog)
 FD_HEADROOM = 64  # descriptors kept free beyond those open at start (files, pipes, the log)
@@ -180,12 +182,21 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.guard.limits.max_connections:
-            oldest = next(iter(self.guard.waiting), None)
-            if oldest is None:
+            if not self.guard.waiting:
                 self._refuse()
                 return
-            oldest._close_waiting("evicted")
+            # Evict a moment later, not now: a flood's connections are accepted in bursts
+            # before the loop reads any of them, so the oldest one waiting may be a client whose
+            # request already sits in its socket buffer (a health check accepted just before
+            # the burst); EVICT_DELAY lets its headers be read first.
+            self.loop.call_later(EVICT_DELAY, self._enforce_cap)
         self._track()
+
+    def _enforce_cap(self) -> None:
+        if len(self.connections) > self.guard.limits.max_connections:
+            oldest = next(iter(self.guard.waiting), None)
+            if oldest is not None:
+                oldest._close_waiting("evicted")
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
