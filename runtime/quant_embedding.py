@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantpipe.core.qformat import QuantSpec
+from quantpipe.core.qformat import QuantSpec, dequantize, unpack_int32
 
 
 class QuantEmbedding(nn.Module):
@@ -44,9 +44,6 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)  # [vocab, hidden*bits/32]
         self.register_buffer("scales", scales, persistent=False)  # [vocab, G] fp16
         self.register_buffer("qzeros", qzeros, persistent=False)  # [vocab, G] uint8 or None
-        # bit offset of each value within its int32 word (LSB first)
-        self.register_buffer("shifts", torch.arange(0, 32, spec.bits, dtype=torch.int32,
-                                                    device=qweight.device), persistent=False)
         if embed_scale is not None:  # only then: code tells a scaled embedding by this buffer
             self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
 
@@ -57,19 +54,13 @@ class QuantEmbedding(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> the dequantized rows [..., hidden] fp32 (only these are unpacked)."""
         flat = ids.reshape(-1).to(self.qweight.device)
-        words = self.qweight[flat]  # [T, hidden * bits / 32] int32
-        # an arithmetic shift fills the top with the sign bit; the mask drops it
-        q = (words[..., None] >> self.shifts) & self.spec.maxq  # [T, words, 32 / bits] int32
-        q = q.reshape(flat.shape[0], self.embedding_dim).float()  # [T, hidden], exact
-        s = self.scales[flat].float()  # [T, G]
-        if self.qzeros is None:
-            z = torch.full_like(s, float(self.spec.sym_zero))
-        else:
-            z = self.qzeros[flat].float()  # [T, G]
-        if s.shape[1] > 1:  # one scale per group of columns -> per column
-            s = s.repeat_interleave(self.group_size, dim=1)  # [T, hidden]
-            z = z.repeat_interleave(self.group_size, dim=1)
-        w = (q - z) * s  # [T, hidden] fp32: qformat.dequantize's order of operations
+        # [T, hidden * bits / 32] int32 -> q [T, hidden] uint8, exact
+        q = unpack_int32(self.qweight[flat], self.spec.bits, self.embedding_dim)
+        s = self.scales[flat]  # [T, G] fp16
+        z = (torch.full_like(s, self.spec.sym_zero, dtype=torch.uint8) if self.qzeros is None
+             else self.qzeros[flat])  # [T, G] uint8
+        g = torch.arange(self.embedding_dim, device=q.device) // self.group_size  # [hidden]
+        w = dequantize(q, s, z, g)  # [T, hidden] fp32
         return w.view(*ids.shape, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

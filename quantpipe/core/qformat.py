@@ -229,7 +229,8 @@ def unpack_int32(packed: torch.Tensor, bits: int, n: int | None = None) -> torch
     per_word = 32 // bits
     mask = 2**bits - 1
     p = packed.to(torch.int32)
-    v = torch.empty(*packed.shape, per_word, dtype=torch.uint8)  # [..., words, per_word]
+    v = torch.empty(*packed.shape, per_word, dtype=torch.uint8,
+                    device=packed.device)  # [..., words, per_word]
     for i in range(per_word):
         # an arithmetic shift fills the top with the sign bit; the mask drops it
         v[..., i] = (p >> (i * bits)) & mask
