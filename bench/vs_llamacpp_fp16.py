@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,7 +44,7 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_llamacpp import DEFAULT_VENV, ensure_llama_venv, lscpu  # noqa: E402
+from vs_llamacpp import DEFAULT_VENV, Worker, ensure_llama_venv, lscpu  # noqa: E402
 
 # --- the llama.cpp worker: JSON lines on stdin/stdout ---------------------------------------------
 
@@ -55,7 +54,7 @@ def llama_worker(gguf: str, threads: int) -> None:
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, logits_all=True, verbose=False)
-    print(json.dumps({"ready": True, "n_vocab": llm.n_vocab()}), flush=True)
+    print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "greedy":
@@ -75,21 +74,17 @@ def llama_worker(gguf: str, threads: int) -> None:
             print(json.dumps({"path": path}), flush=True)
 
 
-class LlamaCpp:
-    def __init__(self, python: Path, gguf: Path, threads: int) -> None:
-        self.proc = subprocess.Popen(
-            [str(python), __file__, "--worker", str(gguf), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.n_vocab = self._ask(None)["n_vocab"]
+class LlamaCpp(Worker):
+    """The llama.cpp worker process (bench/vs_llamacpp.py's JSON-lines worker protocol)."""
 
-    def _ask(self, cmd: dict | None) -> dict:
-        if cmd is not None:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"llama.cpp worker exited (code {self.proc.wait()})")
-        return json.loads(line)
+    def __init__(self, python: Path, gguf: Path, threads: int) -> None:
+        super().__init__("llama.cpp", [str(python), __file__, "--worker", str(gguf),
+                                       "--threads", str(threads)], dict(os.environ))
+
+    def _ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
         return self._ask({"op": "greedy", "ids": ids, "n": n})["ids"]
@@ -98,9 +93,6 @@ class LlamaCpp:
         path = self._ask({"op": "logits", "ids": ids, "out": str(tmp)})["path"]
         return torch.from_numpy(np.load(path))  # [len(ids), n_vocab] fp32
 
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 # --- the FP16 side ----------------------------------------------------------------------------
