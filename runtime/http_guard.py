@@ -10,9 +10,10 @@ for ever. Here:
   ``header_timeout`` seconds after it opened, or after its previous response (Apache's
   ``mod_reqtimeout``, nginx's ``client_header_timeout``);
 * at most ``max_connections`` connections are open: one more closes (``EVICT_DELAY`` later,
-  once requests already sent have been read) the oldest connection still waiting for its
-  headers (nginx reuses idle connections the same way), so a new client, such
-  as a health check, always gets in; if every connection is busy with a request it gets 503;
+  once requests already sent have been read; at once beyond one more accept batch) the oldest
+  connection still waiting for its headers (nginx reuses idle connections the same way), so a
+  new client, such as a health check, always gets in; if every connection is busy with a
+  request it gets 503;
 * :func:`raise_fd_limit` raises the soft ``RLIMIT_NOFILE`` to the hard limit at start, and
   :func:`connection_cap` keeps ``max_connections`` below it, leaving room for the descriptors
   the process already holds and for connections accepted before the cap closes them;
@@ -84,10 +85,12 @@ def open_fds() -> int:
 def connection_cap(requested: int, fd_limit: int, fds_open: int) -> int:
     """``requested``, lowered so that connections can never use up the descriptors.
 
-    Reserved: those open now, ``FD_HEADROOM``, and two accept batches (asyncio accepts a batch
-    before any of its connections reaches the protocol that closes those over the cap).
+    Reserved: those open now, ``FD_HEADROOM``, and three accept batches: one of connections
+    over the cap waiting ``EVICT_DELAY`` for their eviction, one accepted before any of its
+    connections reaches the protocol that closes those over the cap, and one closed whose
+    descriptors asyncio releases a loop pass later.
     """
-    reserve = FD_HEADROOM + 2 * ACCEPT_BATCH
+    reserve = FD_HEADROOM + 3 * ACCEPT_BATCH
     room = fd_limit - fds_open - reserve
     if room < 16:
         raise ValueError(f"the open-file limit ({fd_limit}) leaves room for {max(room, 0)} "
@@ -160,6 +163,11 @@ class ConnectionGuard:
         said = [text for key, text in parts.items() if counts[key]]
         return f"closed client connections in the last {LOG_EVERY:g} s: " + "; ".join(said)
 
+    def flush(self) -> None:
+        """Log the counts not yet logged (at shutdown)."""
+        if self.summary is not None:
+            self.summary.flush()
+
     def protocol_class(self) -> type[GuardedH11Protocol]:
         """The uvicorn ``http`` protocol class of a server guarded by this object."""
         return type("GuardedH11", (GuardedH11Protocol,), {"guard": self})
@@ -185,11 +193,16 @@ class GuardedH11Protocol(H11Protocol):
             if not self.guard.waiting:
                 self._refuse()
                 return
-            # Evict a moment later, not now: a flood's connections are accepted in bursts
-            # before the loop reads any of them, so the oldest one waiting may be a client whose
-            # request already sits in its socket buffer (a health check accepted just before
-            # the burst); EVICT_DELAY lets its headers be read first.
-            self.loop.call_later(EVICT_DELAY, self._enforce_cap)
+            if len(self.connections) > self.guard.limits.max_connections + ACCEPT_BATCH:
+                # The hard ceiling: descriptors beyond it are not reserved (connection_cap), and
+                # asyncio stops accepting for a whole second after one EMFILE.
+                self._enforce_cap()
+            else:
+                # Evict a moment later, not now: a flood's connections are accepted in bursts
+                # before the loop reads any of them, so the oldest one waiting may be a client
+                # whose request already sits in its socket buffer (a health check accepted just
+                # before the burst); EVICT_DELAY lets its headers be read first.
+                self.loop.call_later(EVICT_DELAY, self._enforce_cap)
         self._track()
 
     def _enforce_cap(self) -> None:
@@ -258,5 +271,6 @@ def accept_error_handler(loop: asyncio.AbstractEventLoop):
             return
         loop.default_exception_handler(context)
 
+    handle.flush = summary.flush  # type: ignore[attr-defined]  # log what is counted (shutdown)
     return handle
 

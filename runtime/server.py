@@ -926,7 +926,7 @@ def serve(spec: ServeSpec, on_listening: Callable[[str], None] | None = None) ->
     guard = ConnectionGuard(replace(spec.connection_limits(), max_connections=cap))
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning",
                             http=guard.protocol_class(), backlog=ACCEPT_BATCH)
-    _ListeningServer(config, on_listening).run()
+    _ListeningServer(config, on_listening, guard).run()
 
 
 def _warn_exposure(spec: ServeSpec) -> None:
@@ -942,16 +942,19 @@ def _warn_exposure(spec: ServeSpec) -> None:
 
 class _ListeningServer(uvicorn.Server):
     """uvicorn's Server that calls ``on_listening(url)`` once its socket listens, with
-    asyncio's traceback per failed accept() summarised (http_guard.accept_error_handler)."""
+    asyncio's traceback per failed accept() summarised (http_guard.accept_error_handler), and
+    the summaries not yet logged logged at shutdown."""
 
-    def __init__(self, config: uvicorn.Config,
-                 on_listening: Callable[[str], None] | None) -> None:
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[str], None] | None,
+                 guard: ConnectionGuard) -> None:
         super().__init__(config)
-        self.on_listening = on_listening
+        self.on_listening, self.guard = on_listening, guard
+        self.accept_errors: Callable | None = None
 
     async def startup(self, sockets=None) -> None:
         loop = asyncio.get_running_loop()
-        loop.set_exception_handler(accept_error_handler(loop))
+        self.accept_errors = accept_error_handler(loop)
+        loop.set_exception_handler(self.accept_errors)
         await super().startup(sockets)
         if self.started:
             widen_listen_queue([s for server in self.servers for s in server.sockets])
@@ -959,3 +962,9 @@ class _ListeningServer(uvicorn.Server):
             host = self.config.host
             host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
             self.on_listening(f"http://{host}:{self.config.port}/v1")
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        self.guard.flush()
+        if self.accept_errors is not None:
+            self.accept_errors.flush()
