@@ -80,6 +80,15 @@ from quantpipe.calibration.capture import (
     run_block,
     run_until_stopped,
 )
+from quantpipe.calibration.config import (
+    ALGOS,
+    AUTO,
+    AUTO_GROUP_SIZE,
+    DEFAULTS,
+    GPTQ_ACT_ORDER_DEFAULT,
+    GPTQ_MSE_CLIP_DEFAULT,
+    GROUP_SIZES,
+)
 from quantpipe.calibration.device import (
     check_device,
     is_cpu,
@@ -127,21 +136,6 @@ from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec,
 
 log = logging.getLogger(__name__)
 
-# GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
-# with static groups this changes no stored layout (docs/algorithms.md has the measurements)
-GPTQ_ACT_ORDER_DEFAULT = True
-# GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
-GPTQ_MSE_CLIP_DEFAULT = True
-# INT4 group sizes calibrate accepts: -1 (one group per output row) or powers of two that
-# every writer stores and every kernel runs (quantpipe's CPU kernel needs multiples of 16,
-# torch's int4pack 32..256, Triton any size; other sizes take the dequantize path)
-GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
-# the default (group_size None, --group-size auto): this size where it divides a layer's
-# in_features, else the largest power of two below it that does (SmolLM2's 576 -> 64), chosen
-# per layer as a plan (recorded in the manifest's int4_group_sizes), not a fallback
-AUTO_GROUP_SIZE = 128
-
-
 def check_group_size(group_size: int | None) -> None:
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size {group_size} is not supported; use one of "
@@ -152,30 +146,30 @@ def check_group_size(group_size: int | None) -> None:
 class CalibrateSpec:
     fp16_dir: Path  # output of export-fp16
     out: Path  # CALIB_DIR
-    prompts: str = "business-calib"  # prompt file, or a shipped set name
+    prompts: str = DEFAULTS.prompts  # prompt file, or a shipped set name
     column: str | None = None  # text column for CSV/TSV/parquet prompt files
-    # gptq | gptaq | awq | awq+gptq | rtn, or "auto" (the CLI's default): gptaq for dense
-    # models, gptq for mixture-of-experts ones (resolved() reads FP16_DIR's config)
-    algo: str = "gptq"
+    # gptq | gptaq | awq | awq+gptq | rtn, or "auto" (the default): gptaq for dense models,
+    # gptq for mixture-of-experts ones (resolved() reads FP16_DIR's config)
+    algo: str = DEFAULTS.algo
     # INT4 group size requested (falls back per layer, see layer_group_size); None: auto,
     # AUTO_GROUP_SIZE or the largest divisor below it, planned per layer
-    group_size: int | None = None
-    sym: bool = True  # INT4 symmetric (mid-point zero) or asymmetric
+    group_size: int | None = DEFAULTS.group_size
+    sym: bool = DEFAULTS.sym  # INT4 symmetric (mid-point zero) or asymmetric
     # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
     act_order: bool | None = None
     # RTN/GPTQ: search a clipping range per group (weighted by diag(H) for GPTQ);
     # None = GPTQ_MSE_CLIP_DEFAULT for GPTQ, off for RTN (the plain min-max baseline)
     mse_clip: bool | None = None
     strict_group_size: bool = False  # error instead of falling back to a smaller group size
-    samples: int = 128  # calibration sequences
-    seq_len: int = 512  # tokens per sequence
-    min_tokens: int = 16  # drop prompts shorter than this
-    seed: int = 0
+    samples: int = DEFAULTS.samples  # calibration sequences
+    seq_len: int = DEFAULTS.seq_len  # tokens per sequence
+    min_tokens: int = DEFAULTS.min_tokens  # drop prompts shorter than this
+    seed: int = DEFAULTS.seed
     # sequences per block forward. Not part of the resume settings (a run killed for memory
     # resumes with a smaller one): results differ between batch sizes by float rounding only
     # (per-batch fp32 X^T X products); each block's JSON records it, the manifest every size.
-    batch_size: int = 8
-    awq_samples: int = 16  # sequences used by AWQ's scale search (block-output loss)
+    batch_size: int = DEFAULTS.batch_size
+    awq_samples: int = DEFAULTS.awq_samples  # sequences of AWQ's scale search
     # GPTQ group params: True = up front from the original weights, False = when GPTQ enters
     # the group (on error-updated columns), None = static with act-order, dynamic without
     # (static act-order groups keep g_idx sequential: no g_idx is stored)
@@ -188,7 +182,7 @@ class CalibrateSpec:
     per_channel_if_larger: bool = False
     # MoE: an expert routed fewer calibration tokens than this is quantized with plain RTN
     # (recorded per linear as an expert fallback); dense models ignore it
-    min_expert_tokens: int = 64
+    min_expert_tokens: int = DEFAULTS.min_expert_tokens
     # bytes the block activations may hold in RAM; beyond it they are spilled to files in the
     # work folder (calibration.activations). None: a fraction of the memory available at start.
     # Changes where activations live, not the results: not part of the resume settings.
@@ -197,7 +191,7 @@ class CalibrateSpec:
     # activations stay on the CPU. Not part of the resume settings: results differ between
     # devices by float rounding only, so a run may resume on another device; each block's
     # JSON records the device it ran on, the manifest every device used.
-    device: str = "cpu"
+    device: str = DEFAULTS.device
 
     def __post_init__(self) -> None:
         if self.algo != AUTO and self.algo not in ALGORITHMS:  # (bench scripts may add rows)
@@ -629,11 +623,10 @@ ALGORITHMS: dict[str, Algorithm] = {
                      act_order_default=None, mse_clip_default=False, takes_static_groups=False,
                      asymmetric=False),
 }
-# --algo's default: GPTAQ, the best measured on held-out text (docs/algorithms.md), where it
-# applies (dense models); GPTQ for mixture-of-experts models, which GPTAQ cannot pair
-AUTO = "auto"
+# --algo's default (config.AUTO): GPTAQ, the best measured on held-out text
+# (docs/algorithms.md), where it applies (dense models); GPTQ for mixture-of-experts models,
+# which GPTAQ cannot pair. config.ALGOS lists AUTO and these names (a test checks it).
 _AUTO_OPTIONS = "gptq"  # the options auto takes are GPTQ's (GPTAQ shares them)
-ALGOS = (AUTO, *ALGORITHMS)  # --algo choices
 
 
 def auto_algo(fp16_dir: Path) -> str:

@@ -13,12 +13,13 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
 
 import click
 from safetensors import SafetensorError
 
 from quantpipe import __version__
+from quantpipe.calibration import config as calib_config
+from quantpipe.calibration.config import DEFAULTS as CALIB
 from quantpipe.runtime.config import DEFAULTS, KV_DTYPE_NAMES
 
 # errno -> (what happened, what to do); the path is named in front of both
@@ -49,11 +50,6 @@ _NO_VERIFY_HELP = ("Quantized folder: skip the sha256 of its files and the check
                    "run once and are remembered while the files are unchanged.")
 # an errno inside a safetensors error: "... (os error 28)" or "Os { code: 28, ... }"
 _OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)|code: (\d+)")
-
-
-def _fail(exc: Exception) -> NoReturn:
-    """Re-raise a library error; :class:`_Command` turns it into a one-line CLI error."""
-    raise exc
 
 
 def _paths_in_traceback(exc: BaseException, params: dict) -> list[Path]:
@@ -180,6 +176,11 @@ class _Group(click.Group):
     command_class = _Command
 
 
+def _group_size_default() -> str:
+    """--group-size's default as typed: ``auto`` for the library's None."""
+    return "auto" if CALIB.group_size is None else str(CALIB.group_size)
+
+
 def _group_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
     """``auto`` -> None (calibration.pipeline plans each layer's size), else the integer
     (calibration checks it against the sizes it supports)."""
@@ -191,9 +192,6 @@ def _group_size(ctx: click.Context, param: click.Parameter, value: str) -> int |
         raise click.BadParameter(f"{value!r} is not auto or an integer such as 64") from None
 
 
-# calibration.pipeline.ALGOS, written here so --help does not import torch
-# (tests/calibration/test_pipeline.py checks they are equal)
-CALIBRATE_ALGOS = ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
 
 
 def configure_logging(verbose: int) -> None:
@@ -233,11 +231,8 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
     """
     from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
-    try:
-        spec = Fp16ExportSpec(source, out, dtype, max_shard_size, force, trust_remote_code)
-        res = export_fp16(spec)
-    except ValueError as exc:
-        _fail(exc)
+    spec = Fp16ExportSpec(source, out, dtype, max_shard_size, force, trust_remote_code)
+    res = export_fp16(spec)
     click.echo(f"wrote {res.out} ({res.num_parameters:,} parameters, {len(res.shards)} shard(s), "
                f"{res.seconds:.1f}s)")
 
@@ -245,19 +240,17 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @main.command("calibrate")
 @click.argument("fp16_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="CALIB_DIR.")
-@click.option("--prompts", default="business-calib", show_default=True,
+@click.option("--prompts", default=CALIB.prompts, show_default=True,
               help="Prompt file (JSONL/CSV/TSV/TXT/parquet/dataset folder) or business-calib.")
 @click.option("--column", default=None, help="Text column of a CSV/TSV/parquet prompt file.")
-@click.option("--algo", type=click.Choice(CALIBRATE_ALGOS),
-              default="auto", show_default=True,
+@click.option("--algo", type=click.Choice(calib_config.ALGOS),
+              default=CALIB.algo, show_default=True,
               help="auto: gptaq for dense models, gptq for mixture-of-experts ones; gptaq: "
                    "GPTQ against the FP model's outputs (dense models); awq+gptq: AWQ's "
                    "scales, then GPTQ (docs/algorithms.md).")
-@click.option("--group-size", default="auto", show_default=True, callback=_group_size,
-              help="INT4 group size: auto (128 where it divides a layer's in_features, else "
-                   "the largest power of two below that does, chosen per layer), 16, 32, 64, "
-                   "128, 256, 512, 1024 or -1 (per channel).")
-@click.option("--sym/--asym", default=True, show_default=True, help="INT4 zero point.")
+@click.option("--group-size", default=_group_size_default(), show_default=True,
+              callback=_group_size, help=calib_config.group_size_help())
+@click.option("--sym/--asym", default=CALIB.sym, show_default=True, help="INT4 zero point.")
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ family (gptq, gptaq, awq+gptq): columns by decreasing Hessian "
                    "diagonal [default: on].")
@@ -271,18 +264,21 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
               help="Error if the group size does not divide a layer (default: fall back).")
 @click.option("--per-channel-if-larger", is_flag=True,
               help="Quantize layers narrower than the group size per channel (default: error).")
-@click.option("--samples", default=128, show_default=True, help="Calibration sequences.")
-@click.option("--seq-len", default=512, show_default=True, help="Tokens per sequence.")
-@click.option("--min-tokens", default=16, show_default=True, help="Drop shorter prompts.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--batch-size", default=8, show_default=True, help="Sequences per forward.")
-@click.option("--min-expert-tokens", default=64, show_default=True,
+@click.option("--samples", default=CALIB.samples, show_default=True,
+              help="Calibration sequences.")
+@click.option("--seq-len", default=CALIB.seq_len, show_default=True, help="Tokens per sequence.")
+@click.option("--min-tokens", default=CALIB.min_tokens, show_default=True,
+              help="Drop shorter prompts.")
+@click.option("--seed", default=CALIB.seed, show_default=True)
+@click.option("--batch-size", default=CALIB.batch_size, show_default=True,
+              help="Sequences per forward.")
+@click.option("--min-expert-tokens", default=CALIB.min_expert_tokens, show_default=True,
               help="MoE: an expert routed fewer calibration tokens is quantized with RTN "
                    "(counted and reported); dense models ignore it.")
 @click.option("--max-memory", default=None,
               help="RAM the block activations may hold (e.g. 8GB); beyond it they are spilled "
                    "to files in the work folder [default: a quarter of the available memory].")
-@click.option("--device", default="cpu", show_default=True,
+@click.option("--device", default=CALIB.device, show_default=True,
               help="Where each block is calibrated: cpu, cuda or cuda:N (the activations stay "
                    "in RAM or spill to disk as on the CPU).")
 @click.option("--force", is_flag=True,
@@ -295,18 +291,15 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
     from quantpipe.core.io import parse_size
 
-    try:
-        spec = CalibrateSpec(
-            fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
-            strict_group_size, samples, seq_len, min_tokens, seed, batch_size,
-            static_groups=static_groups, force=force,
-            per_channel_if_larger=per_channel_if_larger, min_expert_tokens=min_expert_tokens,
-            max_memory=None if max_memory is None else parse_size(max_memory, "--max-memory"),
-            device=device,
-        )
-        res = calibrate(spec)
-    except ValueError as exc:
-        _fail(exc)
+    res = calibrate(CalibrateSpec(
+        fp16_dir=fp16_dir, out=out, prompts=prompts, column=column, algo=algo,
+        group_size=group_size, sym=sym, act_order=act_order, mse_clip=mse_clip,
+        strict_group_size=strict_group_size, samples=samples, seq_len=seq_len,
+        min_tokens=min_tokens, seed=seed, batch_size=batch_size, static_groups=static_groups,
+        force=force, per_channel_if_larger=per_channel_if_larger,
+        min_expert_tokens=min_expert_tokens,
+        max_memory=None if max_memory is None else parse_size(max_memory, "--max-memory"),
+        device=device))
     fell_back = len(res.group_size_fallbacks)
     click.echo(f"wrote {res.out} in {res.seconds:.1f}s (peak RSS {res.peak_rss_mb:.0f} MB, "
                + (f"--group-size {group_size} did not divide {fell_back} layers, "
@@ -352,13 +345,10 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_sh
     from quantpipe.core.vocab import VocabSpec
     from quantpipe.stages.export import ExportSpec, export_quantized
 
-    try:
-        spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
-                          max_shard_size, force, damage,
-                          VocabSpec(vocab_weights, vocab_group_size))
-        res = export_quantized(spec)
-    except ValueError as exc:
-        _fail(exc)
+    spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
+                      max_shard_size, force, damage,
+                      VocabSpec(vocab_weights, vocab_group_size))
+    res = export_quantized(spec)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
                f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "
@@ -383,13 +373,10 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, json_out):
     from quantpipe.calibration.plan import PlanSpec, make_plan
     from quantpipe.core.io import check_output_file, write_json_atomic
 
-    try:
-        if json_out:
-            check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
-        plan = make_plan(read_calibration(calib_dir),
-                         PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt))
-    except ValueError as exc:
-        _fail(exc)
+    if json_out:
+        check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
+    plan = make_plan(read_calibration(calib_dir),
+                     PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt))
     click.echo(plan.table())
     if json_out:
         write_json_atomic(json_out, plan.to_dict())
@@ -450,10 +437,7 @@ def verify_cmd(qdir):
     """
     from quantpipe.core.formats.verify import verify_checkpoint
 
-    try:
-        report = verify_checkpoint(qdir, "full")
-    except ValueError as exc:
-        _fail(exc)  # prints every problem, exit code 1
+    report = verify_checkpoint(qdir, "full")  # a ValueError lists every problem: exit code 1
     click.echo(report.summary())
 
 
@@ -519,25 +503,23 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
     from quantpipe.core.io import parse_size
     from quantpipe.runtime.server import ServeSpec, serve
 
-    try:  # every option and the folder are checked here, before the model loads
-        spec = ServeSpec(
-            model_dir, host=host, port=port, max_num_seqs=max_num_seqs, max_queue=max_queue,
-            kv_cache_memory=(parse_size(kv_cache_memory, "--kv-cache-memory")
-                             if kv_cache_memory else None),
-            block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=not no_prefix_caching, device=device, head_dtype=head_dtype,
-            kv_dtype=kv_dtype,
-            max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
-            max_prompt_chars=max_prompt_chars, request_timeout=request_timeout,
-            header_timeout=header_timeout, max_connections=max_connections, api_key=api_key,
-            allowed_hosts=tuple(allowed_hosts),
-            verify=not no_verify,
-        )
-        # printed once the socket listens: every check and the model load have passed
-        serve(spec, on_listening=lambda url: click.echo(f"serving {model_dir} on {url}",
-                                                        err=True))
-    except ValueError as exc:
-        _fail(exc)
+    # every option and the folder are checked here, before the model loads
+    spec = ServeSpec(
+        model_dir, host=host, port=port, max_num_seqs=max_num_seqs, max_queue=max_queue,
+        kv_cache_memory=(parse_size(kv_cache_memory, "--kv-cache-memory")
+                         if kv_cache_memory else None),
+        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=not no_prefix_caching, device=device, head_dtype=head_dtype,
+        kv_dtype=kv_dtype,
+        max_request_bytes=parse_size(max_request_bytes, "--max-request-bytes"),
+        max_prompt_chars=max_prompt_chars, request_timeout=request_timeout,
+        header_timeout=header_timeout, max_connections=max_connections, api_key=api_key,
+        allowed_hosts=tuple(allowed_hosts),
+        verify=not no_verify,
+    )
+    # printed once the socket listens: every check and the model load have passed
+    serve(spec, on_listening=lambda url: click.echo(f"serving {model_dir} on {url}",
+                                                    err=True))
 
 
 @main.command("bench-serve")
@@ -573,16 +555,13 @@ def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats,
     try:
         conc = tuple(int(c) for c in concurrency.split(",") if c.strip())
     except ValueError:
-        _fail(ValueError(f"--concurrency {concurrency!r}: write integers like 1,4,16"))
-    try:
-        spec = BenchSpec(url=url, concurrency=conc, prompt_len=prompt_len, output_len=output_len,
-                         duration=duration, repeats=repeats, request_rate=request_rate,
-                         warmup_requests=warmup, shared_prefix_len=shared_prefix_len,
-                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, allow_remote=allow_remote,
-                         json_out=json_out)
-        res = run_bench(spec)
-    except ValueError as exc:
-        _fail(exc)
+        raise ValueError(f"--concurrency {concurrency!r}: write integers like 1,4,16") from None
+    spec = BenchSpec(url=url, concurrency=conc, prompt_len=prompt_len, output_len=output_len,
+                     duration=duration, repeats=repeats, request_rate=request_rate,
+                     warmup_requests=warmup, shared_prefix_len=shared_prefix_len,
+                     ttft_slo=ttft_slo, tpot_slo=tpot_slo, allow_remote=allow_remote,
+                     json_out=json_out)
+    res = run_bench(spec)
     click.echo(format_table(res))
 
 
@@ -604,15 +583,12 @@ def plan_memory_cmd(model_dir, context, concurrency, device_memory, utilization,
     from quantpipe.core.io import parse_size
     from quantpipe.runtime.memory_plan import MemoryPlanSpec, format_plan, plan_memory
 
-    try:
-        spec = MemoryPlanSpec(model_dir, context=context, concurrency=concurrency,
-                              device_memory=parse_size(device_memory, "--device-memory"),
-                              utilization=utilization, block_size=block_size,
-                              runtime_reserve=parse_size(reserve, "--reserve"),
-                              kv_dtype=kv_dtype)
-        click.echo(format_plan(plan_memory(spec)))
-    except ValueError as exc:
-        _fail(exc)
+    spec = MemoryPlanSpec(model_dir, context=context, concurrency=concurrency,
+                          device_memory=parse_size(device_memory, "--device-memory"),
+                          utilization=utilization, block_size=block_size,
+                          runtime_reserve=parse_size(reserve, "--reserve"),
+                          kv_dtype=kv_dtype)
+    click.echo(format_plan(plan_memory(spec)))
 
 
 @main.command("generate")
@@ -636,12 +612,9 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
     """Greedy-generate from an FP16 or quantized MODEL_DIR; text on stdout, timings on stderr."""
     from quantpipe.runtime.generate import GenerateSpec, run_generate
 
-    try:
-        res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device,
-                                        head_dtype, ignore_eos, min_new_tokens,
-                                        verify=not no_verify))
-    except ValueError as exc:
-        _fail(exc)
+    res = run_generate(GenerateSpec(model_dir, prompt, chat, max_new_tokens, device,
+                                    head_dtype, ignore_eos, min_new_tokens,
+                                    verify=not no_verify))
     click.echo(res.text)
     click.echo(f"{'quantized' if res.quantized else 'fp'} model ({res.path} path), "
                f"{res.prompt_tokens} prompt "
@@ -664,14 +637,11 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
     from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
 
     try:
-        try:
-            bits_t = tuple(int(b) for b in bits.split(",") if b.strip())
-        except ValueError:
-            raise ValueError(f"--bits {bits!r}: write 4, 8 or 4,8") from None
-        res = measure_sensitivity(SensitivitySpec(calib_dir, tokens, seq_len, bits_t, seed,
-                                                  force=force))
-    except ValueError as exc:
-        _fail(exc)
+        bits_t = tuple(int(b) for b in bits.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--bits {bits!r}: write 4, 8 or 4,8") from None
+    res = measure_sensitivity(SensitivitySpec(calib_dir, tokens, seq_len, bits_t, seed,
+                                              force=force))
     click.echo(res.table())
     click.echo(f"{'reused' if res.reused else 'wrote'} {res.path}")
 
@@ -717,17 +687,18 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--budget-bits", type=float, default=None,
               help="Mixed precision: average bits per weight (measures sensitivity first).")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
-@click.option("--algo", type=click.Choice(CALIBRATE_ALGOS), default="auto", show_default=True,
-              help="As calibrate's --algo.")
-@click.option("--group-size", default="auto", show_default=True, callback=_group_size,
-              help="As calibrate's --group-size.")
-@click.option("--sym/--asym", default=True, show_default=True)
-@click.option("--samples", default=32, show_default=True,
-              help="Calibration sequences (128 gives the best quality, 4x the time).")
-@click.option("--seq-len", default=512, show_default=True)
-@click.option("--prompts", default="business-calib", show_default=True,
+@click.option("--algo", type=click.Choice(calib_config.ALGOS), default=CALIB.algo,
+              show_default=True, help="As calibrate's --algo.")
+@click.option("--group-size", default=_group_size_default(), show_default=True,
+              callback=_group_size, help="As calibrate's --group-size.")
+@click.option("--sym/--asym", default=CALIB.sym, show_default=True)
+@click.option("--samples", default=CALIB.run_samples, show_default=True,
+              help=f"Calibration sequences ({CALIB.samples}, calibrate's default, gives the "
+                   f"best quality in {CALIB.samples / CALIB.run_samples:g}x the time).")
+@click.option("--seq-len", default=CALIB.seq_len, show_default=True)
+@click.option("--prompts", default=CALIB.prompts, show_default=True,
               help="Calibration prompts (file or business-calib).")
-@click.option("--eval-tokens", default=8192, show_default=True,
+@click.option("--eval-tokens", default=CALIB.eval_tokens, show_default=True,
               help="Held-out tokens scored for KL divergence (0: all, ~25k).")
 @click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Speed-record JSON to include in the report (repeatable).")
@@ -737,13 +708,11 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, sa
     from quantpipe.core.io import check_output_path
     from quantpipe.stages.run import RunSpec, run_pipeline
 
-    try:
-        check_output_path(out)
-        res = run_pipeline(RunSpec(source, out, int(bits), budget_bits, tuple(overrides), algo,
-                                   group_size, sym, samples, seq_len, prompts,
-                                   eval_tokens=eval_tokens, speed=tuple(speed)))
-    except ValueError as exc:
-        _fail(exc)
+    check_output_path(out)
+    res = run_pipeline(RunSpec(
+        source=source, out=out, bits=int(bits), budget_bits=budget_bits,
+        overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym, samples=samples,
+        seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed)))
     k = res.eval["kld"]
     click.echo(f"KLD mean {k['mean']:.5f} (p99 {k['p99']:.4f}), same top token "
                f"{100 * res.eval['same_top_rate']:.2f}%, PPL {res.eval['ppl_candidate']:.3f} "

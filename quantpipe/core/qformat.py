@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 VALID_BITS = (4, 8)
-VALID_GROUP_SIZES = (32, 64, 128, -1)
 
 
 def check_bits(bits: int, name: str = "bits=") -> None:
@@ -45,13 +44,10 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        if self.group_size not in VALID_GROUP_SIZES and not (
-            self.group_size > 0 and self.group_size % 8 == 0
-        ):
-            raise ValueError(
-                f"group_size={self.group_size} is not supported; use 32, 64, 128 or -1 "
-                "(per output channel)"
-            )
+        if self.group_size != -1 and not (self.group_size > 0 and self.group_size % 8 == 0):
+            raise ValueError(f"group_size={self.group_size} is not supported: a stored group "
+                             "spans a multiple of 8 input columns (one packed int32), or -1 "
+                             "(per output channel)")
 
     @property
     def maxq(self) -> int:

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantpipe.calibration.config import DEFAULTS as CALIB
 from quantpipe.calibration.plan import check_budget_bits
 from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
 from quantpipe.core.qformat import check_bits
@@ -38,16 +39,16 @@ class RunSpec:
     bits: int = 4
     budget_bits: float | None = None  # mixed precision (runs `sensitivity` first)
     overrides: tuple[str, ...] = field(default_factory=tuple)
-    algo: str = "gptq"
-    group_size: int | None = None  # None: calibrate's auto (planned per layer)
-    sym: bool = True
-    samples: int = 32  # calibration sequences (the full `calibrate` default is 128)
-    seq_len: int = 512
-    prompts: str = "business-calib"
-    eval_prompts: str = "business-eval"
-    eval_tokens: int = 8192  # held-out tokens scored for KLD (0 = all ~25k)
-    report_prompts: int = 16  # side-by-side generations in the report
-    max_new_tokens: int = 64
+    algo: str = CALIB.algo
+    group_size: int | None = CALIB.group_size  # None: calibrate's auto (planned per layer)
+    sym: bool = CALIB.sym
+    samples: int = CALIB.run_samples  # calibration sequences (fewer than calibrate's)
+    seq_len: int = CALIB.seq_len
+    prompts: str = CALIB.prompts
+    eval_prompts: str = CALIB.eval_prompts
+    eval_tokens: int = CALIB.eval_tokens  # held-out tokens scored for KLD (0 = all ~25k)
+    report_prompts: int = CALIB.report_prompts  # side-by-side generations in the report
+    max_new_tokens: int = CALIB.report_new_tokens
     speed: tuple[Path, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:

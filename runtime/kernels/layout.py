@@ -1,10 +1,10 @@
 """Packed inputs of one quantized linear and the load-time repacks for each kernel family.
 
-The seam between checkpoint formats and kernels: every loader (native today, GPTQ /
-compressed-tensors later) produces a :class:`PackedLinear` in the *native* convention of
-``quantpipe.core.qformat`` (``w = (q - zero) * scale``, unsigned ``q``, packed LSB-first along
-``in``);
-the kernels only ever see the repacked layouts built here, once, at load time.
+The seam between checkpoint formats and kernels: every loader (native, GPTQ and
+compressed-tensors, ``runtime.loader``) produces a :class:`PackedLinear` in the *native*
+convention of ``quantpipe.core.qformat`` (``w = (q - zero) * scale``, unsigned ``q``, packed
+LSB-first along ``in``); the kernels only ever see the repacked layouts built here, once, at
+load time.
 
 Repacked layouts
 ----------------

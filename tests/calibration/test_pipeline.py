@@ -325,14 +325,6 @@ def test_gptaq_refuses_moe_before_writing(mixtral_fp16, tmp_path):  # noqa: F811
     assert not (tmp_path / "c").exists()
 
 
-def test_cli_algo_choices_are_the_algorithm_table():
-    """`calibrate --algo` and `run --algo` offer exactly the pipeline's algorithms."""
-    from quantpipe.calibration.pipeline import ALGOS
-    from quantpipe.cli import CALIBRATE_ALGOS
-
-    assert tuple(CALIBRATE_ALGOS) == tuple(ALGOS)
-
-
 def test_auto_is_gptaq_for_dense_models_and_gptq_for_moe(fp16_dir, prompt_file, mixtral_fp16,  # noqa: F811
                                                          tmp_path, monkeypatch):
     """The CLI's default `--algo auto` runs GPTAQ where it applies and GPTQ on MoE models; the

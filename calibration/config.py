@@ -1,0 +1,70 @@
+"""Calibration's defaults, written once: the library and the command line read them here.
+
+``CalibrateSpec`` (``calibrate``), ``RunSpec`` (``run``) and the click options of ``calibrate``
+and ``run`` take their default values, choices and help lists from this module; a test checks
+that the commands and the specs agree. It imports nothing heavy (no torch), so the CLI can read
+it to build its options. The runtime's table is ``quantpipe.runtime.config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --algo: "auto" (dense models: gptaq; mixture-of-experts ones: gptq, which GPTAQ cannot pair)
+# then the algorithms of calibration.pipeline.ALGORITHMS, in the order --help lists them
+AUTO = "auto"
+ALGOS = (AUTO, "gptq", "gptaq", "awq", "awq+gptq", "rtn")
+# INT4 group sizes calibrate accepts: -1 (one group per output row) or powers of two that
+# every writer stores and every kernel runs (quantpipe's CPU kernel needs multiples of 16,
+# torch's int4pack 32..256, Triton any size; other sizes take the dequantize path)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
+# --group-size auto (group_size None): this size where it divides a layer's in_features, else
+# the largest power of two below it that does (SmolLM2's 576 -> 64), chosen per layer as a
+# plan (recorded in the manifest's int4_group_sizes), not a fallback
+AUTO_GROUP_SIZE = 128
+# GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
+# with static groups this changes no stored layout (docs/algorithms.md has the measurements)
+GPTQ_ACT_ORDER_DEFAULT = True
+# GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
+GPTQ_MSE_CLIP_DEFAULT = True
+
+
+@dataclass(frozen=True)
+class CalibrationDefaults:
+    # --- calibrate (CalibrateSpec) ------------------------------------------------------------
+    prompts: str = "business-calib"  # a prompt file, or the shipped set of this name
+    algo: str = AUTO  # one of ALGOS
+    group_size: int | None = None  # None: --group-size auto (AUTO_GROUP_SIZE, planned per layer)
+    sym: bool = True  # INT4 zero point at the mid-point (--sym) or stored per group (--asym)
+    samples: int = 128  # calibration sequences
+    seq_len: int = 512  # tokens per sequence
+    min_tokens: int = 16  # prompts shorter than this are dropped
+    seed: int = 0  # shuffles the prompts before packing
+    batch_size: int = 8  # sequences per block forward
+    awq_samples: int = 16  # sequences of AWQ's scale search (block-output loss)
+    min_expert_tokens: int = 64  # MoE: an expert routed fewer tokens is quantized with RTN
+    device: str = "cpu"  # where each block's maths runs
+    # --- run (RunSpec): a quicker calibration, then evaluation and the report -----------------
+    run_samples: int = 32  # calibration sequences (calibrate's 128 gives the best quality)
+    eval_prompts: str = "business-eval"  # held-out prompts, never used for calibration
+    eval_tokens: int = 8192  # held-out tokens scored for KLD (0: all, ~25k)
+    report_prompts: int = 16  # side-by-side generations in the report
+    report_new_tokens: int = 64  # tokens generated per report prompt
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"CalibrationDefaults.algo {self.algo!r}: use one of {ALGOS}")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"CalibrationDefaults.group_size {self.group_size}: use one of "
+                             f"{GROUP_SIZES} or None")
+
+
+DEFAULTS = CalibrationDefaults()
+
+
+def group_size_help() -> str:
+    """The sizes --group-size accepts, as its help lists them."""
+    sizes = ", ".join(str(g) for g in GROUP_SIZES if g != -1)
+    return (f"INT4 group size: auto ({AUTO_GROUP_SIZE} where it divides a layer's in_features, "
+            f"else the largest power of two below that does, chosen per layer), {sizes} or -1 "
+            "(per channel).")
