@@ -22,8 +22,9 @@ each, greedy, ``ignore_eos``. Prefix caching is off in both servers unless ``--p
 
 Settings. Each side's candidates are probed first, ``--probe-duration`` s at the lowest and the
 highest concurrency, and the fastest (geometric mean of output tokens/s) is measured in full;
-every probe is in the JSON. quantpipe: ``OMP_NUM_THREADS`` from ``--qp-threads`` (and any
-``quantpipe serve`` options in ``--qp-serve-args``, e.g. ``--kv-dtype bf16``). vLLM
+every probe is in the JSON. quantpipe: ``OMP_NUM_THREADS`` from ``--qp-threads`` times the KV
+cache element types of ``--qp-kv-dtypes`` (``model``, its default, or ``bf16``; and any
+``quantpipe serve`` options in ``--qp-serve-args``, e.g. ``--head-dtype bf16``). vLLM
 (``python -m vllm.entrypoints.openai.api_server`` from ``--vllm-python``, its own venv:
 ``QUANTPIPE_VLLM_PYTHON`` or the repository's ``.venv-vllm``): ``--vllm-configs`` names
 ``BIND-MODE[-iomp]`` settings, BIND one of ``auto`` (vLLM's default: on x86 one core is reserved
@@ -165,14 +166,19 @@ def vllm_server(python: Path, folder: Path, setting: str, max_seqs: int, kv_gib:
 
 
 def quantpipe_server(folder: Path, threads: int, max_seqs: int, kv_gib: int,
-                     prefix_caching: bool, extra: tuple[str, ...] = ()) -> Server:
+                     prefix_caching: bool, extra: tuple[str, ...] = (),
+                     kv_dtype: str = "model") -> Server:
+    """``quantpipe serve``; setting "t2" (OMP threads), "t2-kvbf16" with ``--kv-dtype bf16``."""
     cmd = [sys.executable, "-m", "quantpipe.cli", "serve", str(folder), "--max-num-seqs",
            str(max_seqs), "--kv-cache-memory", f"{kv_gib}GiB"]
     if not prefix_caching:
         cmd.append("--no-prefix-caching")
+    if kv_dtype != "model":
+        cmd += ["--kv-dtype", kv_dtype]
     cmd.extend(extra)
     env = {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
-    return Server("quantpipe", f"t{threads}", tuple(cmd), tuple(sorted(env.items())))
+    setting = f"t{threads}" + ("" if kv_dtype == "model" else f"-kv{kv_dtype}")
+    return Server("quantpipe", setting, tuple(cmd), tuple(sorted(env.items())))
 
 
 def geomean(values: list[float]) -> float:
@@ -373,6 +379,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "ones only when the vLLM venv has libiomp5.so]" % ",".join(
                         DEFAULT_VLLM_CONFIGS))
     ap.add_argument("--qp-threads", default="1,2", help="quantpipe OMP_NUM_THREADS candidates")
+    ap.add_argument("--qp-kv-dtypes", default="model",
+                    help="quantpipe --kv-dtype candidates (model, bf16), each with every "
+                         "--qp-threads")
     ap.add_argument("--qp-serve-args", default="",
                     help="more `quantpipe serve` options for both pairs, e.g. '--kv-dtype bf16'")
     ap.add_argument("--concurrency", default="1,4,16")
@@ -393,6 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.conc = tuple(int(c) for c in args.concurrency.split(",") if c)
         args.qp_thread_list = [int(t) for t in args.qp_threads.split(",") if t]
+        args.qp_kv_list = [k for k in args.qp_kv_dtypes.split(",") if k]
     except ValueError:
         ap.error("--concurrency and --qp-threads take integers like 1,4,16")
     args.pair_list = [p for p in args.pairs.split(",") if p]
@@ -406,6 +416,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--pairs {args.pairs!r}: write w4, fp or w4,fp")
     if not args.vllm_config_list or not args.qp_thread_list:
         ap.error("--vllm-configs and --qp-threads need at least one value each")
+    if not args.qp_kv_list or not set(args.qp_kv_list) <= {"model", "bf16"}:
+        ap.error(f"--qp-kv-dtypes {args.qp_kv_dtypes!r}: write model, bf16 or model,bf16")
     for setting in args.vllm_config_list:
         try:
             parse_setting(setting)
@@ -422,8 +434,8 @@ def candidates(args, pair: str, fp16: Path, tcmalloc: str | None) -> dict[str, l
     top, cpus = max(args.conc), allowed_cpus()
     extra = tuple(shlex.split(args.qp_serve_args))
     return {"quantpipe": [quantpipe_server(qp_dir, t, top, args.kv_cache_gib,
-                                           args.prefix_caching, extra)
-                          for t in args.qp_thread_list],
+                                           args.prefix_caching, extra, kv)
+                          for kv in args.qp_kv_list for t in args.qp_thread_list],
             "vllm": [vllm_server(args.vllm_python, vl_dir, s, top, args.kv_cache_gib,
                                  args.prefix_caching, cpus, tcmalloc)
                      for s in args.vllm_config_list]}

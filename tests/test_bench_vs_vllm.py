@@ -69,6 +69,8 @@ def test_quantpipe_server_command():
     assert "quantpipe.cli serve /m/w4" in cmd and "--max-num-seqs 16" in cmd
     assert "--kv-cache-memory 2GiB" in cmd and "--no-prefix-caching" in cmd
     assert "--no-prefix-caching" not in vs.quantpipe_server(Path("/m"), 1, 16, 2, True).cmd
+    kv = vs.quantpipe_server(Path("/m"), 2, 16, 2, True, kv_dtype="bf16")
+    assert kv.setting == "t2-kvbf16" and kv.cmd[-2:] == ("--kv-dtype", "bf16")
     extra = vs.quantpipe_server(Path("/m"), 1, 16, 2, True, ("--kv-dtype", "bf16")).cmd
     assert extra[-2:] == ("--kv-dtype", "bf16")
 
@@ -117,6 +119,7 @@ def test_parse_args(monkeypatch, tmp_path):
     assert args.conc == (1, 4, 16) and args.pair_list == ["w4", "fp"]
     assert args.qp_thread_list == [1, 2] and args.output_len == 128
     for bad in (["--pairs", "w8"], ["--vllm-configs", "all-fast"], ["--qp-threads", ""],
+                ["--qp-kv-dtypes", "fp8"],
                 ["--concurrency", "1,x"], ["--concurrency", "0,4"]):
         with pytest.raises(SystemExit):
             vs.parse_args(base + bad)

@@ -11,8 +11,8 @@ Family differences come from the registry as data: (1 + w) norms, norms around t
 and MLP outputs, per-head q/k norms, fused qkv / gate_up projections, the query scale, logit
 soft-capping (attention scores: an explicit softmax instead of SDPA) and sliding-window layers
 (the mask also hides keys at or beyond ``window`` positions back).
-The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused kernel); there
-is no custom paged-attention kernel.
+The same gather + SDPA path runs on CPU and on CUDA (there SDPA picks its fused kernel); on
+CUDA there is no paged-attention kernel of quantpipe's, on CPU there is one (below).
 
 On CPU with fp32 activations, when quantpipe's C++ kernels are usable
 (``runtime.kernels.cpu_ext``), the norms (with the residual add folded in; the per-head q/k
@@ -37,9 +37,10 @@ turns it off).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +147,16 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: torch.device)
         ctx_lens=tensor(ctx_lens), q_lens=tensor([len(c.token_ids) for c in chunks]),
         q_max=q_max, ctx_max=blocks_max * block_size,
     )
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of one step that attend together (:meth:`ModelRunner._attention_groups`)."""
+
+    rows: torch.Tensor | slice | None  # their rows of the step's [T, ...] tensors; None: all
+    meta: BatchMeta  # prepare_batch of their chunks alone
+    kernel: bool  # the C++ paged kernel (short chunks, no soft-capping) or padded SDPA
+    masks: dict = field(default_factory=dict)  # the padded path's, one per window size
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -503,7 +514,9 @@ class ModelRunner:
         rope = self._rope_tables(h, meta.positions)
         # short chunks only (decode, small prefills): the kernel's work is O(q_len * ctx)
         attn_kernel = self.fused and meta.q_max <= KERNEL_ATTENTION_MAX_Q
-        masks: dict[int | None, torch.Tensor] = {}  # the padded path's, one per window size
+        groups = [AttentionGroup(None, meta, attn_kernel and self.attn_softcap is None)]
+        if not attn_kernel and len(chunks) > 1:
+            groups = self._attention_groups(chunks)
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             plan = self.plans[i]
@@ -515,9 +528,7 @@ class ModelRunner:
                     meta.write_slots, meta.gather_blocks, meta.ctx_lens, meta.q_lens)
                 continue
             x = self._add_norm(h, delta, layer.input_layernorm)  # [T, hidden]
-            kernel = attn_kernel and self.attn_softcap is None
-            o = self._attention(i, layer, x, meta, rope[plan.rope_key],
-                                None if kernel else self._mask(masks, meta, plan.window))
+            o = self._attention(i, layer, x, meta, rope[plan.rope_key], groups)
             o = self._norm(o, plan.attn_out_norm)
             x = self._add_norm(h, o, plan.mlp_in_norm)
             delta = self._norm(self._mlp(i, layer, x), plan.mlp_out_norm)
@@ -528,13 +539,37 @@ class ModelRunner:
             logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
         return logits
 
-    def _mask(self, masks: dict, meta: BatchMeta, window: int | None) -> torch.Tensor:
-        """The padded path's grouped mask for ``window``: made once per step, shared by the
-        layers."""
-        if window not in masks:
+    def _attention_groups(self, chunks: list[SeqChunk]) -> list[AttentionGroup]:
+        """A step with a chunk longer than ``KERNEL_ATTENTION_MAX_Q`` tokens, split so that no
+        sequence's queries are padded to another's length: the short chunks (decode tokens)
+        attend together (the C++ kernel where usable), each long chunk alone. Padding them all
+        to the longest (one [B, q_max, ctx_max] SDPA) made a decode step that met a
+        1,000-token prompt cost as if all B sequences were that prompt."""
+        bs = self.kv_spec.block_size
+        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+        rows = [range(end - len(c.token_ids), end) for c, end in zip(chunks, ends)]
+        short = [b for b, c in enumerate(chunks) if len(c.token_ids) <= KERNEL_ATTENTION_MAX_Q]
+        groups = []
+        if short:
+            index = torch.tensor([r for b in short for r in rows[b]], dtype=torch.int64,
+                                 device=self.device)
+            groups.append(AttentionGroup(
+                index, prepare_batch([chunks[b] for b in short], bs, self.device),
+                self.fused and self.attn_softcap is None))
+        for b, c in enumerate(chunks):
+            if len(c.token_ids) > KERNEL_ATTENTION_MAX_Q:
+                groups.append(AttentionGroup(slice(rows[b].start, rows[b].stop),
+                                             prepare_batch([c], bs, self.device), False))
+        return groups
+
+    def _mask(self, group: AttentionGroup, window: int | None) -> torch.Tensor:
+        """The padded path's grouped mask of ``group`` for ``window``: made once per step,
+        shared by the layers."""
+        if window not in group.masks:
+            meta = group.meta
             base = meta.attn_mask if window is None else window_mask(meta, window)
-            masks[window] = group_mask(base, self.num_heads // self.num_kv_heads)
-        return masks[window]
+            group.masks[window] = group_mask(base, self.num_heads // self.num_kv_heads)
+        return group.masks[window]
 
     def _qkv(self, i: int, attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> q [T, H, D], k and v [T, KV, D]."""
@@ -555,8 +590,9 @@ class ModelRunner:
 
     def _attention(self, i: int, layer, x: torch.Tensor, meta: BatchMeta,
                    cos_sin: tuple[torch.Tensor, torch.Tensor],
-                   mask: torch.Tensor | None) -> torch.Tensor:
-        """x [T, hidden] -> o_proj output [T, hidden]; ``mask`` None: the C++ paged kernel."""
+                   groups: list[AttentionGroup]) -> torch.Tensor:
+        """x [T, hidden] -> o_proj output [T, hidden]; each group of the step's sequences
+        attends on its own (:meth:`_attention_groups`)."""
         attn = layer.self_attn
         T = x.shape[0]
         q, k, v = self._qkv(i, attn, x)
@@ -572,14 +608,27 @@ class ModelRunner:
         KV, D = self.num_kv_heads, self.head_dim
         self.k_pools[i].view(-1, KV, D)[meta.write_slots] = k.to(self.kv_dtype)
         self.v_pools[i].view(-1, KV, D)[meta.write_slots] = v.to(self.kv_dtype)
-        if mask is None:  # read the paged blocks directly
-            o = self.ops.paged_attention.default(
-                q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
-                meta.q_lens, self.scale, plan.window or 0)  # [T, H, D]
+        if len(groups) == 1:
+            o = self._attend_group(i, q, groups[0])  # [T, H, D]
         else:
-            o = paged_attention(q, self.k_pools[i], self.v_pools[i], meta, mask, self.scale,
-                                self.attn_softcap)
+            o = torch.empty_like(q)
+            for g in groups:
+                rows = g.rows
+                if isinstance(rows, slice):
+                    o[rows] = self._attend_group(i, q[rows], g)
+                else:
+                    o.index_copy_(0, rows, self._attend_group(i, q.index_select(0, rows), g))
         return attn.o_proj(o.reshape(T, -1))  # [T, H, D] -> [T, hidden]
+
+    def _attend_group(self, i: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """q [T_g, H, D] of the group's sequences -> their attention output [T_g, H, D]."""
+        meta, window = group.meta, self.plans[i].window
+        if group.kernel:  # read the paged blocks directly
+            return self.ops.paged_attention.default(
+                q, self.k_pools[i], self.v_pools[i], meta.gather_blocks, meta.ctx_lens,
+                meta.q_lens, self.scale, window or 0)
+        return paged_attention(q, self.k_pools[i], self.v_pools[i], meta,
+                               self._mask(group, window), self.scale, self.attn_softcap)
 
     def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
         fp = self.projections[i]

@@ -278,6 +278,31 @@ def test_fused_cpu_path_equals_torch_path(tiny, monkeypatch):
     assert eng.generate(prompts, GREEDY) == ref
 
 
+def test_a_mixed_step_gives_each_sequence_what_it_gets_alone(tiny, monkeypatch):
+    """A step holding decode tokens and chunks longer than the kernel attention's limit: each
+    sequence attends on its own (no query padded to another's length), so its logits are what
+    the same chunk gets in a step of its own (writing the same K/V again is a no-op), on the
+    fused path and on the torch path."""
+    from quantpipe.runtime.engine import model_runner
+    from quantpipe.runtime.engine.model_runner import KERNEL_ATTENTION_MAX_Q, ModelRunner, SeqChunk
+
+    model, tok, prompts, ref = tiny
+    long = list(range(3, 3 + KERNEL_ATTENTION_MAX_Q + 8))  # 40 tokens, 10 blocks of 4
+    runners = [ModelRunner(model, 4, 64)]
+    monkeypatch.setattr(model_runner, "fused_ops_status", lambda *a: (False, "test"))
+    runners.append(ModelRunner(model, 4, 64))
+    for runner in runners:
+        runner.forward([SeqChunk(prompts[1], 0, list(range(0, 5)))])  # 17 tokens in blocks 0-4
+        runner.forward([SeqChunk(prompts[2], 0, list(range(5, 13)))])  # 30 tokens in 5-12
+        mixed = [SeqChunk([9], 17, list(range(0, 5))),  # decode, long prefill, decode, prefill
+                 SeqChunk(long, 0, list(range(20, 30))),
+                 SeqChunk([4], 30, list(range(5, 13))),
+                 SeqChunk(long[:36], 0, list(range(30, 39)))]
+        together = runner.forward(mixed)
+        alone = torch.cat([runner.forward([c]) for c in mixed])
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_kv_cache_halves_the_pool_and_stays_close(tiny):
     """kv_dtype="bf16": half the bytes per block; on short chunks (the kernel attention where
     usable) and a long one (SDPA) the logits stay within bf16 rounding of the fp32 cache's, and
