@@ -1,6 +1,6 @@
 """Calibration time of one decoder block, algorithms interleaved in one process.
 
-Runs calibrate's stages 4a-4e (``pipeline._calibrate_block``) on one block of an FP16 folder,
+Runs calibrate's stages 4a-4e (``pipeline.calibrate_block``) on one block of an FP16 folder,
 its inputs the embedded calibration tokens, for each algorithm in turn, ``--reps`` times
 interleaved, so a loaded machine slows every algorithm alike; prints and saves the seconds and
 each algorithm's ratio to the first one's (medians).
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from quantpipe.calibration import pipeline as p
+from quantpipe.calibration import resume
 from quantpipe.calibration.activations import Activations, ActivationSpace
 from quantpipe.calibration.capture import embed_inputs
 from quantpipe.calibration.stream import ModelStream
@@ -45,7 +46,7 @@ def main() -> None:
                                group_size=args.group_size, sym=args.sym,
                                samples=args.samples, seq_len=args.seq_len).resolved()
 
-    inputs = p._check_inputs(spec(algos[0]))
+    inputs = resume.check_inputs(spec(algos[0]))
     stream = ModelStream(args.fp16)
     model = stream.model
     family = family_for(model.config.model_type)
@@ -62,9 +63,9 @@ def main() -> None:
                 space = ActivationSpace(work / "state", tuple(hidden.shape), spill=False)
                 with stream.load(f"{family.blocks}.{args.block}") as block:
                     t = time.perf_counter()
-                    p._calibrate_block(p._Run(spec(algo), work, {}), block, args.block, family,
-                                       model.config.model_type, hiddens,
-                                       ctx.for_layer(args.block), space)
+                    p.calibrate_block(resume.Run(spec(algo), work, {}), block, args.block,
+                                      family, model.config.model_type, hiddens,
+                                      ctx.for_layer(args.block), space)
                     seconds[algo].append(time.perf_counter() - t)
                 print(f"rep {rep} {algo}: {seconds[algo][-1]:.1f}s", flush=True)
     med = {a: statistics.median(s) for a, s in seconds.items()}

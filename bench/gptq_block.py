@@ -4,9 +4,10 @@ Builds one TinyLlama-width block with random weights (LlamaConfig, num_hidden_la
 download), feeds it ``--samples x --seq-len`` random tokens, and times the per-block GPTQ work
 of ``quantpipe calibrate --algo gptq`` with its defaults (INT4 g128 symmetric, act-order with
 static groups, MSE clip search weighted by diag(H), percdamp 0.01; INT8 per channel with
-act-order order), as ``calibration.pipeline._calibrate_block`` / ``_quantize_block`` /
-``_quantize`` do it: forward with the statistics hooks (Hessian accumulation), GPTQ of every
-linear at 4 and 8 bits on one thread, then the forward on the quantized weights.
+act-order order), as ``calibration.pipeline.calibrate_block`` /
+``calibration.block_step.quantize_block`` / ``quantize_gptq`` do it: forward with the
+statistics hooks (Hessian accumulation), GPTQ of every linear at 4 and 8 bits on one thread,
+then the forward on the quantized weights.
 
 The baseline is the code at ``--base`` (``git show``: calibration/{grid,result,rtn,gptq,
 capture}.py loaded as a temporary package); baseline and working tree alternate in one run
@@ -120,7 +121,7 @@ def build_block(hidden: int, inter: int, heads: int, kv_heads: int, seed: int):
 
 
 def quantize_linear(impl: dict, W: torch.Tensor, H: torch.Tensor, qspec: QuantSpec):
-    """calibration.pipeline._quantize for --algo gptq (same calls, same options)."""
+    """calibration.block_step.quantize_gptq (same calls, same options)."""
     gptq = impl["gptq"].gptq
     if qspec.group_size == -1 and not qspec.act_order:
         res = gptq(W, H, QuantSpec(qspec.bits, -1, qspec.sym, act_order=True), mse_clip=MSE_CLIP)
@@ -150,7 +151,7 @@ def run_once(impl: dict, timer: PhaseTimer, model, block, family, hidden, ctx, s
     spec4 = QuantSpec(4, GROUP_SIZE, SYM, ACT_ORDER)
     results = {}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as _calibrate_block does around _quantize_block
+    torch.set_num_threads(1)  # as block_step.quantize_block does for GPTQ
     t = time.perf_counter()
     try:
         for group in family.groups:

@@ -65,7 +65,7 @@ def register_gptaq_alphas(configs: list[str]) -> None:
     import functools
     import re
 
-    from quantpipe.calibration import pipeline
+    from quantpipe.calibration import block_step, pipeline
 
     for config in configs:
         algo = config.split("-")[0]
@@ -73,7 +73,7 @@ def register_gptaq_alphas(configs: list[str]) -> None:
         if m:
             pipeline.ALGORITHMS[algo] = dataclasses.replace(
                 pipeline.ALGORITHMS["gptaq"],
-                quantize=functools.partial(pipeline._quantize_gptaq, alpha=float(m[1])))
+                quantize=functools.partial(block_step.quantize_gptaq, alpha=float(m[1])))
 
 
 def set_clip_search(steps: int | None, sym_top: str | None) -> tuple[int, str]:

@@ -11,7 +11,7 @@ quality = pytest.importorskip("quality")
 
 
 def test_bench_only_algorithms(monkeypatch):
-    from quantpipe.calibration import pipeline
+    from quantpipe.calibration import block_step, pipeline
     from quantpipe.calibration.gptq import gptaq
     from quantpipe.core.qformat import QuantSpec
 
@@ -30,7 +30,7 @@ def test_bench_only_algorithms(monkeypatch):
     H, dXXT = 2 * X.T @ X / 512, 2 * dX.T @ X / 512  # [in, in] each
     qspec = QuantSpec(4, 32, False)
     got = pipeline.ALGORITHMS["gptaq0.5"].quantize(spec, "l", W, H, qspec, X[:0],
-                                                   asym=pipeline._AsymInputs(dXXT))
+                                                   asym=block_step.AsymInputs(dXXT))
     for alpha, same in ((0.5, True), (0.25, False)):
         ref = gptaq(W, H, qspec, dXXT, alpha=alpha, mse_clip=spec.mse_clip,
                     static_groups=spec.static_groups)

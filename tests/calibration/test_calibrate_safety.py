@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError
 
-import quantpipe.calibration.pipeline as p
+import quantpipe.calibration.resume as resume
 import quantpipe.core.io as qio
 from quantpipe.calibration.artifact import read_calibration, work_dir
-from quantpipe.calibration.pipeline import CalibrateSpec, calibrate, layer_group_size
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import OutputLockedError, read_manifest, verify_shard_hashes
 from quantpipe.stages.export import ExportSpec, export_quantized
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
@@ -67,15 +67,15 @@ def _flip_last_byte(path: Path) -> None:
 
 
 def _kill_after_block_0(monkeypatch):
-    """Make calibrate die after block 0 is saved; returns the original _save_progress."""
-    orig = p._save_progress
+    """Make calibrate die after block 0 is saved; returns the original save_progress."""
+    orig = resume.save_progress
 
     def die(run, nxt, extra):
         orig(run, nxt, extra)
         if nxt == 1:
             raise KeyboardInterrupt  # the run dies after block 0 is saved
 
-    monkeypatch.setattr(p, "_save_progress", die)
+    monkeypatch.setattr(resume, "save_progress", die)
     return orig
 
 
@@ -189,7 +189,7 @@ def test_resume_with_relative_paths_and_a_clear_refusal(fp16_dir, prompt_file, t
     orig = _kill_after_block_0(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         calibrate(CalibrateSpec(rel_fp16, Path("calib"), rel_prompts, **KW))
-    monkeypatch.setattr(p, "_save_progress", orig)
+    monkeypatch.setattr(resume, "save_progress", orig)
     # the same run spelled with absolute paths: other settings are refused, naming them
     with pytest.raises(ValueError) as info:
         calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(prompt_file),
@@ -206,7 +206,7 @@ def test_resume_with_a_smaller_batch_size_is_recorded(fp16_dir, prompt_file, tmp
     orig = _kill_after_block_0(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(prompt_file), **KW))
-    monkeypatch.setattr(p, "_save_progress", orig)
+    monkeypatch.setattr(resume, "save_progress", orig)
     res = calibrate(CalibrateSpec(fp16_dir, tmp_path / "calib", str(prompt_file),
                                   **{**KW, "batch_size": 2}))
     assert res.resumed_from == 1
@@ -278,15 +278,16 @@ def test_export_fp16_refuses_its_source_as_out(tiny_llama_dir, tmp_path):
 WAIT_AFTER_BLOCK_0 = (
     "import sys, time\n"
     "from pathlib import Path\n"
-    "import calibration.pipeline as p\n"
-    "orig = p._save_progress\n"
+    "import quantpipe.calibration.pipeline as p\n"
+    "import quantpipe.calibration.resume as r\n"
+    "orig = r.save_progress\n"
     "def wait(run, nxt, extra):\n"
     "    orig(run, nxt, extra)\n"
     "    if nxt == 1:\n"
     "        Path(sys.argv[4]).write_text('block 0 done')\n"
     "        while not Path(sys.argv[5]).exists():\n"
     "            time.sleep(0.05)\n"
-    "p._save_progress = wait\n"
+    "r.save_progress = wait\n"
     "p.calibrate(p.CalibrateSpec(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], "
     "algo='rtn', group_size=64, samples=8, seq_len=32, min_tokens=4, batch_size=4))\n"
 )
@@ -350,19 +351,19 @@ def test_disk_full_during_calibrate_leaves_nothing_valid_and_resumes(fp16_dir, p
 
 def test_layer_group_size_rules():
     spec = CalibrateSpec(Path("f"), Path("o"), group_size=128, algo="rtn")
-    assert layer_group_size(spec, "x", 576) == 64  # the documented fallback
-    assert layer_group_size(spec, "x", 1536) == 128
+    assert spec.layer_group_size("x", 576) == 64  # the documented fallback
+    assert spec.layer_group_size("x", 1536) == 128
     with pytest.raises(ValueError, match="x: group_size 128 does not divide in_features 576"):
-        layer_group_size(CalibrateSpec(Path("f"), Path("o"), group_size=128, algo="rtn",
-                                       strict_group_size=True), "x", 576)
+        CalibrateSpec(Path("f"), Path("o"), group_size=128, algo="rtn",
+                      strict_group_size=True).layer_group_size("x", 576)
     big = CalibrateSpec(Path("f"), Path("o"), group_size=1024, algo="rtn")
     with pytest.raises(ValueError, match="larger than in_features 576 of x; use 16, 32, 64, "
                                          r"-1 \(per channel\), or --per-channel-if-larger"):
-        layer_group_size(big, "x", 576)
+        big.layer_group_size("x", 576)
     wide = CalibrateSpec(Path("f"), Path("o"), group_size=1024, algo="rtn",
                          per_channel_if_larger=True)
-    assert layer_group_size(wide, "x", 576) == -1
-    assert layer_group_size(wide, "x", 2048) == 1024
+    assert wide.layer_group_size("x", 576) == -1
+    assert wide.layer_group_size("x", 2048) == 1024
 
 
 def test_sensitivity_refuses_a_calib_dir_being_written(finished, tmp_path):

@@ -33,10 +33,13 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
 import quantpipe.calibration.activations as activations
+import quantpipe.calibration.block_step as block_step
 import quantpipe.calibration.capture as capture
 import quantpipe.calibration.device as device
 import quantpipe.calibration.pipeline as pipeline
+import quantpipe.calibration.resume as resume
 import quantpipe.calibration.stream as stream
+import quantpipe.calibration.two_stream as two_stream
 from quantpipe.calibration.artifact import work_dir
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.calibration.result import QuantResult
@@ -132,7 +135,7 @@ def _install_check(monkeypatch) -> tuple[_DeviceCheck, list[str]]:
     def to_host(t):
         return _mark(_plain(t).to(device.HOST))
 
-    for mod in (device, stream, capture, activations, pipeline):
+    for mod in (device, stream, capture, activations, pipeline, block_step, two_stream):
         for name, fn in (("to_device", to_device), ("to_host", to_host)):
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, fn)
@@ -164,13 +167,13 @@ def _install_check(monkeypatch) -> tuple[_DeviceCheck, list[str]]:
                   {k: _plain(t) for k, t in fp_tensors.items()}, info)
 
     monkeypatch.setattr(pipeline, "save_block", save_block)
-    real_block = pipeline._calibrate_block
+    real_block = pipeline.calibrate_block
 
     def calibrate_block(*args, **kwargs):
         with check:
             return real_block(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_calibrate_block", calibrate_block)
+    monkeypatch.setattr(pipeline, "calibrate_block", calibrate_block)
     return check, unmoved
 
 
@@ -297,8 +300,8 @@ def test_results_record_the_device_and_resume_ignores_it(models, tmp_path, monke
     stop_after_block_0(_spec(models, "llama", tmp_path / "k", algo="rtn"))
     spec = _spec(models, "llama", tmp_path / "k", algo="rtn", device="cuda").resolved()
     manifest = json.loads((models["llama"] / "quantpipe.json").read_text())
-    run = pipeline._Run(spec, work_dir(spec.out), pipeline._resume_settings(spec, manifest))
-    assert pipeline._prepare_work(run, n) == 1  # resumes at block 1 on the other device
+    run = resume.Run(spec, work_dir(spec.out), resume.resume_settings(spec, manifest))
+    assert resume.prepare_work(run, n) == 1  # resumes at block 1 on the other device
     with pytest.raises(ValueError, match="only 2 CUDA device"):
         _spec(models, "llama", tmp_path / "x", device="cuda:2")
 

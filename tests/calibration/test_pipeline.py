@@ -40,21 +40,21 @@ def prompt_file(tmp_path_factory):
 def stop_after_block_0(spec) -> None:
     """Run ``calibrate(spec)`` until block 0's results and the next inputs are saved, then
     interrupt it (KeyboardInterrupt right after that progress is written)."""
-    import quantpipe.calibration.pipeline as p
+    import quantpipe.calibration.resume as r
 
-    orig = p._save_progress
+    orig = r.save_progress
 
     def stop_after_first(run, nxt, extra):
         orig(run, nxt, extra)
         if nxt == 1:
             raise KeyboardInterrupt  # the run dies after block 0 is saved
 
-    p._save_progress = stop_after_first
+    r.save_progress = stop_after_first
     try:
         with pytest.raises(KeyboardInterrupt):
             calibrate(spec)
     finally:
-        p._save_progress = orig
+        r.save_progress = orig
 
 
 def _spec(fp16_dir, prompt_file, out, **kw):
@@ -127,12 +127,13 @@ def test_resume_after_kill(fp16_dir, prompt_file, tmp_path):
         "import os, signal\n"
         "from pathlib import Path\n"
         "import quantpipe.calibration.pipeline as p\n"
-        "orig = p._save_progress\n"
+        "import quantpipe.calibration.resume as r\n"
+        "orig = r.save_progress\n"
         "def prog(spec, nxt, extra):\n"
         "    orig(spec, nxt, extra)\n"
         "    if nxt == 1:  # block 0 saved: die before block 1\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "p._save_progress = prog\n"
+        "r.save_progress = prog\n"
         f"p.calibrate(p.CalibrateSpec(Path({str(fp16_dir)!r}), Path({str(out)!r}), "
         f"{str(prompt_file)!r}, algo='gptq', samples=8, seq_len=32, min_tokens=4, "
         "batch_size=4, awq_samples=4, group_size=32))\n"
@@ -257,10 +258,12 @@ def test_gptaq_next_inputs_are_the_quantized_blocks_outputs(fp16_dir, prompt_fil
     """GPTAQ computes the next block's inputs (and its MLP groups' inputs) from the inputs it
     kept of o_proj and down_proj, not by running the block again: they must be exactly what
     the block, its linears at their INT4 weights, gives (a ragged last batch included)."""
-    import quantpipe.calibration.pipeline as p
+    from dataclasses import replace
+
+    from quantpipe.calibration.algorithms import ALGORITHMS
     from quantpipe.calibration.capture import run_block
 
-    orig, checked = p._asymmetric_block, []
+    orig, checked = ALGORITHMS["gptaq"].whole_block, []
 
     def checking(spec, algo, block, name, model_type, family, hiddens, ctx, seed, out):
         results, raises, nxt = orig(spec, algo, block, name, model_type, family, hiddens, ctx,
@@ -271,7 +274,7 @@ def test_gptaq_next_inputs_are_the_quantized_blocks_outputs(fp16_dir, prompt_fil
         checked.append(name)
         return results, raises, nxt
 
-    monkeypatch.setattr(p, "_asymmetric_block", checking)
+    monkeypatch.setitem(ALGORITHMS, "gptaq", replace(ALGORITHMS["gptaq"], whole_block=checking))
     calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="gptaq", batch_size=3))
     assert checked == ["model.layers.0", "model.layers.1"]
 
@@ -358,7 +361,7 @@ def test_gptaq_corrects_the_int4_pass_only():
     result is not."""
     from pathlib import Path
 
-    from quantpipe.calibration import pipeline as p
+    from quantpipe.calibration import block_step as p
     from quantpipe.core.qformat import QuantSpec
     from tests.calibration.test_gptq import correlated_hessian, weight
 
@@ -367,9 +370,9 @@ def test_gptaq_corrects_the_int4_pass_only():
     dXXT = 0.05 * correlated_hessian(42)  # [in, in] a nonzero input mismatch
     x = torch.zeros(0, W.shape[1])
     for qspec, same in ((p.INT8_PER_CHANNEL, True), (QuantSpec(4, 32, True, True), False)):
-        asym = p._AsymInputs(dXXT)
-        got = p._quantize_gptaq(spec, "l", W, H, qspec, x, asym)
-        want = p._quantize_gptq(spec, "l", W, H, qspec, x)
+        asym = p.AsymInputs(dXXT)
+        got = p.quantize_gptaq(spec, "l", W, H, qspec, x, asym)
+        want = p.quantize_gptq(spec, "l", W, H, qspec, x)
         assert torch.equal(got.weight.q, want.weight.q) == same, qspec
 
 

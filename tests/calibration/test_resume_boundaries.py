@@ -62,7 +62,9 @@ def _run_child(spec, kill_at: int) -> int:
 
 
 def _install_kill_hooks(kill_at: int) -> None:
+    import quantpipe.calibration.finish as finish
     import quantpipe.calibration.pipeline as p
+    import quantpipe.calibration.resume as resume
     from quantpipe.calibration.activations import ActivationSpace
 
     count = 0
@@ -77,8 +79,10 @@ def _install_kill_hooks(kill_at: int) -> None:
             return out
         return wrapped
 
-    for name in ("save_block", "write_json_atomic", "write_manifest", "replace_dir"):
-        setattr(p, name, after(getattr(p, name)))
+    for module in (p, resume, finish):  # each calls some of them (its own reference)
+        for name in ("save_block", "write_json_atomic", "write_manifest", "replace_dir"):
+            if hasattr(module, name):
+                setattr(module, name, after(getattr(module, name)))
     ActivationSpace.save = after(ActivationSpace.save)
 
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import quantpipe.calibration.pipeline as p
+import quantpipe.calibration.resume as resume
 from quantpipe.calibration.activations import IDS_FILE, STATE_FILE
 from quantpipe.calibration.pipeline import calibrate
 from tests.calibration.test_pipeline import (  # noqa: F401 (fixtures)
@@ -40,20 +41,20 @@ def _same(a, b) -> None:
 def test_spilled_run_equals_the_in_memory_run(fp16_dir, prompt_file, tmp_path,  # noqa: F811
                                               algo, monkeypatch):
     seen = []
-    orig = p._save_progress
+    orig = resume.save_progress
 
     def watch(run, nxt, extra):  # what the state folder holds after each block
         seen.append(sorted(f.name for f in (run.work / "state").iterdir()))
         orig(run, nxt, extra)
 
-    monkeypatch.setattr(p, "_save_progress", watch)
+    monkeypatch.setattr(resume, "save_progress", watch)
     spilled = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "spill", algo=algo,
                               max_memory=SPILL)).out
     keys = ["hidden", "hidden_fp"] if algo == "gptaq" else ["hidden"]
     # after block i: the inputs of block i + 1 as files (no other block's), the token ids
     for i, names in enumerate(seen):
         assert names == sorted([IDS_FILE] + [f"{k}-{i}.f32" for k in keys]), names
-    monkeypatch.setattr(p, "_save_progress", orig)
+    monkeypatch.setattr(resume, "save_progress", orig)
     in_ram = calibrate(_spec(fp16_dir, prompt_file, tmp_path / "ram", algo=algo,
                              max_memory=RAM)).out
     _same(spilled, in_ram)
@@ -109,7 +110,7 @@ def test_gptq_frees_each_quantized_weight_until_the_quantized_forward(
     dequantized weights are back for the quantized forward, whose outputs feed the next
     block exactly as before (test_resume_after_kill and the spill tests compare runs)."""
     sizes, forward_sizes = [], []
-    orig_quantize_block, orig_set = p._quantize_block, p._set_quantized_weights
+    orig_quantize_block, orig_set = p.quantize_block, p.set_quantized_weights
 
     def spy(spec, algo, work):
         out = orig_quantize_block(spec, algo, work)
@@ -122,8 +123,8 @@ def test_gptq_frees_each_quantized_weight_until_the_quantized_forward(
         forward_sizes.append([m.weight.numel() == m.in_features * m.out_features
                               for m in block.modules() if isinstance(m, torch.nn.Linear)])
 
-    monkeypatch.setattr(p, "_quantize_block", spy)
-    monkeypatch.setattr(p, "_set_quantized_weights", spy_set)
+    monkeypatch.setattr(p, "quantize_block", spy)
+    monkeypatch.setattr(p, "set_quantized_weights", spy_set)
     calibrate(_spec(fp16_dir, prompt_file, tmp_path / "c", algo="gptq"))
     assert sizes and all(n == 0 for block in sizes for n in block)
     assert forward_sizes and all(all(block) for block in forward_sizes)

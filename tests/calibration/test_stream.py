@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantpipe.calibration import pipeline
+from quantpipe.calibration import block_step, pipeline, two_stream
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.calibration.stream import ModelStream
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
@@ -51,7 +51,8 @@ def test_one_block_materialised_at_a_time(deep_fp16, tmp_path, monkeypatch, algo
         return real_run_block(block, hidden, ctx, batch_size, **kw)
 
     monkeypatch.setattr(ModelStream, "__init__", init)
-    monkeypatch.setattr(pipeline, "run_block", counting_run_block)
+    for module in (pipeline, block_step, two_stream):  # every caller of run_block
+        monkeypatch.setattr(module, "run_block", counting_run_block)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{p} {i}"}) + "\n"
                                for i in range(6) for p in CORPUS[:8]))
