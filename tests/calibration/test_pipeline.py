@@ -389,14 +389,14 @@ def test_default_group_size_is_planned_per_layer(prompt_file, tmp_path, caplog):
     model, tok = make_model("llama", hidden_size=192, intermediate_size=256)
     fp16 = tmp_path / "fp16"
     export_fp16(Fp16ExportSpec(str(save_model(model, tok, tmp_path / "src")), fp16))
-    with caplog.at_level(logging.INFO, logger="quantpipe.calibration.pipeline"):
+    with caplog.at_level(logging.INFO, logger="quantpipe.calibration"):
         auto = calibrate(_spec(fp16, prompt_file, tmp_path / "auto", algo="rtn",
                                group_size=None))
     assert auto.group_size_fallbacks == {}
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not warned and "planned per layer" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="quantpipe.calibration.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="quantpipe.calibration"):
         asked = calibrate(_spec(fp16, prompt_file, tmp_path / "asked", algo="rtn",
                                 group_size=128))
     assert "--group-size 128 does not divide the in_features of 12 layer(s)" in caplog.text
