@@ -6,7 +6,8 @@ attention is ours: new K/V are written into their paged slots, then each sequenc
 gathered (whole blocks, one copy per block) into a dense, padded ``[B, blocks_max * block_size,
 kv_heads, head_dim]`` tensor and fed to
 ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask that is causal *and*
-hides padding. Prefill chunks and decode tokens share one step (queries padded per sequence).
+hides padding. Prefill chunks and decode tokens share one step; a chunk longer than
+``KERNEL_ATTENTION_MAX_Q`` attends alone, so no sequence's queries are padded to its length.
 Family differences come from the registry as data: (1 + w) norms, norms around the attention
 and MLP outputs, per-head q/k norms, fused qkv / gate_up projections, the query scale, logit
 soft-capping (attention scores: an explicit softmax instead of SDPA) and sliding-window layers
