@@ -30,8 +30,12 @@ def test_pack_is_lsb_first():
 def test_spec_validation_messages():
     with pytest.raises(ValueError, match="use one of"):
         QuantSpec(bits=3, group_size=128, sym=True)
-    with pytest.raises(ValueError, match="32, 64, 128 or -1"):
+    with pytest.raises(ValueError, match="a multiple of 8 input columns .* or -1"):
         QuantSpec(bits=4, group_size=100, sym=True)
+    for accepted in (16, 48, 1024, -1):  # what the message says it takes (the writers' packing)
+        assert QuantSpec(bits=4, group_size=accepted, sym=True).group_size == accepted
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QuantSpec(bits=4, group_size=0, sym=True)
 
 
 def test_resolve_group_size():
