@@ -462,11 +462,10 @@ def verify_cmd(qdir):
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:i].")
 @click.option("--head-dtype", type=click.Choice(["fp32", "fp16", "bf16", "auto", "int8"]),
               default=DEFAULTS.serve_head_dtype, show_default=True,
-              help="CPU: precision of the embedding table and output head (bf16: fast at every "
-                   "batch size; fp16: exact weights, fastest for one or two sequences; auto: "
-                   "fp16 for 1-2 rows, bf16 for more, so outputs can depend on the batch; int8: "
-                   "int8 weights and activations per 32 columns, llama.cpp's Q8_0 dot, half "
-                   "bf16's bytes).")
+              help="CPU: precision of the embedding table and output head (int8: int8 "
+                   "weights and activations per 32 columns, llama.cpp's Q8_0 dot, the fastest "
+                   "for 1 to 16 rows; bf16: half the bytes of fp16; fp16: exact weights; auto: "
+                   "fp16 for 1-2 rows, bf16 for more, so outputs can depend on the batch).")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPE_NAMES), default=DEFAULTS.kv_dtype,
               show_default=True,
               help="KV cache elements: the model's activation dtype (fp32 on CPU), or bf16: half "
