@@ -10,8 +10,9 @@ reference is the float64 product of the *bf16-rounded* activations with the floa
 weight, and the only tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of
 products. The W4A8 kernel quantizes the activations to int8 per 32 columns: the quantizer is
 checked bit-exactly against the same fp32 arithmetic in torch, and the matmul against the
-float64 product of the dequantized int8 activations. The int8 kernel keeps fp32 activations (no
-rounding at all); the other ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked
+float64 product of the dequantized int8 activations. On CPUs with AMX, int4_a8_mm hands 32 rows and
+more to a bf16 tile kernel: checked against the float64 product of the bf16-rounded activations
+and weights. The int8 kernel keeps fp32 activations (no rounding at all); the other ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked
 the same way at the end.
 """
 
@@ -177,6 +178,79 @@ def test_a8w4_kernel_matches_float64_reference_every_tile(isa, spec, ops):
             # and the int8 activations' own error stays at the scale of int8 rounding
             exact = x.double() @ w64.T
             assert float((got.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+def _amx_usable() -> bool:
+    if not CAPABLE_512 or not cpu_ext.build_status("avx512")[0]:
+        return False
+    return bool(cpu_ext.ops("avx512").amx_supported())
+
+
+needs_amx = pytest.mark.skipif(not _amx_usable(),
+                               reason="the CPU has no AMX-BF16 (or Linux does not grant it)")
+
+
+def _amx_reference(x: torch.Tensor, p, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """(want, bound) for the AMX kernel: the float64 product of the bf16-rounded activations
+    with the bf16-rounded weights bf16(fp32(q * scale + mz)) (one fma in the kernel: the exact
+    value rounded once to fp32), in the kernel's column order; tolerance fp32 accumulation."""
+    q = p.unpacked_q().double()  # [out, in]
+    g = p.group_index()
+    s = p.scales.double()[:, g]
+    mz = (-p.zeros_u8().double() * p.scales.double())[:, g]  # exact: fp16 * small integer
+    wb = (q * s + mz).float().bfloat16().double()  # [out, in]
+    if w.perm is not None:
+        x, wb = x[:, w.perm], wb[:, w.perm]
+    xb = x.bfloat16().double()
+    return xb @ wb.T, 1e-5 * (xb.abs() @ wb.abs().T) + 1e-30
+
+
+@needs_amx
+@pytest.mark.parametrize("spec", A8_LAYOUTS + [QuantSpec(4, 256, False)],
+                         ids=lambda s: s.label())
+def test_amx_kernel_matches_bf16_rounded_float64_reference(spec, avx512):
+    """int4_amx_bf16_mm (AVX-512 build, AMX-BF16 CPUs): the W4A8 layout's weights expanded to
+    bf16 on the tile unit. 48 output rows: a pair of 16-row blocks and a lone one; M around the
+    16-row tiles and the 32-row pairs, and the prefill sizes int4_a8_mm hands it."""
+    out_f, in_f = 48, 256
+    p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()) + 1)
+    w = cpu_kernels.repack_a8w4(p, "avx512")
+    op = cpu_ext.ops("avx512").int4_amx_bf16_mm
+    gen = torch.Generator().manual_seed(11)
+    for m in (1, 15, 16, 17, 31, 32, 33, 48, 64, 100):
+        x = torch.randn(m, in_f, generator=gen) * 3
+        xp = x if w.perm is None else x[:, w.perm].contiguous()
+        got = op(xp, w.packed, w.scales, w.mz, w.group_size)
+        want, bound = _amx_reference(x, p, w)
+        assert got.dtype == torch.float32 and got.shape == (m, out_f)
+        err = (got.double() - want).abs()
+        assert (err <= bound).all(), (m, float(err.max()))
+        # bf16 weights and activations stay well within the int8 activations' error
+        exact = x.double() @ dequantize_reference(p).T
+        assert float((got.double() - exact).norm() / exact.norm()) < 1e-2
+    assert op(torch.empty(0, in_f), w.packed, w.scales, w.mz, w.group_size).shape == (0, out_f)
+
+
+@needs_amx
+def test_w4a8_op_hands_32_rows_and_more_to_amx_unless_turned_off(avx512, monkeypatch):
+    """int4_a8_mm runs the AMX kernel from 32 rows (bit for bit its result) and the VNNI tiles
+    below (each row's result independent of the others); QUANTPIPE_CPU_AMX=0, read at every
+    call, keeps the VNNI tiles at every row count."""
+    p = random_packed(64, 256, QuantSpec(4, 64, False), seed=5)
+    w = cpu_kernels.repack_a8w4(p, "avx512")
+    ops = cpu_ext.ops("avx512")
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
+    args = (w.packed, w.scales, w.mz, w.group_size)
+    vnni = torch.cat([ops.int4_a8_mm(x[i:i + 8].contiguous(), *args, True) for i in range(0, 40, 8)])
+    amx = ops.int4_amx_bf16_mm(x, *args)
+    assert not torch.equal(vnni, amx)  # the two arithmetics differ, so the checks below mean it
+    monkeypatch.delenv("QUANTPIPE_CPU_AMX", raising=False)
+    assert torch.equal(ops.int4_a8_mm(x, *args, True), amx)
+    assert torch.equal(ops.int4_a8_mm(x[:31].contiguous(), *args, True), vnni[:31])
+    monkeypatch.setenv("QUANTPIPE_CPU_AMX", "0")
+    assert torch.equal(ops.int4_a8_mm(x, *args, True), vnni)
+    monkeypatch.setenv("QUANTPIPE_CPU_AMX", "1")
+    assert torch.equal(ops.int4_a8_mm(x, *args, True), amx)
 
 
 @pytest.mark.parametrize("isa", ISAS)

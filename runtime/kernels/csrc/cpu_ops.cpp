@@ -38,9 +38,13 @@
 
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "common.h"
 
@@ -340,12 +344,229 @@ QP_TARGET __attribute__((flatten)) void a8_tile(const A8Acts& a, int64_t m0, int
   qp::simd::a8_tile<Simd, DotVnni512, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
 }
 
+// --- int4_a8_mm on AMX: the weights in bf16 on the tile unit (prefill-sized row counts) -------
+// From kAmxMinRows activation rows on a CPU with AMX, int4_a8_mm runs this kernel instead of
+// the VNNI tiles. An int8 AMX version of the W4A8 arithmetic was measured first: the per-block
+// activation scales make it store every 32-column block's int32 tile and fold it into fp32
+// with vector code, which then takes most of the time (1.5-2x the VNNI tiles, half of oneDNN's
+// bf16 GEMM). This kernel instead expands the weights of two blocks of 16 output rows to bf16
+// once, w = bf16(q * scale + mz) (the VNNI tile's fp32 weight, rounded once to nearest even),
+// and multiplies them with the activations rounded to bf16 by tdpbf16ps, accumulating all of K
+// in fp32 tiles: nothing per block beyond the tile instructions, the expansion shared by every
+// 32 activation rows. Numerics: W4A16 with bf16 activations (every weight and activation
+// within 2^-9 relative of its fp32 value, fp32 sums), as vLLM's and oneDNN's bf16 GEMMs on the
+// dequantized model: finer than the int8 activations of the VNNI tiles, not their bits, so a
+// row's result depends on whether its step had 32 rows (llama.cpp's and vLLM's CPU paths
+// switch kernels by batch size too). Measured against both: bench/amx_mm.py.
+constexpr int64_t kAmxRows = 16;  // activation rows per A tile
+constexpr int64_t kAmxMinRows = 32;  // from here the tile kernel is faster (bench/amx_mm.py)
+// chunks of weight-block pairs per thread: in a model's forward the pool's worker often comes
+// late (torch's OpenMP threads spin on its core after each aten op), and with one chunk per
+// thread the caller then runs the whole op alone
+constexpr int64_t kAmxChunksPerThread = 8;
+
+struct alignas(64) AmxConfig {  // the LDTILECFG operand, palette 1
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether the CPU has AMX-TILE and AMX-BF16 and Linux lets this process use the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; without it a tile instruction
+// faults); probed once.
+bool amx_supported() {
+  static const bool supported = [] {
+    if (!cpu_supported()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    if (((d >> 24) & 1u) == 0 || ((d >> 22) & 1u) == 0) return false;  // AMX-TILE, AMX-BF16
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return supported;
+}
+
+// int4_a8_mm's choice: AMX where supported, unless QUANTPIPE_CPU_AMX=0 (read at every call of
+// 32 rows or more: a process may switch, as the tests do)
+bool amx_auto() {
+  if (!amx_supported()) return false;
+  const char* env = std::getenv("QUANTPIPE_CPU_AMX");
+  return env == nullptr || std::string(env) != "0";
+}
+
+#define QP_AMX_TARGET                                                                       \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,f16c,amx-tile," \
+                        "amx-bf16")))
+
+// One 32-column block of 16 weight rows (256 bytes of the W4A8 layout) -> the bf16 B tile of
+// tdpbf16ps: 16 rows of k pairs, row i = (w[n][2i], w[n][2i + 1]) for n = 0..15. s2 / mz2: the
+// group's scale and mz of rows 0..7 and 8..15, each repeated for the pair.
+QP_AMX_TARGET inline void amx_bf16_b_tile(const uint8_t* w, const __m512 (&s2)[2],
+                                          const __m512 (&mz2)[2], uint16_t* b) {
+  // 16-bit word 2n + h of a chunk: bytes 4n + 2h, 4n + 2h + 1 = columns (2h, 2h + 1) of row n
+  const __m512i pick0 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i pick1 = _mm512_add_epi16(pick0, _mm512_set1_epi16(1));
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = _mm512_loadu_si512(w + c * 64);
+    for (int h = 0; h < 2; ++h) {
+      // 32 bytes: (row n, pair element t) at 2n + t, both nibbles
+      const __m256i bytes =
+          _mm512_castsi512_si256(_mm512_permutexvar_epi16(h ? pick1 : pick0, raw));
+      for (int half = 0; half < 2; ++half) {  // half 0: columns 8c + 2h.., half 1: 8c + 4 + 2h..
+        __m512 f[2];
+        for (int part = 0; part < 2; ++part) {  // rows 0..7, rows 8..15
+          __m512i v = _mm512_cvtepu8_epi32(part ? _mm256_extracti128_si256(bytes, 1)
+                                                : _mm256_castsi256_si128(bytes));
+          v = half ? _mm512_srli_epi32(v, 4) : v;
+          f[part] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s2[part],
+                                    mz2[part]);
+        }
+        const int row = 4 * c + 2 * half + h;
+        _mm512_store_si512(b + row * 32,
+                           reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
+      }
+    }
+  }
+}
+
+// The group's scale (fp16 -> fp32) and mz of 16 rows, as two vectors of rows 0..7 and 8..15
+// with every value twice (the k pair)
+QP_AMX_TARGET inline void amx_pair_scales(const uint16_t* sc, const float* mz, __m512 (&s2)[2],
+                                          __m512 (&mz2)[2]) {
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+  const __m512 z = mz != nullptr ? _mm512_loadu_ps(mz) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+  const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  s2[0] = _mm512_permutexvar_ps(lo, s);
+  s2[1] = _mm512_permutexvar_ps(hi, s);
+  mz2[0] = _mm512_permutexvar_ps(lo, z);
+  mz2[1] = _mm512_permutexvar_ps(hi, z);
+}
+
+QP_AMX_TARGET void amx_bf16_load_config() {
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without this barrier the row
+  // and column stores above are dropped as dead (and tileloadd faults)
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Weight blocks b0, b1 (wb: their bf16 B tiles [2][K / 32][16 x 32]) for every activation row
+// (xb: bf16 [padded M, K]); tiles 0-3 accumulate 2 x 16 rows x 2 blocks over all of K.
+QP_AMX_TARGET void amx_bf16_pair(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wb,
+                                 int nj, float* out, int64_t ldo) {
+  constexpr int64_t kTileB = kAmxRows * 32;  // bf16 per B tile
+  const int64_t nb = K / kA8Block, stride = K * 2;
+  alignas(64) float part[kAmxRows * kRows];
+  for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      _tile_loadd(4, xb + m0 * K + blk * kA8Block, stride);
+      _tile_loadd(5, xb + (m0 + kAmxRows) * K + blk * kA8Block, stride);
+      _tile_loadd(6, wb + blk * kTileB, 64);
+      _tile_loadd(7, wb + (nb + blk) * kTileB, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    // tiles are stored whole: straight into y where all 16 rows are real, else via `part`
+#define QP_STORE_TILE(T, I, J)                                                              \
+    if ((J) < nj) {                                                                         \
+      const int64_t r0 = m0 + (I) * kAmxRows;                                               \
+      if (r0 + kAmxRows <= M) {                                                             \
+        _tile_stored(T, out + r0 * ldo + (J) * kRows, ldo * 4);                             \
+      } else if (r0 < M) {                                                                  \
+        _tile_stored(T, part, 64);                                                          \
+        for (int64_t r = 0; r < M - r0; ++r)                                                \
+          std::memcpy(out + (r0 + r) * ldo + (J) * kRows, part + r * kRows, 64);            \
+      }                                                                                     \
+    }
+    QP_STORE_TILE(0, 0, 0)
+    QP_STORE_TILE(1, 0, 1)
+    QP_STORE_TILE(2, 1, 0)
+    QP_STORE_TILE(3, 1, 1)
+#undef QP_STORE_TILE
+  }
+}
+
+// Pairs p0..p1 of weight blocks: expand each pair to bf16 B tiles, then multiply every row
+QP_AMX_TARGET void amx_bf16_units(int64_t p0, int64_t p1, const uint16_t* xb, int64_t M,
+                                  int64_t K, int64_t G, int64_t group_size, int64_t NB,
+                                  const uint8_t* wp, const uint16_t* scp, const float* mzp,
+                                  float* yp) {
+  constexpr int64_t kTileB = kAmxRows * 32;
+  const int64_t per_group = group_size / kA8Block, nb = K / kA8Block, N = NB * kRows;
+  const int64_t wblock = K / 8 * 64, sblock = G * kRows;
+  std::vector<uint16_t> wb_store(2 * nb * kTileB + 32);
+  uint16_t* wb = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(wb_store.data()) + 63) & ~uintptr_t{63});
+  amx_bf16_load_config();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = 2 * p;
+    const int nj = b + 1 < NB ? 2 : 1;
+    for (int j = 0; j < nj; ++j) {
+      const int64_t bj = b + j;
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s2[2], mz2[2];
+        amx_pair_scales(scp + bj * sblock + g * kRows,
+                        mzp != nullptr ? mzp + bj * sblock + g * kRows : nullptr, s2, mz2);
+        for (int64_t q = 0; q < per_group; ++q) {
+          const int64_t blk = g * per_group + q;
+          amx_bf16_b_tile(wp + bj * wblock + blk * 4 * 64, s2, mz2,
+                          wb + (j * nb + blk) * kTileB);
+        }
+      }
+    }
+    if (nj == 1) std::memset(wb + nb * kTileB, 0, nb * kTileB * 2);
+    amx_bf16_pair(xb, M, K, wb, nj, yp + b * kRows, N);
+  }
+  _tile_release();
+}
+
+// y fp32 [M, N] = x @ W^T with W the W4A8 layout expanded to bf16 and x rounded to bf16 (any row
+// count; an error without AMX)
+at::Tensor int4_amx_bf16_mm(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales, const c10::optional<at::Tensor>& mz,
+                            int64_t group_size) {
+  check_cpu();
+  TORCH_CHECK(amx_supported(), "this CPU (or kernel) does not let quantpipe use AMX");
+  qp::check_a8w4(x, packed, scales, mz, group_size);
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
+  const int64_t G = K / group_size;
+  const int64_t padded = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
+  std::vector<uint16_t> xb(padded * K, 0);  // bf16, zero rows below M
+  const float* xp = x.data_ptr<float>();
+  qp::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) to_bf16(xp + m * K, xb.data() + m * K, K);
+  });
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const float* mzp = mz.has_value() ? mz->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  qp::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    amx_bf16_units(p0, p1, xb.data(), M, K, G, group_size, NB, wp, scp, mzp, yp);
+  }, kAmxChunksPerThread);
+  return y;
+}
+
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations. `vnni` is the AVX2 build's
 // choice of instruction; here it must be true (AVX-512 VNNI is part of this build's baseline).
 at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& mz, int64_t group_size, bool vnni) {
   check_cpu();
   TORCH_CHECK(vnni, "the AVX-512 build always uses VNNI; pass vnni=True");
+  if (x.dim() == 2 && x.size(0) >= kAmxMinRows && amx_auto())
+    return int4_amx_bf16_mm(x, packed, scales, mz, group_size);
   return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
                                       &qp::simd::quantize_row<Simd>,
                                       [](auto mt, const auto&... args) {
@@ -439,10 +660,14 @@ TORCH_LIBRARY(quantpipe_cpu, m) {
   qp::def_ops(m);
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
   m.def("supported() -> bool", &int4_supported);
+  m.def("amx_supported() -> bool", &amx_supported);
+  m.def("int4_amx_bf16_mm(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
   m.impl("int4_mm", &int4_mm);
+  m.impl("int4_amx_bf16_mm", &int4_amx_bf16_mm);
   using namespace qp::simd;
   qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,

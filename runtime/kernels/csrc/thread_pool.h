@@ -40,16 +40,19 @@ class ThreadPool {
     return *instance();
   }
 
-  // f(b0, b1) over [begin, end) in at most `threads` contiguous chunks of at least `grain`
-  // items each; returns when every chunk has run. Runs inline for a single chunk, inside torch's
-  // parallel regions, and when another thread is using the pool.
+  // f(b0, b1) over [begin, end) in at most `threads` * per_thread contiguous chunks of at least
+  // `grain` items each; returns when every chunk has run. Runs inline for a single chunk, inside
+  // torch's parallel regions, and when another thread is using the pool. per_thread > 1 for
+  // long jobs: a worker that comes late (asleep, or its core busy) still takes a share.
   template <typename F>
-  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f,
+                    int64_t per_thread = 1) {
     if (begin >= end) return;
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), kMaxChunks);
     const int64_t g = std::max<int64_t>(grain, 1);
-    const int64_t chunks = std::min(threads, (end - begin + g - 1) / g);
-    if (chunks <= 1 || in_pool() || at::in_parallel_region()) {
+    const int64_t chunks = std::min({threads * std::max<int64_t>(per_thread, 1), kMaxChunks,
+                                     (end - begin + g - 1) / g});
+    if (threads <= 1 || chunks <= 1 || in_pool() || at::in_parallel_region()) {
       f(begin, end);
       return;
     }
@@ -169,8 +172,9 @@ class ThreadPool {
 
 // at::parallel_for's signature, on quantpipe's pool
 template <typename F>
-inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  ThreadPool::get().parallel_for(begin, end, grain, f);
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f,
+                         int64_t per_thread = 1) {
+  ThreadPool::get().parallel_for(begin, end, grain, f, per_thread);
 }
 
 }  // namespace qp
