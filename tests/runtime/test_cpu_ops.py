@@ -211,13 +211,14 @@ def _amx_reference(x: torch.Tensor, p, w) -> tuple[torch.Tensor, torch.Tensor]:
 def test_amx_kernel_matches_bf16_rounded_float64_reference(spec, avx512):
     """int4_amx_bf16_mm (AVX-512 build, AMX-BF16 CPUs): the W4A8 layout's weights expanded to
     bf16 on the tile unit. 48 output rows: a pair of 16-row blocks and a lone one; M around the
-    16-row tiles and the 32-row pairs, and the prefill sizes int4_a8_mm hands it."""
+    16-row tiles and the 32-row pairs, the prefill sizes int4_a8_mm hands it and more than one
+    pass of rows."""
     out_f, in_f = 48, 256
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()) + 1)
     w = cpu_kernels.repack_a8w4(p, "avx512")
     op = cpu_ext.ops("avx512").int4_amx_bf16_mm
     gen = torch.Generator().manual_seed(11)
-    for m in (1, 15, 16, 17, 31, 32, 33, 48, 64, 100):
+    for m in (1, 15, 16, 17, 31, 32, 33, 48, 64, 100, 600):  # 600: two passes of 512
         x = torch.randn(m, in_f, generator=gen) * 3
         xp = x if w.perm is None else x[:, w.perm].contiguous()
         got = op(xp, w.packed, w.scales, w.mz, w.group_size)

@@ -303,6 +303,24 @@ def test_a_mixed_step_gives_each_sequence_what_it_gets_alone(tiny, monkeypatch):
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype,tol", [(None, 1e-4), (torch.bfloat16, 2e-2)])
+def test_a_prompt_attends_causally_to_its_own_keys_as_over_the_cache(tiny, kv_dtype, tol):
+    """A long chunk that starts its sequence attends with causal SDPA on the step's own keys
+    (no gather, no mask; in bf16 with a bf16 cache): its last logits are what the same prompt
+    gets when its first token is already cached and the other 36 go through the gathered
+    cache and the mask (fp32 rounding; bf16 rounding of the queries too with a bf16 cache)."""
+    from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
+
+    model, tok, prompts, ref = tiny
+    long = list(range(3, 40))  # 37 tokens, blocks of 4
+    blocks = list(range(10))
+    fresh = ModelRunner(model, 4, 64, kv_dtype).forward([SeqChunk(long, 0, blocks)])
+    runner = ModelRunner(model, 4, 64, kv_dtype)
+    runner.forward([SeqChunk(long[:1], 0, blocks[:1])])
+    cached = runner.forward([SeqChunk(long[1:], 1, blocks)])
+    assert float((fresh - cached).norm() / cached.norm()) < tol
+
+
 def test_bf16_kv_cache_halves_the_pool_and_stays_close(tiny):
     """kv_dtype="bf16": half the bytes per block; on short chunks (the kernel attention where
     usable) and a long one (SDPA) the logits stay within bf16 rounding of the fp32 cache's, and

@@ -364,6 +364,7 @@ constexpr int64_t kAmxMinRows = 32;  // from here the tile kernel is faster (ben
 // late (torch's OpenMP threads spin on its core after each aten op), and with one chunk per
 // thread the caller then runs the whole op alone
 constexpr int64_t kAmxChunksPerThread = 8;
+constexpr int64_t kAmxPassRows = 512;  // a multiple of 32
 
 struct alignas(64) AmxConfig {  // the LDTILECFG operand, palette 1
   uint8_t palette = 1;
@@ -553,9 +554,16 @@ at::Tensor int4_amx_bf16_mm(const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* scp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const float* mzp = mz.has_value() ? mz->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  qp::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    amx_bf16_units(p0, p1, xb.data(), M, K, G, group_size, NB, wp, scp, mzp, yp);
-  }, kAmxChunksPerThread);
+  // in passes of at most kAmxPassRows rows: each weight pair re-reads the pass's activations,
+  // which then stay in L2, for one more expansion of the weights per pass (1,266 rows of
+  // SmolLM2's gate/up: 3.2-3.9 ms in one pass, 3.2 in passes of 256)
+  for (int64_t r0 = 0; r0 < M; r0 += kAmxPassRows) {
+    const int64_t rows = std::min(kAmxPassRows, M - r0);
+    qp::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      amx_bf16_units(p0, p1, xb.data() + r0 * K, rows, K, G, group_size, NB, wp, scp, mzp,
+                     yp + r0 * N);
+    }, kAmxChunksPerThread);
+  }
   return y;
 }
 
