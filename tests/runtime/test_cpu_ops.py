@@ -10,10 +10,10 @@ reference is the float64 product of the *bf16-rounded* activations with the floa
 weight, and the only tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of
 products. The W4A8 kernel quantizes the activations to int8 per 32 columns: the quantizer is
 checked bit-exactly against the same fp32 arithmetic in torch, and the matmul against the
-float64 product of the dequantized int8 activations. On CPUs with AMX, int4_a8_mm hands 32 rows and
-more to a bf16 tile kernel: checked against the float64 product of the bf16-rounded activations
-and weights. The int8 kernel keeps fp32 activations (no rounding at all); the other ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked
-the same way at the end.
+float64 product of the dequantized int8 activations. On CPUs with AMX, int4_a8_mm hands 32
+rows and more to a bf16 tile kernel: checked against the float64 product of the bf16-rounded
+activations and weights. The int8 kernel keeps fp32 activations (no rounding at all); the other
+ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked the same way at the end.
 """
 
 import zlib
@@ -242,7 +242,8 @@ def test_w4a8_op_hands_32_rows_and_more_to_amx_unless_turned_off(avx512, monkeyp
     ops = cpu_ext.ops("avx512")
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
     args = (w.packed, w.scales, w.mz, w.group_size)
-    vnni = torch.cat([ops.int4_a8_mm(x[i:i + 8].contiguous(), *args, True) for i in range(0, 40, 8)])
+    vnni = torch.cat([ops.int4_a8_mm(x[i:i + 8].contiguous(), *args, True)
+                      for i in range(0, 40, 8)])
     amx = ops.int4_amx_bf16_mm(x, *args)
     assert not torch.equal(vnni, amx)  # the two arithmetics differ, so the checks below mean it
     monkeypatch.delenv("QUANTPIPE_CPU_AMX", raising=False)
