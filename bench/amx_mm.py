@@ -19,11 +19,9 @@ values). Not a test; the CPU must have AMX-BF16.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernels import timeit as _timeit  # noqa: E402
 from bench.vs_llamacpp import lscpu  # noqa: E402
+from quantpipe.core.io import write_json_atomic  # noqa: E402
 from quantpipe.runtime.kernels import cpu_ext  # noqa: E402
 from quantpipe.runtime.kernels.cpu import pack_a8w4  # noqa: E402
 
@@ -110,12 +109,7 @@ def main() -> None:
     doc = {"host": {**lscpu(), "machine": platform.machine(),
                     "load_avg_at_end": os.getloadavg()},
            "torch": torch.__version__, "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{args.out.name}.", dir=args.out.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, doc)
     print(f"wrote {args.out}")
 
 
