@@ -10,7 +10,9 @@
 Both builds register the same op names (``int4_a8_mm``, ``int8_mm``, ``int8_a8_mm``,
 ``fp16_mm``, ``bf16_mm``, ``paged_attention``, ``add_rms_norm_``, ``rope_``, ``silu_mul``,
 ``gelu_tanh_mul``, ``decoder_layer``, ``quantize_a8``; the AVX-512 build adds the bf16
-``int4_mm``), so callers take the namespace from :func:`ops`. The best ISA the CPU has is
+``int4_mm``, and ``int4_amx_bf16_mm`` / ``amx_supported`` for AMX CPUs, where ``int4_a8_mm``
+runs calls of 32 rows or more on the tile unit unless ``QUANTPIPE_CPU_AMX=0``), so callers
+take the namespace from :func:`ops`. The best ISA the CPU has is
 chosen; ``QUANTPIPE_CPU_ISA=avx2|avx512`` forces one (an error if the CPU lacks it: an AVX-512
 host can run the AVX2 path, not the reverse), and ``QUANTPIPE_CPU_KERNELS=torch`` turns all of
 them off (torch's kernels only).

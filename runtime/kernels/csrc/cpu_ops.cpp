@@ -2,7 +2,9 @@
 // cpu_ops_avx2.cpp is the AVX2 build of the same ops, csrc/common.h their shared plain C++,
 // csrc/simd.h their shared SIMD kernels over this file's 16-lane vector ops, struct Simd).
 //
-//   int4_a8_mm     W4A8 GEMM/GEMV, int8 activations per 32 columns, vpdpbusd (the 4-bit default)
+//   int4_a8_mm     W4A8 GEMM/GEMV, int8 activations per 32 columns, vpdpbusd (the 4-bit default);
+//                  from 32 rows on AMX CPUs it runs int4_amx_bf16_mm
+//   int4_amx_bf16_mm  the same weights expanded to bf16 on the AMX tile unit (amx_supported())
 //   quantize_a8    int4_a8_mm's activation quantizer (exposed for tests)
 //   int4_mm        W4A16 GEMM/GEMV, bf16 activations (QUANTPIPE_CPU_INT4_ACT=bf16)
 //   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
@@ -360,9 +362,9 @@ QP_TARGET __attribute__((flatten)) void a8_tile(const A8Acts& a, int64_t m0, int
 // switch kernels by batch size too). Measured against both: bench/amx_mm.py.
 constexpr int64_t kAmxRows = 16;  // activation rows per A tile
 constexpr int64_t kAmxMinRows = 32;  // from here the tile kernel is faster (bench/amx_mm.py)
-// chunks of weight-block pairs per thread: in a model's forward the pool's worker often comes
-// late (torch's OpenMP threads spin on its core after each aten op), and with one chunk per
-// thread the caller then runs the whole op alone
+// chunks of weight-block pairs per thread: with one chunk per thread, a worker that comes late
+// (asleep, or its core taken by torch's OpenMP threads, which spin after each aten op) leaves
+// the caller to run the whole op alone
 constexpr int64_t kAmxChunksPerThread = 8;
 constexpr int64_t kAmxPassRows = 512;  // a multiple of 32
 
