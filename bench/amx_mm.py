@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import timeit as _timeit  # noqa: E402
+from bench.kernel_speed import timeit as _timeit  # noqa: E402
 from bench.vs_llamacpp import lscpu  # noqa: E402
 from quantpipe.core.io import write_json_atomic  # noqa: E402
 from quantpipe.runtime.kernels import cpu_ext  # noqa: E402
@@ -41,7 +41,8 @@ VNNI_ROWS = 16  # rows per int4_a8_mm call for the VNNI timing (below the AMX th
 
 
 def timeit(fn, min_s: float) -> float:
-    """Median seconds per call over at least ``min_s`` seconds and 5 calls (bench/kernels.py)."""
+    """Median seconds per call over at least ``min_s`` seconds and 5 calls
+    (bench/kernel_speed.py)."""
     return _timeit(fn, torch.device("cpu"), min_s)
 
 

@@ -33,7 +33,8 @@ from quantpipe.core.qformat import unpack_int32
 
 def _make_source(shape: str, out: Path) -> int:
     """bench/scale.py's random-weight source folder, its file loaded by path: bench/ on
-    sys.path would shadow packages transformers imports (bench/kernels.py)."""
+    sys.path could shadow packages transformers imports (bench/kernels.py once shadowed
+    `kernels`)."""
     spec = importlib.util.spec_from_file_location("_bench_scale",
                                                   Path(__file__).with_name("scale.py"))
     scale = importlib.util.module_from_spec(spec)

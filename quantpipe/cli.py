@@ -658,7 +658,7 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
 @click.option("--max-new-tokens", default=96, show_default=True, help="Greedy tokens each.")
 @click.option("--eval-max-tokens", default=0, show_default=True, help="KLD token limit.")
 @click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="Speed JSON from bench/decode.py, bench/kernels.py or bench-serve "
+              help="Speed JSON from bench/decode.py, bench/kernel_speed.py or bench-serve "
                    "(repeatable).")
 @click.option("--speed-bench", is_flag=True,
               help="Also time greedy decode of FP16 and each candidate (short).")

@@ -146,7 +146,7 @@ def _read_speed(path: Path) -> tuple[SpeedRecord, ...]:
         if str(path) in msg:
             raise
         raise ValueError(f"--speed {path}: {msg}; pass the unedited JSON of bench/decode.py, "
-                         "bench/kernels.py or bench-serve --json") from None
+                         "bench/kernel_speed.py or bench-serve --json") from None
 
 
 def _read_eval(path: Path) -> tuple[str, dict]:

@@ -4,7 +4,7 @@ Readers turn each benchmark's own JSON into ``reports.data.SpeedRecord`` rows:
 
 - generic: a list of ``{"name", "metric", "value", "unit"}`` (or ``{"records": [...]}``);
 - ``bench/decode.py``: ``{"results": {model: {"decode_tokens_per_s", "prefill_s", ...}}}``;
-- ``bench/kernels.py``: ``{"rows": [{"kernel", "M", "N", "K", "s", ...}]}``;
+- ``bench/kernel_speed.py``: ``{"rows": [{"kernel", "M", "N", "K", "s", ...}]}``;
 - ``quantpipe bench-serve --json``: ``{"spec", "results": {concurrency: {"median": {...}}}}``.
 
 ``measure_decode`` is the short benchmark behind ``quantpipe report --speed-bench``: greedy
@@ -83,7 +83,7 @@ def read_speed_file(path: str | os.PathLike) -> tuple[SpeedRecord, ...]:
         if "median" in first:
             return tuple(_serve_records(obj, label))
     raise ValueError(
-        f"{path}: not a speed result quantpipe knows (bench/decode.py, bench/kernels.py, "
+        f"{path}: not a speed result quantpipe knows (bench/decode.py, bench/kernel_speed.py, "
         "bench-serve --json, or a list of {name, metric, value, unit} records)"
     )
 
