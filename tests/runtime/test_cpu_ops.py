@@ -253,6 +253,9 @@ def test_w4a8_op_hands_32_rows_and_more_to_amx_unless_turned_off(avx512, monkeyp
     assert torch.equal(ops.int4_a8_mm(x, *args, True), vnni)
     monkeypatch.setenv("QUANTPIPE_CPU_AMX", "1")
     assert torch.equal(ops.int4_a8_mm(x, *args, True), amx)
+    monkeypatch.setenv("QUANTPIPE_CPU_AMX", "off")  # a typo is an error, not a silent choice
+    with pytest.raises(RuntimeError, match="QUANTPIPE_CPU_AMX='off'"):
+        ops.int4_a8_mm(x, *args, True)
 
 
 @pytest.mark.parametrize("isa", ISAS)

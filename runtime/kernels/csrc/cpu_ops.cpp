@@ -47,6 +47,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 
 #include "common.h"
 
@@ -392,11 +393,15 @@ bool amx_supported() {
 }
 
 // int4_a8_mm's choice: AMX where supported, unless QUANTPIPE_CPU_AMX=0 (read at every call of
-// 32 rows or more: a process may switch, as the tests do)
+// 32 rows or more: a process may switch, as the tests do); any value but 0, 1 or unset is an
+// error, not a silent choice
 bool amx_auto() {
-  if (!amx_supported()) return false;
   const char* env = std::getenv("QUANTPIPE_CPU_AMX");
-  return env == nullptr || std::string(env) != "0";
+  const std::string value = env != nullptr ? env : "";
+  TORCH_CHECK(value.empty() || value == "0" || value == "1", "QUANTPIPE_CPU_AMX='", value,
+              "': use 0 (the VNNI tiles at every row count) or 1 / unset (AMX from 32 rows "
+              "where the CPU has it)");
+  return value != "0" && amx_supported();
 }
 
 #define QP_AMX_TARGET                                                                       \
@@ -509,9 +514,10 @@ QP_AMX_TARGET void amx_bf16_units(int64_t p0, int64_t p1, const uint16_t* xb, in
   constexpr int64_t kTileB = kAmxRows * 32;
   const int64_t per_group = group_size / kA8Block, nb = K / kA8Block, N = NB * kRows;
   const int64_t wblock = K / 8 * 64, sblock = G * kRows;
-  std::vector<uint16_t> wb_store(2 * nb * kTileB + 32);
+  // every B tile is written before it is read (the lone block's partner zeroed below)
+  std::unique_ptr<uint16_t[]> wb_store(new uint16_t[2 * nb * kTileB + 32]);
   uint16_t* wb = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(wb_store.data()) + 63) & ~uintptr_t{63});
+      (reinterpret_cast<uintptr_t>(wb_store.get()) + 63) & ~uintptr_t{63});
   amx_bf16_load_config();
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t b = 2 * p;
@@ -546,10 +552,13 @@ at::Tensor int4_amx_bf16_mm(const at::Tensor& x, const at::Tensor& packed,
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
   const int64_t G = K / group_size;
   const int64_t padded = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
-  std::vector<uint16_t> xb(padded * K, 0);  // bf16, zero rows below M
+  // bf16 activations; only the padding rows below M are zeroed (the rest is written next)
+  std::unique_ptr<uint16_t[]> xb_store(new uint16_t[padded * K]);
+  uint16_t* xb = xb_store.get();
+  std::memset(xb + M * K, 0, (padded - M) * K * sizeof(uint16_t));
   const float* xp = x.data_ptr<float>();
   qp::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) to_bf16(xp + m * K, xb.data() + m * K, K);
+    for (int64_t m = m0; m < m1; ++m) to_bf16(xp + m * K, xb + m * K, K);
   });
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -562,7 +571,7 @@ at::Tensor int4_amx_bf16_mm(const at::Tensor& x, const at::Tensor& packed,
   for (int64_t r0 = 0; r0 < M; r0 += kAmxPassRows) {
     const int64_t rows = std::min(kAmxPassRows, M - r0);
     qp::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      amx_bf16_units(p0, p1, xb.data() + r0 * K, rows, K, G, group_size, NB, wp, scp, mzp,
+      amx_bf16_units(p0, p1, xb + r0 * K, rows, K, G, group_size, NB, wp, scp, mzp,
                      yp + r0 * N);
     }, kAmxChunksPerThread);
   }
