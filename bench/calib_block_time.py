@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from quantpipe.blocks.activations import Activations, ActivationSpace
+from quantpipe.blocks.execute import embed_inputs
+from quantpipe.blocks.stream import ModelStream
 from quantpipe.calibration import pipeline as p
 from quantpipe.calibration import resume
-from quantpipe.calibration.activations import Activations, ActivationSpace
-from quantpipe.calibration.capture import embed_inputs
-from quantpipe.calibration.stream import ModelStream
 from quantpipe.core.families import family_for
 from quantpipe.core.io import write_json_atomic
 

@@ -31,7 +31,8 @@ from quantpipe.core.metrics import mean_kld, token_kld
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.loader import load_quantized_model
 
-EVAL = Path(__file__).resolve().parents[1] / "calibration" / "data" / "business_eval.jsonl"
+EVAL = (Path(__file__).resolve().parents[1] / "quantpipe" / "prompts" / "data"
+        / "business_eval.jsonl")
 
 
 def prompt_ids(qdir: Path, n: int, tokens: int) -> list[torch.Tensor]:

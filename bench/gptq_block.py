@@ -39,7 +39,7 @@ from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("grid", "result", "rtn", "gptq", "capture")  # the files this bench compares
-# calibrate's GPTQ defaults (calibration.pipeline: GPTQ_ACT_ORDER_DEFAULT, GPTQ_MSE_CLIP_DEFAULT,
+# calibrate's GPTQ defaults (calibration.config: GPTQ_ACT_ORDER_DEFAULT, GPTQ_MSE_CLIP_DEFAULT,
 # static groups with act-order, group size 128, --sym, --batch-size 8)
 GROUP_SIZE, SYM, ACT_ORDER, MSE_CLIP, STATIC_GROUPS, BATCH_SIZE = 128, True, True, True, True, 8
 
@@ -57,6 +57,9 @@ def load_baseline(commit: str) -> dict:
             src = src.replace(f"quantpipe.calibration.{other} ", f"{pkg}.{other} ")
         # the family registry moved to quantpipe.core (commit 18a8a84)
         src = src.replace("quantpipe.calibration.families ", "quantpipe.core.families ")
+        # block execution, activations and devices moved to quantpipe.blocks
+        for moved in ("activations", "device"):
+            src = src.replace(f"quantpipe.calibration.{moved} ", f"quantpipe.blocks.{moved} ")
         (root / pkg / f"{name}.py").write_text(src)
     sys.path.insert(0, str(root))
     return {name: importlib.import_module(f"{pkg}.{name}") for name in MODULES}
@@ -135,15 +138,18 @@ def quantize_linear(impl: dict, W: torch.Tensor, H: torch.Tensor, qspec: QuantSp
 def run_once(impl: dict, timer: PhaseTimer, model, block, family, hidden, ctx, state) -> tuple:
     """One block of calibrate --algo gptq; returns (phase seconds, results by linear)."""
     capture = impl["capture"]
+    # block execution moved from calibration/capture.py to quantpipe/blocks/execute.py
+    run_block = getattr(capture, "run_block", None) or importlib.import_module(
+        "quantpipe.blocks.execute").run_block
     block.load_state_dict(state)
     phases: dict[str, float] = {}
     with torch.no_grad():
         t = time.perf_counter()
-        capture.run_block(block, hidden, ctx, BATCH_SIZE)
+        run_block(block, hidden, ctx, BATCH_SIZE)
         phases["forward without hooks"] = time.perf_counter() - t
         t = time.perf_counter()
         collector = capture.StatsCollector(block, family.groups, seed=0)
-        capture.run_block(block, hidden, ctx, BATCH_SIZE)
+        run_block(block, hidden, ctx, BATCH_SIZE)
         collector.remove()
         phases["forward with statistics hooks"] = time.perf_counter() - t
     phases["Hessian accumulation (hooks)"] = (phases["forward with statistics hooks"]
@@ -175,7 +181,7 @@ def run_once(impl: dict, timer: PhaseTimer, model, block, family, hidden, ctx, s
         phases["GPTQ total (14 calls)"] - sum(v for k, v in inner.items() if k not in nested))
     with torch.no_grad():
         t = time.perf_counter()
-        capture.run_block(block, hidden, ctx, BATCH_SIZE)
+        run_block(block, hidden, ctx, BATCH_SIZE)
         phases["forward on quantized weights"] = time.perf_counter() - t
     phases["block total"] = (phases["forward with statistics hooks"]
                              + phases["GPTQ total (14 calls)"]
@@ -237,7 +243,7 @@ def main() -> None:
     impls = {"base": load_baseline(base_commit), "new": load_current()}
     timers = {k: PhaseTimer(m["gptq"], GPTQ_PHASES) for k, m in impls.items()}
 
-    from quantpipe.calibration.capture import embed_inputs
+    from quantpipe.blocks.execute import embed_inputs
 
     model = build_block(args.hidden, args.intermediate, args.heads, args.kv_heads, seed=0)
     family = family_for(model.config.model_type)

@@ -44,8 +44,8 @@ import torch
 from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.plan import PlanSpec, make_plan
-from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
+from quantpipe.calibration.mixed_precision.sensitivity import SensitivitySpec, measure_sensitivity
 from quantpipe.core.io import write_json_atomic
 from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
@@ -84,7 +84,7 @@ def heuristic_overrides(calib, budget: float) -> dict[str, tuple[str, ...]]:
 
 def unvalidated_plan(calib, budget: float) -> dict[str, int | None]:
     """The greedy plan on the measured per-layer KLDs alone (no validation stop)."""
-    from quantpipe.calibration.plan import _damage_table, greedy_budget_plan
+    from quantpipe.calibration.mixed_precision.plan import _damage_table, greedy_budget_plan
     from quantpipe.core.qformat import QuantSpec
 
     infos = calib.layer_infos()

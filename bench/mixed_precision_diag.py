@@ -35,7 +35,7 @@ import torch
 from corpora import sotu_texts  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.sensitivity import (
+from quantpipe.calibration.mixed_precision.sensitivity import (
     SensitivitySpec,
     _calibration_ids,
     _load_model,

@@ -46,15 +46,24 @@ def register_refined_gptq() -> None:
     and INT8) passed through least-squares scale/zero refinement on the same Hessian."""
     import dataclasses
 
-    from quantpipe.calibration import pipeline
+    from quantpipe.calibration.algorithms import ALGORITHMS
     from quantpipe.calibration.refine import refine_result
 
-    base = pipeline.ALGORITHMS["gptq"]
+    base = ALGORITHMS["gptq"]
 
     def quantize(spec, name, W, H, qspec, x):
         return refine_result(W, H, base.quantize(spec, name, W, H, qspec, x))
 
-    pipeline.ALGORITHMS["gptqrefine"] = dataclasses.replace(base, quantize=quantize)
+    _register("gptqrefine", dataclasses.replace(base, quantize=quantize), "gptq")
+
+
+def _register(name: str, row, options_of: str) -> None:
+    """Add a bench-only algorithm: its row, and the options (defaults) of ``options_of``."""
+    from quantpipe.calibration.algorithms import ALGORITHMS
+    from quantpipe.calibration.config import ALGO_OPTIONS
+
+    ALGORITHMS[name] = row
+    ALGO_OPTIONS[name] = ALGO_OPTIONS[options_of]
 
 
 def register_gptaq_alphas(configs: list[str]) -> None:
@@ -65,15 +74,17 @@ def register_gptaq_alphas(configs: list[str]) -> None:
     import functools
     import re
 
-    from quantpipe.calibration import block_step, pipeline
+    from quantpipe.calibration import block_step
+    from quantpipe.calibration.algorithms import ALGORITHMS
 
     for config in configs:
         algo = config.split("-")[0]
         m = re.fullmatch(r"gptaq(\d*\.?\d+)", algo)
         if m:
-            pipeline.ALGORITHMS[algo] = dataclasses.replace(
-                pipeline.ALGORITHMS["gptaq"],
-                quantize=functools.partial(block_step.quantize_gptaq, alpha=float(m[1])))
+            _register(algo, dataclasses.replace(
+                ALGORITHMS["gptaq"],
+                quantize=functools.partial(block_step.quantize_gptaq, alpha=float(m[1]))),
+                "gptaq")
 
 
 def set_clip_search(steps: int | None, sym_top: str | None) -> tuple[int, str]:

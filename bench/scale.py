@@ -80,7 +80,7 @@ def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from quantpipe.calibration.prompts import load_prompt_records
+    from quantpipe.prompts.sets import load_prompt_records
 
     texts = [r.prompt or " ".join(c for _, c in r.messages)
              for r in load_prompt_records("business-calib")]

@@ -164,8 +164,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantpipe.calibration.prompts import load_prompt_records, render_eval_texts
     from quantpipe.core.sources import resolve_source
+    from quantpipe.prompts.sets import load_prompt_records, render_eval_texts
 
     src = resolve_source(args.source)
     if src.kind != "gguf":

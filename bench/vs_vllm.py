@@ -241,7 +241,7 @@ def chat_prompt_ids(model_dir: Path, prompts: str) -> tuple[tuple[int, ...], ...
     tokens added beyond the template's, as the server's chat endpoint encodes)."""
     from transformers import AutoTokenizer
 
-    from quantpipe.calibration.prompts import load_prompt_records, render_eval_texts
+    from quantpipe.prompts.sets import load_prompt_records, render_eval_texts
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     texts = render_eval_texts(tok, load_prompt_records(prompts))

@@ -9,7 +9,7 @@ scores the checkpoint with the INT8 weights dequantized into an fp32 transformer
 activations are never quantized (the runtime's INT8 CPU kernels also keep fp32 activations).
 
 This script re-does only the INT8 pass, one setting at a time, with the library's own pieces
-(calibration.stream, calibration.capture, calibration.gptq / rtn) and without changing them:
+(quantpipe.blocks.stream, calibration.capture, calibration.gptq / rtn) and without changing them:
 
 - ``prop``: whose inputs the Hessians come from: ``w4`` (the pipeline: each block's inputs
   through the earlier blocks quantized with the INT4 results of ``--calib``) or ``fp`` (the
@@ -49,23 +49,20 @@ from pathlib import Path
 import torch
 from corpora import eval_texts  # bench/corpora.py (the script's folder)
 
+from quantpipe.blocks.execute import embed_inputs, run_block
+from quantpipe.blocks.stream import ModelStream
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.capture import (
-    StatsCollector,
-    embed_inputs,
-    run_block,
-)
+from quantpipe.calibration.capture import StatsCollector
 from quantpipe.calibration.gptq import gptq
-from quantpipe.calibration.prompts import (
+from quantpipe.calibration.rtn import rtn
+from quantpipe.core.families import block_groups, family_for, get_path
+from quantpipe.core.io import write_json_atomic
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
+from quantpipe.prompts.sets import (
     CalibDataSpec,
     build_calibration_set,
     load_prompt_records,
 )
-from quantpipe.calibration.rtn import rtn
-from quantpipe.calibration.stream import ModelStream
-from quantpipe.core.families import block_groups, family_for, get_path
-from quantpipe.core.io import write_json_atomic
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 from quantpipe.reports.eval import (
     EvalSpec,
     _Accumulator,  # the accumulator evaluate_many uses: the same statistics, per window

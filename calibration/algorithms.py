@@ -2,8 +2,9 @@
 row per ``--algo`` name (docs/algorithms.md has the table).
 
 A new algorithm is its maths (a module of pure functions on tensors), a per-linear quantizer
-(``block_step``) and one row here, plus its name in ``calibration.config.ALGOS``; one with a
-data flow of its own also gives its ``whole_block`` function (``two_stream`` is GPTAQ's).
+(``block_step``) and one row here, plus the row of its options in
+``calibration.config.ALGO_OPTIONS``; one with a data flow of its own also gives its
+``whole_block`` function (``two_stream`` is GPTAQ's).
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from quantpipe.calibration.block_step import (
     quantize_gptq,
     quantize_rtn,
 )
-from quantpipe.calibration.config import GPTQ_ACT_ORDER_DEFAULT, GPTQ_MSE_CLIP_DEFAULT
 from quantpipe.calibration.two_stream import asymmetric_block
 
 _GPTQ = Algorithm(records_inputs=False, samples_rows=False, block_step=None,
                   quantize=quantize_gptq, one_thread=True, quantized_forward=True,
-                  act_order_default=GPTQ_ACT_ORDER_DEFAULT, mse_clip_default=GPTQ_MSE_CLIP_DEFAULT,
-                  takes_static_groups=True, asymmetric=False)
+                  asymmetric=False)
 ALGORITHMS: dict[str, Algorithm] = {
     "gptq": _GPTQ,
     # GPTQ on ||W X_fp - Q X_q||^2 (calibration.gptq.gptaq): dense families only
@@ -33,19 +32,15 @@ ALGORITHMS: dict[str, Algorithm] = {
     "awq": Algorithm(records_inputs=True, samples_rows=True,
                      block_step=awq_step, quantize=quantize_awq,
                      one_thread=False, quantized_forward=False,
-                     act_order_default=None, mse_clip_default=None, takes_static_groups=False,
                      asymmetric=False),
     # AWQ's scales searched and folded, then GPTQ on the scaled weights, with the Hessians of
     # the scaled inputs (scale_block rescales the statistics it folds)
     "awq+gptq": replace(_GPTQ, records_inputs=True, samples_rows=True, block_step=awq_step),
-    # mse_clip off by default: RTN is the plain min-max baseline
     "rtn": Algorithm(records_inputs=False, samples_rows=False,
                      block_step=None, quantize=quantize_rtn,
                      one_thread=False, quantized_forward=False,
-                     act_order_default=None, mse_clip_default=False, takes_static_groups=False,
                      asymmetric=False),
 }
 # --algo's default (config.AUTO): GPTAQ, the best measured on held-out text
 # (docs/algorithms.md), where it applies (dense models); GPTQ for mixture-of-experts models,
-# which GPTAQ cannot pair. config.ALGOS lists AUTO and these names (a test checks it).
-AUTO_OPTIONS = "gptq"  # the options auto takes are GPTQ's (GPTAQ shares them)
+# which GPTAQ cannot pair. config.ALGO_OPTIONS has the same names (a test checks it).

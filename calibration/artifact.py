@@ -11,7 +11,7 @@ it is complete (an existing CALIB_DIR is replaced only then). Layout::
                                     resume point (while running; deleted at the end)
       state/hidden-N.f32 + input_ids.safetensors   the same when the activations exceed
                                     --max-memory: raw fp32 [samples, seq_len, hidden] files
-                                    (calibration.activations; GPTAQ adds hidden_fp-N.f32)
+                                    (quantpipe.blocks.activations; GPTAQ adds hidden_fp-N.f32)
       blocks/block-0000.safetensors per linear P and tag T in {w4, w8}:
                                       P.T.qweight int32 [out, in*bits/32], P.T.scales fp16
                                       [out, G], P.T.qzeros uint8 [out, G], P.T.g_idx int32

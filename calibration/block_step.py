@@ -15,21 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantpipe.calibration.activations import Activations
+from quantpipe.blocks.activations import Activations
+from quantpipe.blocks.device import is_cpu, to_device, to_host
+from quantpipe.blocks.execute import BlockContext, run_block
 from quantpipe.calibration.awq import awq_quantize, scale_block, scale_shared_input
-from quantpipe.calibration.capture import (
-    BlockContext,
-    GroupStats,
-    InputRecorder,
-    StatsCollector,
-    run_block,
-)
-from quantpipe.calibration.device import (
-    is_cpu,
-    result_to_host,
-    to_device,
-    to_host,
-)
+from quantpipe.calibration.capture import GroupStats, InputRecorder, StatsCollector
 from quantpipe.calibration.gptq import GPTAQ_ALPHA, gptaq, gptq
 from quantpipe.calibration.moe import (
     FALLBACK,
@@ -38,7 +28,7 @@ from quantpipe.calibration.moe import (
     is_expert_group,
     moe_shared_input,
 )
-from quantpipe.calibration.result import QuantResult
+from quantpipe.calibration.result import QuantResult, result_to_host
 from quantpipe.calibration.rtn import rtn
 from quantpipe.core.families import (
     ONE_PLUS_NORM_FAMILIES,
@@ -49,7 +39,7 @@ from quantpipe.core.families import (
 from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
 
 if TYPE_CHECKING:
-    from quantpipe.calibration.pipeline import CalibrateSpec
+    from quantpipe.calibration.spec import CalibrateSpec
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +91,6 @@ class Algorithm:
     # 4c-4d: leave the block's weights quantized, so that the next block's inputs go through
     # the quantized block (the original GPTQ ``llama_sequential``)
     quantized_forward: bool
-    # CalibrateSpec defaults; None: the option does not apply and giving it is an error
-    act_order_default: bool | None
-    mse_clip_default: bool | None
-    takes_static_groups: bool  # --static-groups / --dynamic-groups apply
     # 4a-4d GPTAQ: carry the FP model's block inputs beside the quantized model's; capture
     # each input group in the partly quantized block, paired with the FP inputs (dXXT)
     asymmetric: bool

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# --algo: "auto" (dense models: gptaq; mixture-of-experts ones: gptq, which GPTAQ cannot pair)
-# then the algorithms of calibration.pipeline.ALGORITHMS, in the order --help lists them
-AUTO = "auto"
-ALGOS = (AUTO, "gptq", "gptaq", "awq", "awq+gptq", "rtn")
 # INT4 group sizes calibrate accepts: -1 (one group per output row) or powers of two that
 # every writer stores and every kernel runs (quantpipe's CPU kernel needs multiples of 16,
 # torch's int4pack 32..256, Triton any size; other sizes take the dequantize path)
@@ -27,6 +23,33 @@ AUTO_GROUP_SIZE = 128
 GPTQ_ACT_ORDER_DEFAULT = True
 # GPTQ searches each group's clipping range (diag(H)-weighted error) unless --no-mse-clip
 GPTQ_MSE_CLIP_DEFAULT = True
+
+
+@dataclass(frozen=True)
+class AlgoOptions:
+    """Which options of ``calibrate`` an algorithm takes, and their defaults."""
+
+    act_order_default: bool | None  # --act-order's default; None: it does not apply
+    mse_clip_default: bool | None  # --mse-clip's default; None: it does not apply
+    takes_static_groups: bool  # --static-groups / --dynamic-groups apply
+
+
+_GPTQ_OPTIONS = AlgoOptions(GPTQ_ACT_ORDER_DEFAULT, GPTQ_MSE_CLIP_DEFAULT, True)
+# one row per algorithm of calibration.algorithms.ALGORITHMS (how each runs), in the order
+# --help lists them (a test checks the two tables name the same algorithms)
+ALGO_OPTIONS: dict[str, AlgoOptions] = {
+    "gptq": _GPTQ_OPTIONS,
+    "gptaq": _GPTQ_OPTIONS,
+    "awq": AlgoOptions(None, None, False),  # AWQ runs its own clip search
+    "awq+gptq": _GPTQ_OPTIONS,
+    "rtn": AlgoOptions(None, False, False),  # mse_clip off: RTN is the plain min-max baseline
+}
+# --algo: "auto" (dense models: gptaq; mixture-of-experts ones: gptq, which GPTAQ cannot pair)
+# then the algorithms
+AUTO = "auto"
+ALGOS = (AUTO, *ALGO_OPTIONS)
+# the options auto takes are GPTQ's (GPTAQ shares them)
+AUTO_OPTIONS = "gptq"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from quantpipe.core.io import write_manifest
 from quantpipe.core.qformat import INT8_PER_CHANNEL
 
 if TYPE_CHECKING:
-    from quantpipe.calibration.pipeline import CalibrateSpec
+    from quantpipe.calibration.spec import CalibrateSpec
 
 log = logging.getLogger(__name__)
 

@@ -3,14 +3,14 @@
 The stages, in order (``calibrate`` and ``calibrate_block`` read as this list), and where each
 lives, by data flow: 1-2 ``calibration.resume`` (inputs, the work folder, the resume point),
 4a-4d ``calibration.block_step`` (the algorithms as data) and ``calibration.two_stream``
-(GPTAQ's paired streams), 5 ``calibration.finish`` (the manifest); this module holds the spec
-and drives the blocks (3, 4e):
+(GPTAQ's paired streams), 5 ``calibration.finish`` (the manifest), the spec in
+``calibration.spec``; this module drives the blocks (3, 4e):
 
 1. check every option and input, before CALIB_DIR is touched (FP16 manifest, config and shard
    hashes, group size against every layer, prompts and their token count);
 2. take CALIB_DIR's output lock (quantpipe.core.io) and find the resume point in the hidden
    work folder beside it (calibration.artifact.work_dir);
-3. open the model as a stream (calibration.stream: one block's weights in memory at a time)
+3. open the model as a stream (quantpipe.blocks.stream: one block's weights in memory at a time)
    and embed the calibration tokens (on the CPU);
 4. for each block:
    a. capture: run it over the cached block inputs with hooks that gather each input group's
@@ -29,7 +29,7 @@ and drives the blocks (3, 4e):
    e. write the block's results and the next inputs, so a killed run resumes from here;
 5. write the manifest (it marks the artifact valid) and replace CALIB_DIR with the work folder.
 
-Stage 4 runs on ``--device`` (calibration.device): the block's weights, its context, the
+Stage 4 runs on ``--device`` (quantpipe.blocks.device): the block's weights, its context, the
 batches of its inputs and its statistics are there; the activations stay on the CPU and every
 result comes back to the CPU before 4e. With "cpu" the moves are no-ops: one code path.
 
@@ -40,26 +40,24 @@ What differs between algorithms is data: one ``block_step.Algorithm`` per name i
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.calibration import resume
-from quantpipe.calibration.activations import (
+from quantpipe.blocks.activations import (
     Activations,
     ActivationSpace,
     activation_budget,
     spills,
 )
-from quantpipe.calibration.algorithms import ALGORITHMS, AUTO_OPTIONS
+from quantpipe.blocks.execute import BlockContext, embed_inputs, run_block
+from quantpipe.blocks.stream import ModelStream
+from quantpipe.calibration import resume
+from quantpipe.calibration.algorithms import ALGORITHMS
 from quantpipe.calibration.artifact import (
     WORK_MARKER,
     save_block,
@@ -71,23 +69,9 @@ from quantpipe.calibration.block_step import (
     quantize_block,
     set_quantized_weights,
 )
-from quantpipe.calibration.capture import (
-    BlockContext,
-    embed_inputs,
-    run_block,
-)
-from quantpipe.calibration.config import (
-    ALGOS,
-    AUTO,
-    AUTO_GROUP_SIZE,
-    DEFAULTS,
-    GROUP_SIZES,
-)
-from quantpipe.calibration.device import check_device
 from quantpipe.calibration.finish import CalibrateResult, finish
-from quantpipe.calibration.prompts import SHIPPED_SETS
-from quantpipe.calibration.resume import CalibInputs, Run, read_config
-from quantpipe.calibration.stream import ModelStream
+from quantpipe.calibration.resume import CalibInputs, Run
+from quantpipe.calibration.spec import CalibrateSpec
 from quantpipe.core.families import (
     Family,
     family_for,
@@ -99,163 +83,8 @@ from quantpipe.core.io import (
     output_lock,
     replace_dir,
 )
-from quantpipe.core.qformat import QuantSpec, resolve_group_size
 
 log = logging.getLogger(__name__)
-
-def _fitting_sizes(in_features: int) -> str:
-    ok = [str(g) for g in GROUP_SIZES if g != -1 and in_features % g == 0]
-    return ", ".join(ok + ["-1 (per channel)"])
-
-
-def check_group_size(group_size: int | None) -> None:
-    if group_size is not None and group_size not in GROUP_SIZES:
-        raise ValueError(f"--group-size {group_size} is not supported; use one of "
-                         f"{', '.join(map(str, GROUP_SIZES))} (-1: per output channel)")
-
-
-@dataclass(frozen=True)
-class CalibrateSpec:
-    fp16_dir: Path  # output of export-fp16
-    out: Path  # CALIB_DIR
-    prompts: str = DEFAULTS.prompts  # prompt file, or a shipped set name
-    column: str | None = None  # text column for CSV/TSV/parquet prompt files
-    # gptq | gptaq | awq | awq+gptq | rtn, or "auto" (the default): gptaq for dense models,
-    # gptq for mixture-of-experts ones (resolved() reads FP16_DIR's config)
-    algo: str = DEFAULTS.algo
-    # INT4 group size requested (falls back per layer, see layer_group_size); None: auto,
-    # AUTO_GROUP_SIZE or the largest divisor below it, planned per layer
-    group_size: int | None = DEFAULTS.group_size
-    sym: bool = DEFAULTS.sym  # INT4 symmetric (mid-point zero) or asymmetric
-    # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
-    act_order: bool | None = None
-    # RTN/GPTQ: search a clipping range per group (weighted by diag(H) for GPTQ);
-    # None = GPTQ_MSE_CLIP_DEFAULT for GPTQ, off for RTN (the plain min-max baseline)
-    mse_clip: bool | None = None
-    strict_group_size: bool = False  # error instead of falling back to a smaller group size
-    samples: int = DEFAULTS.samples  # calibration sequences
-    seq_len: int = DEFAULTS.seq_len  # tokens per sequence
-    min_tokens: int = DEFAULTS.min_tokens  # drop prompts shorter than this
-    seed: int = DEFAULTS.seed
-    # sequences per block forward. Not part of the resume settings (a run killed for memory
-    # resumes with a smaller one): results differ between batch sizes by float rounding only
-    # (per-batch fp32 X^T X products); each block's JSON records it, the manifest every size.
-    batch_size: int = DEFAULTS.batch_size
-    awq_samples: int = DEFAULTS.awq_samples  # sequences of AWQ's scale search
-    # GPTQ group params: True = up front from the original weights, False = when GPTQ enters
-    # the group (on error-updated columns), None = static with act-order, dynamic without
-    # (static act-order groups keep g_idx sequential: no g_idx is stored)
-    static_groups: bool | None = None
-    # replace a finished CALIB_DIR (once the new one is complete) and discard an unfinished
-    # calibration with other settings; one with the same settings is resumed
-    force: bool = False
-    # a layer whose in_features is below group_size: quantize it per channel (-1) instead of
-    # failing (the per-layer choice is recorded like any group-size fallback)
-    per_channel_if_larger: bool = False
-    # MoE: an expert routed fewer calibration tokens than this is quantized with plain RTN
-    # (recorded per linear as an expert fallback); dense models ignore it
-    min_expert_tokens: int = DEFAULTS.min_expert_tokens
-    # bytes the block activations may hold in RAM; beyond it they are spilled to files in the
-    # work folder (calibration.activations). None: a fraction of the memory available at start.
-    # Changes where activations live, not the results: not part of the resume settings.
-    max_memory: int | None = None
-    # where each block's maths runs: "cpu", "cuda" or "cuda:N" (calibration.device); the
-    # activations stay on the CPU. Not part of the resume settings: results differ between
-    # devices by float rounding only, so a run may resume on another device; each block's
-    # JSON records the device it ran on, the manifest every device used.
-    device: str = DEFAULTS.device
-
-    def __post_init__(self) -> None:
-        if self.algo != AUTO and self.algo not in ALGORITHMS:  # (bench scripts may add rows)
-            raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
-        check_group_size(self.group_size)
-        check_device(self.device)
-        algo = ALGORITHMS[AUTO_OPTIONS if self.algo == AUTO else self.algo]
-        if self.act_order and algo.act_order_default is None:
-            raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
-        if self.mse_clip and algo.mse_clip_default is None:
-            raise ValueError("--mse-clip applies to RTN and GPTQ; AWQ runs its own clip search")
-        if self.static_groups is not None and not algo.takes_static_groups:
-            raise ValueError("--static-groups/--dynamic-groups apply to GPTQ only; drop it or "
-                             "use --algo gptq")
-        lowest = {"samples": 1, "seq_len": 2, "min_tokens": 1, "seed": 0, "batch_size": 1,
-                  "awq_samples": 1, "min_expert_tokens": 1}
-        if self.max_memory is not None and self.max_memory < 0:
-            raise ValueError(f"--max-memory must be >= 0 bytes (got {self.max_memory})")
-        for name, low in lowest.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low} "
-                                 f"(got {getattr(self, name)})")
-
-    def resolved(self) -> CalibrateSpec:
-        """The same spec with every default (None) replaced by the value it stands for, and
-        the input paths resolved (so a relative and an absolute path resume the same run), and
-        ``auto`` replaced by the algorithm it stands for with this model."""
-        if self.algo == AUTO:
-            return replace(self, algo=auto_algo(self.fp16_dir)).resolved()
-        algo = ALGORITHMS[self.algo]
-        act_order = self.act_order if self.act_order is not None else bool(
-            algo.act_order_default)
-        static = self.static_groups if self.static_groups is not None else (
-            act_order if algo.takes_static_groups else None)
-        mse = self.mse_clip if self.mse_clip is not None else bool(algo.mse_clip_default)
-        prompts = self.prompts
-        if prompts not in SHIPPED_SETS and Path(prompts).expanduser().exists():
-            prompts = str(Path(prompts).expanduser().resolve())
-        return replace(self, fp16_dir=Path(self.fp16_dir).expanduser().resolve(),
-                       prompts=prompts, act_order=act_order, static_groups=static, mse_clip=mse)
-
-    @property
-    def int4(self) -> QuantSpec:
-        gs = AUTO_GROUP_SIZE if self.group_size is None else self.group_size
-        return QuantSpec(4, gs, self.sym, bool(self.resolved().act_order))
-
-    def resume_settings(self) -> dict[str, str]:
-        """The settings that must match for a partial run to resume (paths resolved)."""
-        return {k: str(v) for k, v in asdict(self.resolved()).items()
-                if k not in ("out", "force", "max_memory", "device", "batch_size")}
-
-    def fingerprint(self) -> str:
-        """Identifies the settings a partial run was started with (resume must match)."""
-        keep = self.resume_settings()
-        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-    def layer_group_size(self, name: str, in_features: int) -> int:
-        """The INT4 group size used for one linear.
-
-        A request that does not divide ``in_features`` falls back to the largest divisor below it
-        (576 with 128 -> 64; an error with ``strict_group_size``); a request above ``in_features``
-        is an error unless ``per_channel_if_larger``, which quantizes that layer per channel.
-        The default (``group_size`` None) makes the same choice as a request for
-        AUTO_GROUP_SIZE, planned: never an error, never a fallback.
-        """
-        gs = self.group_size
-        if gs is None:
-            return resolve_group_size(AUTO_GROUP_SIZE, in_features)
-        if gs != -1 and gs > in_features:
-            if self.per_channel_if_larger:
-                return -1
-            raise ValueError(
-                f"--group-size {gs} is larger than in_features {in_features} of {name}; use "
-                f"{_fitting_sizes(in_features)}, or --per-channel-if-larger to quantize such "
-                "layers per channel"
-            )
-        try:
-            return resolve_group_size(gs, in_features, self.strict_group_size)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-
-    def layer_spec(self, name: str, in_features: int) -> QuantSpec:
-        """The INT4 spec of one linear (its group size after any fallback; the block files record
-        it, and finish counts the fallbacks from them)."""
-        return self.int4.with_group_size(self.layer_group_size(name, in_features))
-
-
-def auto_algo(fp16_dir: Path) -> str:
-    """What ``--algo auto`` runs for the model in ``fp16_dir``."""
-    model_type = read_config(Path(fp16_dir).expanduser()).get("model_type")
-    return "gptq" if family_for(model_type).moe else "gptaq"
-
 
 def calibrate(spec: CalibrateSpec) -> CalibrateResult:
     """Calibrate ``spec.fp16_dir`` into ``spec.out``: the stages of the module docstring."""
@@ -288,7 +117,7 @@ def _run_blocks(run: Run, inputs: CalibInputs, start: int, t0: float, earlier_se
                 data_summary: dict) -> None:
     """Blocks ``start..`` one by one; after each, its results and the next inputs are saved.
 
-    The model is a meta-device skeleton (calibration.stream): the embeddings are read only to
+    The model is a meta-device skeleton (quantpipe.blocks.stream): the embeddings are read only to
     compute the first inputs, then each block's weights are read, used and released in turn.
     """
     spec = run.spec

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpipe.blocks.device import to_host
 from quantpipe.core.qformat import QuantizedWeight
 
 
@@ -42,3 +43,11 @@ def proxy_loss(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) -> 
         prod = d * d if Hf is None else (d @ Hf).mul_(d)
         total += float(prod.double().sum())
     return total
+
+
+def result_to_host(res: QuantResult) -> QuantResult:
+    """``res`` with its codes, scales, zeros and g_idx on the CPU (the loss is a float)."""
+    w = res.weight
+    weight = QuantizedWeight(w.spec, to_host(w.q), to_host(w.scales), to_host(w.zeros),
+                             None if w.g_idx is None else to_host(w.g_idx))
+    return QuantResult(weight, res.loss, res.damp, res.damp_raises)

@@ -15,12 +15,11 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from quantpipe.calibration.activations import ActivationSpace
+from quantpipe.blocks.activations import ActivationSpace
 from quantpipe.calibration.algorithms import ALGORITHMS
 from quantpipe.calibration.artifact import (
     WORK_MARKER,
@@ -30,7 +29,7 @@ from quantpipe.calibration.artifact import (
 )
 from quantpipe.calibration.grid import clip_search_settings
 from quantpipe.calibration.moe import expert_linears_in
-from quantpipe.calibration.prompts import SHIPPED_SETS
+from quantpipe.calibration.spec import CalibrateSpec, read_config
 from quantpipe.core.config_check import check_folder_config
 from quantpipe.core.families import (
     Family,
@@ -44,9 +43,7 @@ from quantpipe.core.io import (
     verify_shard_hashes,
     write_json_atomic,
 )
-
-if TYPE_CHECKING:
-    from quantpipe.calibration.pipeline import CalibrateSpec
+from quantpipe.prompts.sets import SHIPPED_SETS
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +56,7 @@ class CalibInputs:
     model_type: str
     num_blocks: int
     input_ids: torch.Tensor  # [samples, seq_len] int64: the packed calibration windows
-    data_summary: dict  # calibration.prompts.CalibSummary as a dict
+    data_summary: dict  # quantpipe.prompts.sets.CalibSummary as a dict
 
 
 @dataclass(frozen=True)
@@ -69,16 +66,6 @@ class Run:
     spec: CalibrateSpec
     work: Path  # hidden folder beside spec.out (calibration.artifact.work_dir)
     settings: dict[str, str]  # spec.resume_settings() + the FP16 shards' hashes
-
-
-def read_config(fp16_dir: Path) -> dict:
-    path = fp16_dir / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{path}: missing; re-run export-fp16 to rebuild FP16_DIR") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc}); re-run export-fp16") from None
 
 
 def linear_in_features(fp16_dir: Path, manifest: dict, family: Family) -> tuple[dict, int]:
@@ -109,12 +96,12 @@ def linear_in_features(fp16_dir: Path, manifest: dict, family: Family) -> tuple[
 
 def check_inputs(spec: CalibrateSpec) -> CalibInputs:
     """Every check on the options and inputs, before CALIB_DIR (or its lock) is touched."""
-    from quantpipe.calibration.prompts import (
+    from quantpipe.core.sources import load_folder_tokenizer
+    from quantpipe.prompts.sets import (
         CalibDataSpec,
         build_calibration_set,
         load_prompt_records,
     )
-    from quantpipe.core.sources import load_folder_tokenizer
 
     prompts_path = None if spec.prompts in SHIPPED_SETS else spec.prompts
     inputs = {"FP16_DIR": spec.fp16_dir, "--prompts": prompts_path}

@@ -8,19 +8,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from quantpipe.calibration.activations import Activations
-from quantpipe.calibration.block_step import Algorithm, BlockWork, quantize_block
-from quantpipe.calibration.capture import (
+from quantpipe.blocks.activations import Activations
+from quantpipe.blocks.device import module_device
+from quantpipe.blocks.execute import (
     BlockContext,
-    GroupInputRecorder,
-    StatsCollector,
     attention_residual,
     batches,
     mlp_residual,
     run_block,
     run_until_stopped,
 )
-from quantpipe.calibration.device import module_device
+from quantpipe.calibration.block_step import Algorithm, BlockWork, quantize_block
+from quantpipe.calibration.capture import GroupInputRecorder, StatsCollector
 from quantpipe.calibration.result import QuantResult
 from quantpipe.core.families import (
     Family,
@@ -29,7 +28,7 @@ from quantpipe.core.families import (
 )
 
 if TYPE_CHECKING:
-    from quantpipe.calibration.pipeline import CalibrateSpec
+    from quantpipe.calibration.spec import CalibrateSpec
 
 
 def asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, model_type: str,

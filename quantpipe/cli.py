@@ -313,6 +313,8 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
 
 _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeatable; "
                   "the first matching rule wins.")
+_SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensitivity --out`), "
+                     "measured on this calibration [default: CALIB_DIR/sensitivity.json].")
 
 
 @main.command("export")
@@ -328,6 +330,9 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
               show_default=True, help="What --budget-bits minimises (as plan's --damage).")
+@click.option("--sensitivity", "sensitivity", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=_SENSITIVITY_HELP)
 @click.option("--max-shard-size", default="2GB", show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
 # quantpipe.core.vocab.VOCAB_WEIGHTS, written here so --help does not import torch
@@ -339,15 +344,15 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeat
 @click.option("--vocab-group-size", type=int, default=None,
               help="Columns per scale of the quantized tables (-1: one per row) "
                    "[default: int8 -1, int4 32].")
-def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_shard_size, force,
-               vocab_weights, vocab_group_size):
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensitivity,
+               max_shard_size, force, vocab_weights, vocab_group_size):
     """Write a quantized checkpoint from CALIB_DIR."""
     from quantpipe.core.vocab import VocabSpec
     from quantpipe.stages.export import ExportSpec, export_quantized
 
     spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
                       max_shard_size, force, damage,
-                      VocabSpec(vocab_weights, vocab_group_size))
+                      VocabSpec(vocab_weights, vocab_group_size), sensitivity=sensitivity)
     res = export_quantized(spec)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
@@ -366,17 +371,21 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, max_sh
 @click.option("--format", "fmt", type=click.Choice(["native", "gptq", "compressed-tensors"]),
               default="native", show_default=True,
               help="Count bits per weight as this export format stores them.")
+@click.option("--sensitivity", "sensitivity", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=_SENSITIVITY_HELP)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
-def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, json_out):
+def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, sensitivity, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
-    from quantpipe.calibration.plan import PlanSpec, make_plan
+    from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
     from quantpipe.core.io import check_output_file, write_json_atomic
 
     if json_out:
         check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
     plan = make_plan(read_calibration(calib_dir),
-                     PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt))
+                     PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt,
+                              sensitivity=sensitivity))
     click.echo(plan.table())
     if json_out:
         write_json_atomic(json_out, plan.to_dict())
@@ -630,17 +639,26 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
 @click.option("--bits", default="4,8", show_default=True,
               help="Precisions to measure (the budget planner needs 4,8).")
 @click.option("--seed", default=1, show_default=True, type=int, help="Prompt shuffle seed.")
-@click.option("--force", is_flag=True, help="Measure again even if sensitivity.json exists.")
-def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, force):
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The measurement's file (plan and export read it with --sensitivity) "
+                   "[default: CALIB_DIR/sensitivity.json].")
+@click.option("--force", is_flag=True, help="Measure again even if the file exists.")
+def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, force):
     """Measure each linear's KLD when quantized alone; writes CALIB_DIR/sensitivity.json."""
-    from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+    from quantpipe.calibration.mixed_precision.sensitivity import (
+        SensitivitySpec,
+        measure_sensitivity,
+    )
+    from quantpipe.core.io import check_output_file
 
     try:
         bits_t = tuple(int(b) for b in bits.split(",") if b.strip())
     except ValueError:
         raise ValueError(f"--bits {bits!r}: write 4, 8 or 4,8") from None
+    if out is not None:
+        check_output_file(out, "--out", {"CALIB_DIR": calib_dir})
     res = measure_sensitivity(SensitivitySpec(calib_dir, tokens, seq_len, bits_t, seed,
-                                              force=force))
+                                              force=force, out=out))
     click.echo(res.table())
     click.echo(f"{'reused' if res.reused else 'wrote'} {res.path}")
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.calibration.prompts import SHIPPED_SETS, PromptRecord, load_prompt_records
 from quantpipe.core.io import check_output_file
+from quantpipe.prompts.sets import SHIPPED_SETS, PromptRecord, load_prompt_records
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantpipe.calibration.prompts import PromptRecord
+from quantpipe.prompts.sets import PromptRecord
 from quantpipe.reports.verdict import VerdictThresholds
 
 KLD_KEYS = ("mean", "median", "p90", "p99", "p999", "max")
@@ -157,8 +157,9 @@ class CalibrationFacts:
 
         ``manifest``: the calibration folder's ``quantpipe.json`` (stage ``calibration``);
         ``layer_infos``: ``Calibration.layer_infos()`` (layer -> {"w4"|"w8": {spec, loss,
-        damp, damp_raises}}); ``plan``: ``calibration.plan.Plan.to_dict()`` (None: every
-        layer at the artifact's INT4 spec). The proxy loss shown is that of the chosen bits.
+        damp, damp_raises}}); ``plan``: ``calibration.mixed_precision.plan.Plan.to_dict()``
+        (None: every layer at the artifact's INT4 spec). The proxy loss shown is that of the
+        chosen bits.
         """
         if manifest.get("stage") != "calibration":
             raise ValueError(f"manifest stage is {manifest.get('stage')!r}; pass the manifest "

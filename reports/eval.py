@@ -266,10 +266,11 @@ def _run_streamed(spec: EvalSpec, tokenizer, why: str) -> EvalResult:
         raise ValueError("vocabularies differ: the candidate must be a quantization of the "
                          "reference")
     acc = _Accumulator()
-    used, seconds = stream_evaluate(spec.reference, spec.candidate,
-                                    eval_windows(tokenizer, spec), spec.max_tokens, acc)
+    wins = scored_windows(eval_windows(tokenizer, spec), spec.max_tokens)
+    seconds = stream_evaluate(spec.reference, spec.candidate, is_quantized(spec.candidate),
+                              wins, acc)
     return EvalResult(reference=str(spec.reference), candidate=str(spec.candidate),
-                      windows=used, seconds=seconds, **summarize(acc),
+                      windows=len(wins), seconds=seconds, **summarize(acc),
                       notes=[f"both models run block by block ({why})"])
 
 
@@ -456,7 +457,7 @@ def read_text_file(path: str | os.PathLike, max_tokens: int = 0, ctx: int = DEFA
 def eval_inputs(reference: Path, candidate: Path, text_file: Path | None,
                 prompts: str | None) -> dict[str, Path | None]:
     """What eval reads (label -> path), for the check that its output overwrites none."""
-    from quantpipe.calibration.prompts import SHIPPED_SETS
+    from quantpipe.prompts.sets import SHIPPED_SETS
 
     return {"--reference": reference, "--candidate": candidate, "--text": text_file,
             "--prompts": None if prompts is None or prompts in SHIPPED_SETS else Path(prompts)}
@@ -470,8 +471,8 @@ def load_texts(reference: Path, text_file: Path | None, prompts: str | None,
         raise ValueError("give exactly one of --text FILE or --prompts (a file or business-eval)")
     if text_file is not None:
         return (read_text_file(text_file, max_tokens, ctx),)
-    from quantpipe.calibration.prompts import load_prompt_records, render_eval_texts
     from quantpipe.core.sources import load_folder_tokenizer
+    from quantpipe.prompts.sets import load_prompt_records, render_eval_texts
 
     records = load_prompt_records(prompts)  # a bad prompt file fails before the tokenizer loads
     return tuple(render_eval_texts(load_folder_tokenizer(reference), records))

@@ -2,12 +2,12 @@
 
 The whole-model path (:func:`quantpipe.reports.eval.evaluate_many`) holds the FP reference
 and the dequantized candidate in fp32 at once: 54 GB for a 7B model. Here each model is a
-meta-device skeleton (:class:`quantpipe.calibration.stream.ModelStream`) whose weights are
+meta-device skeleton (:class:`quantpipe.blocks.stream.ModelStream`) whose weights are
 read one decoder block at a time, and every evaluation window goes through block ``i`` before
 block ``i + 1`` is read (the pattern of layer-wise calibration):
 
-1. the windows to score are cut exactly as the whole-model path cuts them (same ``ctx``, same
-   ``max_tokens`` truncation: ``reports.eval.scored_windows``);
+1. the windows to score are cut by the caller exactly as the whole-model path cuts them (same
+   ``ctx``, same ``max_tokens`` truncation: ``reports.eval.scored_windows``);
 2. the reference: embeddings (and each window's positions and masks), then each block over
    every window, keeping only the final hidden states ([window tokens, hidden] fp32 per
    window);
@@ -35,11 +35,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.calibration.capture import embed_inputs, run_block
-from quantpipe.calibration.stream import ModelStream
+from quantpipe.blocks.execute import embed_inputs, run_block
+from quantpipe.blocks.stream import ModelStream
 from quantpipe.core.families import config_value, family_for, get_path
 from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized, model_tensors
-from quantpipe.reports.eval import is_quantized, scored_windows
 
 
 class CheckpointStream(ModelStream):
@@ -110,19 +109,19 @@ def output_head(stream: ModelStream):
         yield logits
 
 
-def stream_evaluate(reference: Path, candidate: Path, wins: list[list[int]], max_tokens: int,
-                    accumulator) -> tuple[int, float]:
-    """Score ``candidate`` against ``reference`` on ``wins`` into ``accumulator`` (the
-    whole-model path's ``_Accumulator``): (windows used, seconds)."""
+def stream_evaluate(reference: Path, candidate: Path, quantized: bool, wins: list[list[int]],
+                    accumulator) -> float:
+    """Score ``candidate`` (a quantized checkpoint where ``quantized``, else a model folder)
+    against ``reference`` on every window of ``wins`` into ``accumulator`` (the whole-model
+    path's ``_Accumulator``); returns the seconds taken."""
     t0 = time.perf_counter()
-    wins = scored_windows(wins, max_tokens)
     ref = ModelStream(reference)
     ref_hidden = final_hidden(ref, wins, "eval: reference")
-    cand = (CheckpointStream(reference, load_quantized(candidate)) if is_quantized(candidate)
+    cand = (CheckpointStream(reference, load_quantized(candidate)) if quantized
             else ModelStream(candidate))
     cand_hidden = final_hidden(cand, wins, "eval: candidate")
     with output_head(ref) as ref_logits, output_head(cand) as cand_logits:
         for w, hr, hc in zip(wins, ref_hidden, cand_hidden):
             ids = torch.tensor(w)
             accumulator.add(ref_logits(hr[:-1]), cand_logits(hc[:-1]), ids[1:])
-    return len(wins), time.perf_counter() - t0
+    return time.perf_counter() - t0

@@ -10,18 +10,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 quality = pytest.importorskip("quality")
 
 
-def test_bench_only_algorithms(monkeypatch):
-    from quantpipe.calibration import block_step, pipeline
+@pytest.fixture
+def algorithm_tables():
+    """The algorithm tables as they were, back after the test."""
+    from quantpipe.calibration.algorithms import ALGORITHMS
+    from quantpipe.calibration.config import ALGO_OPTIONS
+
+    saved = [(table, dict(table)) for table in (ALGORITHMS, ALGO_OPTIONS)]
+    yield ALGORITHMS, ALGO_OPTIONS
+    for table, before in saved:
+        table.clear()
+        table.update(before)
+
+
+def test_bench_only_algorithms(algorithm_tables):
+    from quantpipe.calibration import block_step
+    from quantpipe.calibration.config import ALGOS
     from quantpipe.calibration.gptq import gptaq
+    from quantpipe.calibration.spec import CalibrateSpec
     from quantpipe.core.qformat import QuantSpec
 
-    # the registry as it was, back after the test
-    monkeypatch.setattr(pipeline, "ALGORITHMS", dict(pipeline.ALGORITHMS))
+    algorithms, options = algorithm_tables
     quality.register_refined_gptq()
     quality.register_gptaq_alphas(["gptaq0.5-sym", "gptq-asym"])
-    assert set(pipeline.ALGORITHMS) - set(pipeline.ALGOS) == {"gptqrefine", "gptaq0.5"}
+    assert set(algorithms) - set(ALGOS) == {"gptqrefine", "gptaq0.5"} == set(options) - set(ALGOS)
     for algo in ("gptqrefine", "gptaq0.5"):  # accepted, with GPTQ's defaults
-        spec = pipeline.CalibrateSpec(Path("f"), Path("o"), algo=algo).resolved()
+        spec = CalibrateSpec(Path("f"), Path("o"), algo=algo).resolved()
         assert spec.act_order and spec.mse_clip
     g = torch.Generator().manual_seed(0)
     W = torch.randn(16, 64, generator=g)  # [out, in]
@@ -29,8 +43,8 @@ def test_bench_only_algorithms(monkeypatch):
     dX = 0.2 * torch.randn(512, 64, generator=g)  # X_fp - X_q
     H, dXXT = 2 * X.T @ X / 512, 2 * dX.T @ X / 512  # [in, in] each
     qspec = QuantSpec(4, 32, False)
-    got = pipeline.ALGORITHMS["gptaq0.5"].quantize(spec, "l", W, H, qspec, X[:0],
-                                                   asym=block_step.AsymInputs(dXXT))
+    got = algorithms["gptaq0.5"].quantize(spec, "l", W, H, qspec, X[:0],
+                                        asym=block_step.AsymInputs(dXXT))
     for alpha, same in ((0.5, True), (0.25, False)):
         ref = gptaq(W, H, qspec, dXXT, alpha=alpha, mse_clip=spec.mse_clip,
                     static_groups=spec.static_groups)

@@ -143,7 +143,7 @@ def test_parse_args(monkeypatch, tmp_path):
 def test_chat_prompts_match_the_servers_chat_encoding(tmp_path):
     """The benchmark's token ids are what quantpipe serve's /v1/chat/completions would build
     from the same records (chat template + generation prompt, no extra special tokens)."""
-    from quantpipe.calibration.prompts import load_prompt_records
+    from quantpipe.prompts.sets import load_prompt_records
     from quantpipe.runtime.server import _encode_chat
     from tests.tiny_models import make_tokenizer
 

@@ -108,7 +108,7 @@ def _hub_names(family: str) -> set[str]:
                                     for f in FAMS])
 def test_calibration_block_inputs_equal_hf(family):
     """What calibration feeds block 0 is what the HF model feeds it."""
-    from quantpipe.calibration.capture import embed_inputs
+    from quantpipe.blocks.execute import embed_inputs
 
     model, _ = make_family_model(family)
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -123,7 +123,7 @@ def test_calibration_blocks_compute_what_hf_computes(family):
     """Each block run with calibration's context for its layer (positions, full or
     sliding-window mask) gives the HF model's next hidden state; the tiny configs' windows are
     shorter than the sequence, so a wrong mask shows."""
-    from quantpipe.calibration.capture import embed_inputs, run_block
+    from quantpipe.blocks.execute import embed_inputs, run_block
     from quantpipe.core.families import get_blocks
 
     model, _ = make_family_model(family)
@@ -168,8 +168,11 @@ def test_calibrate(family, algo, prompt_file, tmp_path_factory):
 def test_sensitivity_and_plan(family, algo, prompt_file, tmp_path_factory):
     """Measured KL sensitivity of every linear, then a 6-bit budget plan over all of them."""
     from quantpipe.calibration.artifact import read_calibration
-    from quantpipe.calibration.plan import PlanSpec, make_plan
-    from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+    from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
+    from quantpipe.calibration.mixed_precision.sensitivity import (
+        SensitivitySpec,
+        measure_sensitivity,
+    )
 
     out = _calibrated(family, algo, prompt_file, tmp_path_factory)
     sens = measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, batch_size=4))
@@ -366,7 +369,7 @@ def test_streamed_eval_equals_whole_model_eval(family, prompt_file, tmp_path_fac
     And at most one module's weights of a model are materialised at any time."""
     import contextlib
 
-    from quantpipe.calibration.stream import ModelStream
+    from quantpipe.blocks.stream import ModelStream
     from quantpipe.reports.eval import EvalSpec, run_eval
 
     native = _native_dir(family, prompt_file, tmp_path_factory)

@@ -75,8 +75,8 @@ def test_wheel_installs_only_quantpipe(installed):
     for data in ("quantpipe/runtime/kernels/csrc/cpu_ops.cpp",
                  "quantpipe/runtime/kernels/csrc/cpu_ops_avx2.cpp",
                  "quantpipe/runtime/kernels/csrc/common.h",
-                 "quantpipe/calibration/data/business_calib.jsonl",
-                 "quantpipe/calibration/data/business_eval.jsonl",
+                 "quantpipe/prompts/data/business_calib.jsonl",
+                 "quantpipe/prompts/data/business_eval.jsonl",
                  "quantpipe/reports/assets/report.css",
                  "quantpipe/reports/metrics/rouge/rouge.py"):
         assert data in names, data
@@ -92,7 +92,7 @@ def test_wheel_installs_only_quantpipe(installed):
         "        stray.append(name)\n"
         "    except ModuleNotFoundError:\n"
         "        pass\n"
-        "from quantpipe.calibration.prompts import load_prompt_records\n"
+        "from quantpipe.prompts.sets import load_prompt_records\n"
         "shipped = {n: len(load_prompt_records(n)) for n in ('business-calib', 'business-eval')}\n"
         "print(json.dumps({'files': files, 'stray': stray, 'shipped': shipped}))\n"
     )

@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (Chinese data strings: ruff counts full-width characters as width 2)
-"""Generate the shipped business prompt set (calibration/data/business_{calib,eval}.jsonl).
+"""Generate the shipped business prompt set (quantpipe/prompts/data/business_{calib,eval}.jsonl).
 
 Reproducible: ``python tools/make_prompts.py`` with the fixed SEED rewrites both
 files byte for byte. Prompts are composed from realistic building blocks (clauses, policy
@@ -17,8 +17,8 @@ from string import Template
 
 SEED = 20260101
 EVAL_FRACTION = 0.25
-# the shipped data lives in the calibration package; this generator is a tool, not part of it
-HERE = Path(__file__).resolve().parent.parent / "calibration" / "data"
+# the shipped data lives in the prompts package; this generator is a tool, not part of it
+HERE = Path(__file__).resolve().parent.parent / "quantpipe" / "prompts" / "data"
 
 # how many prompts per category and language
 COUNTS: dict[str, tuple[int, int]] = {  # category -> (en, zh)

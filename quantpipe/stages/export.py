@@ -1,7 +1,8 @@
 """Stage 4: `quantpipe export` — a calibration becomes a quantized checkpoint.
 
 The per-layer plan (which linears are INT4, INT8 or kept FP16) is computed from the
-calibration by ``calibration.plan`` and applied here; the chosen format's writer does the rest.
+calibration by ``calibration.mixed_precision.plan`` and applied here; the chosen format's
+writer does the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.plan import Plan, PlanSpec, check_budget_bits, make_plan
+from quantpipe.calibration.mixed_precision.plan import Plan, PlanSpec, check_budget_bits, make_plan
 from quantpipe.calibration.vocab import quantize_table
 from quantpipe.core.formats.registry import FORMAT_NAMES, format_named, layer_bits
 from quantpipe.core.formats.writers import write_checkpoint
@@ -45,6 +46,8 @@ class ExportSpec:
     damage: str = "auto"  # what --budget-bits minimises: auto, kld or proxy (PlanSpec.damage)
     # the embedding table and output head: fp16 (as exported) or int8 / int4 RTN
     vocab: VocabSpec = field(default_factory=VocabSpec)
+    # the measurement --budget-bits plans on; None: CALIB_DIR/sensitivity.json (PlanSpec)
+    sensitivity: Path | None = None
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
@@ -74,7 +77,7 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
     check_output_dir(spec.out, spec.force)  # fail before reading the weights
     with output_lock(spec.out):
         plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides,
-                                         spec.damage, spec.fmt))
+                                         spec.damage, spec.fmt, sensitivity=spec.sensitivity))
         weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
         _write(spec, calib, plan, weights, vocab)
     size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))

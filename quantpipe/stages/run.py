@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.config import DEFAULTS as CALIB
-from quantpipe.calibration.plan import check_budget_bits
+from quantpipe.calibration.mixed_precision.plan import check_budget_bits
 from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
 from quantpipe.core.qformat import check_bits
 from quantpipe.core.sources import resolve_source
@@ -215,7 +215,10 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     stage("export-fp16", _done(fp16), lambda: export_fp16(fp16_spec))
     stage("calibrate", _done(calib), lambda: calibrate(calib_spec))
     if spec.budget_bits is not None:
-        from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+        from quantpipe.calibration.mixed_precision.sensitivity import (
+            SensitivitySpec,
+            measure_sensitivity,
+        )
 
         stage("sensitivity", (calib / "sensitivity.json").is_file(),
               lambda: measure_sensitivity(SensitivitySpec(calib)))

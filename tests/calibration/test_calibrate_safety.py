@@ -368,7 +368,10 @@ def test_layer_group_size_rules():
 
 def test_sensitivity_refuses_a_calib_dir_being_written(finished, tmp_path):
     """sensitivity.json is written under CALIB_DIR's lock: a second writer fails at once."""
-    from quantpipe.calibration.sensitivity import SensitivitySpec, measure_sensitivity
+    from quantpipe.calibration.mixed_precision.sensitivity import (
+        SensitivitySpec,
+        measure_sensitivity,
+    )
     from tests.quantpipe.test_io import _lock_holder
 
     calib = _copy(finished, tmp_path / "calib")

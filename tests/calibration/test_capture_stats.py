@@ -80,13 +80,8 @@ def test_set_and_rescale_as_a_full_matrix(monkeypatch):
 def test_a_stopped_pass_sums_the_same_statistics_and_skips_the_rest():
     """GPTAQ's per-group passes end at the group's linears (StopForward): each group's X^T X,
     |x| sums and dXXT are bitwise those of a whole pass, and nothing after the group runs."""
-    from quantpipe.calibration.capture import (
-        GroupInputRecorder,
-        StatsCollector,
-        StopForward,
-        embed_inputs,
-        run_block,
-    )
+    from quantpipe.blocks.execute import StopForward, embed_inputs, run_block
+    from quantpipe.calibration.capture import GroupInputRecorder, StatsCollector
     from quantpipe.core.families import block_groups, family_for, get_blocks
     from tests.tiny_models import make_family_model
 

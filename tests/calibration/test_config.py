@@ -10,7 +10,8 @@ import pytest
 
 from quantpipe import cli
 from quantpipe.calibration import config
-from quantpipe.calibration.pipeline import ALGORITHMS, CalibrateSpec
+from quantpipe.calibration.algorithms import ALGORITHMS
+from quantpipe.calibration.spec import CalibrateSpec
 from quantpipe.stages.run import RunSpec
 
 
@@ -60,10 +61,9 @@ def test_library_default_algorithm_is_auto_as_on_the_command_line():
 
 
 def test_algo_choices_are_the_algorithm_table():
-    """config.ALGOS (the CLI's choices) is auto and pipeline.ALGORITHMS' rows, in order
-    (bench scripts may add rows after them)."""
-    assert config.ALGOS[0] == config.AUTO
-    assert tuple(ALGORITHMS)[: len(config.ALGOS) - 1] == config.ALGOS[1:]
+    """config.ALGOS (the CLI's choices) is auto and the rows of both algorithm tables (how
+    each runs: algorithms.ALGORITHMS; its options: config.ALGO_OPTIONS), in order."""
+    assert config.ALGOS == (config.AUTO, *ALGORITHMS) == (config.AUTO, *config.ALGO_OPTIONS)
 
 
 def test_group_size_help_lists_every_accepted_size():

@@ -1,7 +1,7 @@
 """`calibrate --device`: the block work runs on one device, the rest on the CPU, by construction.
 
 No GPU is needed to check the structure. A GPU run differs from a CPU run only in the device
-string (calibration.device), so the CPU runs below exercise its code; what they must show is
+string (quantpipe.blocks.device), so the CPU runs below exercise its code; what they must show is
 that nothing would land on the wrong device once that string is "cuda". Two bug classes cover
 every way a tensor can: (1) a tensor *made* inside the block work on torch's default device
 (a factory such as ``torch.zeros`` without ``device=``), which is the CPU even when the block
@@ -14,7 +14,7 @@ saved without coming back. :class:`_DeviceCheck` finds both while a real calibra
   its source line (on a GPU that tensor would be on the CPU);
 - the CPU side is simulated as a second device: tensors it hands over are marked
   (:class:`_Host`, a subclass that every op propagates, as a device does), the move functions
-  of calibration.device strip the mark (to the device) and put it back (to the CPU), and any
+  of quantpipe.blocks.device strip the mark (to the device) and put it back (to the CPU), and any
   op that mixes marked and unmarked tensors is recorded: CUDA's "Expected all tensors to be
   on the same device". Saved results must carry the mark (they came back through to_host).
 """
@@ -32,13 +32,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
-import quantpipe.calibration.activations as activations
+import quantpipe.blocks.activations as activations
+import quantpipe.blocks.device as device
+import quantpipe.blocks.execute as execute
+import quantpipe.blocks.stream as stream
 import quantpipe.calibration.block_step as block_step
 import quantpipe.calibration.capture as capture
-import quantpipe.calibration.device as device
 import quantpipe.calibration.pipeline as pipeline
+import quantpipe.calibration.result as result
 import quantpipe.calibration.resume as resume
-import quantpipe.calibration.stream as stream
 import quantpipe.calibration.two_stream as two_stream
 from quantpipe.calibration.artifact import work_dir
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
@@ -135,7 +137,8 @@ def _install_check(monkeypatch) -> tuple[_DeviceCheck, list[str]]:
     def to_host(t):
         return _mark(_plain(t).to(device.HOST))
 
-    for mod in (device, stream, capture, activations, pipeline, block_step, two_stream):
+    for mod in (device, stream, execute, capture, activations, result, pipeline, block_step,
+                two_stream):
         for name, fn in (("to_device", to_device), ("to_host", to_host)):
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, fn)

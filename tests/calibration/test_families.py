@@ -114,7 +114,7 @@ def test_block_from_its_last_linears_inputs(model_type):
     down_proj's inputs (calibration.capture.attention_residual / mlp_residual): with the
     family's norms and MLP module those give exactly the decoder layer's own outputs, and the
     MLP run from the first residual add gives down_proj exactly the inputs it had."""
-    from quantpipe.calibration.capture import attention_residual, embed_inputs, mlp_residual
+    from quantpipe.blocks.execute import attention_residual, embed_inputs, mlp_residual
 
     model = _tiny_model(model_type)
     family = family_for(model_type)

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from quantpipe.calibration.capture import StatsCollector, embed_inputs, run_block
+from quantpipe.blocks.execute import embed_inputs, run_block
+from quantpipe.calibration.capture import StatsCollector
 from quantpipe.core.families import block_groups, family_for, get_blocks
 from tests.tiny_models import CORPUS, MOE_FAMILIES, make_family_model, save_model
 

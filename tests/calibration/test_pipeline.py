@@ -207,11 +207,12 @@ def test_bad_prompt_file_creates_nothing(fp16_dir, tmp_path):
 
 
 def test_algorithm_table_resolves_the_documented_defaults():
-    """ALGORITHMS drives CalibrateSpec's defaults and option checks; the resolved values are
-    part of the resume fingerprint, so they must not drift (docs/algorithms.md's table)."""
+    """ALGO_OPTIONS drives CalibrateSpec's defaults and option checks; the resolved values
+    are part of the resume fingerprint, so they must not drift (docs/algorithms.md's table)."""
     from pathlib import Path
 
-    from quantpipe.calibration.pipeline import ALGORITHMS, ALGOS
+    from quantpipe.calibration.algorithms import ALGORITHMS
+    from quantpipe.calibration.config import ALGOS
 
     assert ALGOS == ("auto", "gptq", "gptaq", "awq", "awq+gptq", "rtn")
     want = {"gptq": (True, True, True), "gptaq": (True, True, True),
@@ -260,8 +261,8 @@ def test_gptaq_next_inputs_are_the_quantized_blocks_outputs(fp16_dir, prompt_fil
     the block, its linears at their INT4 weights, gives (a ragged last batch included)."""
     from dataclasses import replace
 
+    from quantpipe.blocks.execute import run_block
     from quantpipe.calibration.algorithms import ALGORITHMS
-    from quantpipe.calibration.capture import run_block
 
     orig, checked = ALGORITHMS["gptaq"].whole_block, []
 

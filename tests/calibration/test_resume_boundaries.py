@@ -65,7 +65,7 @@ def _install_kill_hooks(kill_at: int) -> None:
     import quantpipe.calibration.finish as finish
     import quantpipe.calibration.pipeline as p
     import quantpipe.calibration.resume as resume
-    from quantpipe.calibration.activations import ActivationSpace
+    from quantpipe.blocks.activations import ActivationSpace
 
     count = 0
 

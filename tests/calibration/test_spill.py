@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import quantpipe.calibration.pipeline as p
 import quantpipe.calibration.resume as resume
-from quantpipe.calibration.activations import IDS_FILE, STATE_FILE
+from quantpipe.blocks.activations import IDS_FILE, STATE_FILE
 from quantpipe.calibration.pipeline import calibrate
 from tests.calibration.test_pipeline import (  # noqa: F401 (fixtures)
     _spec,

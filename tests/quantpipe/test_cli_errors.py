@@ -196,7 +196,7 @@ def no_sensitivity_load(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr("quantpipe.calibration.sensitivity._load_model", refuse)
+    monkeypatch.setattr("quantpipe.calibration.mixed_precision.sensitivity._load_model", refuse)
 
 
 def test_sensitivity_seq_len_beyond_context(dirs, tmp_path, no_sensitivity_load):

@@ -122,7 +122,7 @@ def test_plan_json_onto_the_calibration_is_refused(dirs, tmp_path):
 
 
 def test_prompt_file_and_line_caps(dirs, tmp_path, monkeypatch, no_model_load):
-    import quantpipe.calibration.prompts as prompts
+    import quantpipe.prompts.sets as prompts
 
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps({"prompt": f"prompt {i} " * 20}) + "\n"
@@ -253,7 +253,7 @@ def test_lone_surrogate_in_a_prompt_file_is_named(dirs, tmp_path, no_model_load)
 
 
 def test_bom_is_dropped(dirs, tmp_path):
-    from quantpipe.calibration.prompts import load_prompt_records
+    from quantpipe.prompts.sets import load_prompt_records
     from quantpipe.reports.eval import read_text_file
 
     bom = "\ufeff"

@@ -129,7 +129,7 @@ def test_export_verify_plan_and_report_count_the_same_bits(request, tmp_path, fm
     byte of the quantized layers, the plan's FP16 layers at 16), what `plan --format` and the
     report show. Before one count, GPTQ's export said 4.219 and its verify 4.319."""
     from quantpipe.calibration.artifact import read_calibration
-    from quantpipe.calibration.plan import PlanSpec, make_plan
+    from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
     from quantpipe.reports.build import calibration_facts
     from quantpipe.stages.export import export_quantized
 

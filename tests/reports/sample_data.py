@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from quantpipe.calibration.prompts import PromptRecord
+from quantpipe.prompts.sets import PromptRecord
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,

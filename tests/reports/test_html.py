@@ -5,7 +5,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from quantpipe.calibration.prompts import PromptRecord
+from quantpipe.prompts.sets import PromptRecord
 from quantpipe.reports import charts
 from quantpipe.reports.data import (
     CalibrationFacts,

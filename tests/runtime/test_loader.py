@@ -90,7 +90,7 @@ def test_loaded_model_on_cuda_matches_reference(qdirs):
 
 def _held_out_prompts(n: int) -> list[str]:
     """The n shortest single-turn prompts of the shipped held-out set (business-eval)."""
-    from quantpipe.calibration.prompts import load_prompt_records
+    from quantpipe.prompts.sets import load_prompt_records
 
     texts = [r.prompt for r in load_prompt_records("business-eval") if r.prompt]
     return sorted(texts, key=len)[:n]

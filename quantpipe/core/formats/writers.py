@@ -98,8 +98,9 @@ def convert_checkpoint(
 
 
 def recount_plan_bits(plan: dict, fmt: str) -> dict:
-    """A manifest's ``plan`` (``calibration.plan.Plan.to_dict``) with its bits per weight
-    counted as ``fmt`` stores the layers (a converted folder stores them differently)."""
+    """A manifest's ``plan`` (``calibration.mixed_precision.plan.Plan.to_dict``) with its bits
+    per weight counted as ``fmt`` stores the layers (a converted folder stores them
+    differently)."""
     layers = plan.get("layers") or {}
     specs = {n: None if v.get("spec") is None else QuantSpec.from_dict(v["spec"])
              for n, v in layers.items()}

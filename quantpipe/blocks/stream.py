@@ -4,7 +4,7 @@ Calibration needs the embeddings once (to turn token ids into block-0 inputs) an
 decoder block at a time. :class:`ModelStream` builds the model from ``config.json`` with every
 parameter on the meta device (accelerate's ``init_empty_weights``; buffers such as the rotary
 ``inv_freq`` stay real, on the CPU), reads a module's weights from the mmapped safetensors
-shards onto the requested device (``--device``: calibration.device) when
+shards onto the requested device (``--device``: quantpipe.blocks.device) when
 :meth:`ModelStream.load` is entered and puts them back on the meta device when it exits. Peak
 memory is therefore one block's weights (in fp32) plus the calibration activations, whatever
 the depth of the model.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantpipe.calibration.device import to_device
+from quantpipe.blocks.device import to_device
 from quantpipe.core.families import attn_implementation
 from quantpipe.core.heap import release_freed_memory
 

@@ -1,9 +1,9 @@
-"""calibration.activations: a set of block activations in RAM or spilled to a file."""
+"""quantpipe.blocks.activations: a set of block activations in RAM or spilled to a file."""
 
 import pytest
 import torch
 
-from quantpipe.calibration.activations import Activations, activation_budget, spills
+from quantpipe.blocks.activations import Activations, activation_budget, spills
 
 
 def _values(n=5, L=3, d=4, seed=0):

@@ -2,12 +2,13 @@
 
 The split, the same for every device: the model skeleton, the embeddings, the token ids and
 the block activations (in RAM or spilled to files) stay on the CPU; each block's weights are
-loaded onto the device (:meth:`calibration.stream.ModelStream.load`), its inputs go there a
-batch at a time and its outputs come back batch by batch (:func:`calibration.capture.run_block`),
-its positions and mask are moved once (:meth:`calibration.capture.BlockContext.to`). The
-statistics are made on the device of the block's weights, the quantization maths runs on the
-device of its inputs (every tensor it makes is made there), and each result comes back to the
-CPU (:func:`result_to_host`) before it is saved.
+loaded onto the device (:meth:`quantpipe.blocks.stream.ModelStream.load`), its inputs go
+there a batch at a time and its outputs come back batch by batch
+(:func:`quantpipe.blocks.execute.run_block`), its positions and mask are moved once
+(:meth:`quantpipe.blocks.execute.BlockContext.to`). The statistics are made on the device of
+the block's weights, the quantization maths runs on the device of its inputs (every tensor it
+makes is made there), and each result comes back to the CPU
+(:func:`quantpipe.calibration.result.result_to_host`) before it is saved.
 
 A CPU run takes exactly this path with ``device="cpu"``: every move is then a no-op that
 returns its input, so the CPU tests run the code a GPU run executes.
@@ -18,9 +19,6 @@ from __future__ import annotations
 import re
 
 import torch
-
-from quantpipe.calibration.result import QuantResult
-from quantpipe.core.qformat import QuantizedWeight
 
 HOST = torch.device("cpu")  # where activations, token ids and saved results live
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -65,11 +63,3 @@ def module_device(module: torch.nn.Module) -> torch.device:
     devices = {p.device for p in module.parameters()}
     assert len(devices) == 1, f"a block's parameters must share one device, got {devices}"
     return devices.pop()
-
-
-def result_to_host(res: QuantResult) -> QuantResult:
-    """``res`` with its codes, scales, zeros and g_idx on the CPU (the loss is a float)."""
-    w = res.weight
-    weight = QuantizedWeight(w.spec, to_host(w.q), to_host(w.scales), to_host(w.zeros),
-                             None if w.g_idx is None else to_host(w.g_idx))
-    return QuantResult(weight, res.loss, res.damp, res.damp_raises)

@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# shipped prompt sets: name -> file inside calibration/data (see docs/prompts.md)
+# shipped prompt sets: name -> file inside quantpipe/prompts/data (see docs/prompts.md)
 SHIPPED_SETS: dict[str, str] = {
     "business-calib": "business_calib.jsonl",
     "business-eval": "business_eval.jsonl",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpipe.calibration.prompts import (
+from quantpipe.prompts.sets import (
     CalibDataSpec,
     PromptRecord,
     build_calibration_set,
@@ -232,7 +232,7 @@ def test_dedupe_and_min_tokens(tok):
 
 def test_too_few_tokens_warns_then_errors(tok, caplog):
     recs = _records(_many_texts(4))
-    with caplog.at_level(logging.INFO, logger="quantpipe.calibration.prompts"):
+    with caplog.at_level(logging.INFO, logger="quantpipe.prompts.sets"):
         cs = build_calibration_set(tok, recs, CalibDataSpec(n_samples=50, seq_len=16))
     assert 0 < cs.input_ids.shape[0] < 50
     assert "ran short" in caplog.text and "of 50 requested" in caplog.text
@@ -282,14 +282,14 @@ def test_shipped_set_packs_with_tiny_tokenizer(tok, shipped):
 def test_generator_reproduces_shipped_files(shipped):
     import importlib.util
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     spec = importlib.util.spec_from_file_location("make_prompts", root / "tools" /
                                                   "make_prompts.py")
     make_prompts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_prompts)
     calib, evals = make_prompts.split(make_prompts.generate())
     data = make_prompts.HERE
-    assert data == root / "calibration" / "data"
+    assert data == root / "quantpipe" / "prompts" / "data"
     for name, recs in (("business_calib.jsonl", calib), ("business_eval.jsonl", evals)):
         want = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
         assert (data / name).read_text(encoding="utf-8") == want, f"regenerate {name}"

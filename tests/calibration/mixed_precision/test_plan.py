@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpipe.calibration.plan import (
+from quantpipe.calibration.mixed_precision.plan import (
     PlanSpec,
     apply_validation,
     bits_per_weight,
@@ -21,7 +21,7 @@ from quantpipe.calibration.plan import (
     make_plan,
     upgrade_path,
 )
-from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
+from quantpipe.calibration.mixed_precision.sensitivity import SENSITIVITY_FILE
 from quantpipe.core.formats.native import quantized_tensors
 from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
 

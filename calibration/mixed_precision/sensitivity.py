@@ -21,12 +21,12 @@ Cost control (the model is small, the number of runs is 2 x layers):
 
 Validation (``validate_tokens`` > 0, the default): the prompts are split by record, the even
 records measured above and the odd ones held out. After the per-layer measurement, the planner's
-upgrade path (:func:`quantpipe.calibration.plan.upgrade_path`: all-INT4, then the moves the
-budget planner buys in its order) is walked on the FP model and the WHOLE mixed model is scored
-on the held-out split at checkpoints every ``validate_step`` bits per weight, up to
+upgrade path (:func:`~quantpipe.calibration.mixed_precision.budget.upgrade_path`: all-INT4, then
+the moves the budget planner buys in its order) is walked on the FP model and the WHOLE mixed
+model is scored on the held-out split at checkpoints every ``validate_step`` bits per weight, up to
 ``validate_max_bits``: the measured KLD of real plans on prompts the measurement never saw,
 next to the summed per-layer prediction. The planner stops upgrading where that validation KLD
-stops improving (``calibration.plan.apply_validation``).
+stops improving (``calibration.mixed_precision.plan.apply_validation``).
 
 Cheap proxies, stored beside the measurement for comparison:
 - ``proxy``: the calibration's per-layer loss tr(dW H dW^T) (squared output error of the
@@ -34,11 +34,12 @@ Cheap proxies, stored beside the measurement for comparison:
 - ``proxy_norm``: that loss divided by the layer's output energy tr(W H W^T) = 2 mean ||W x||^2
   (an inverse SQNR; scale free, so layers of different magnitude compare).
 Their Spearman rank correlation with the measured KLD is reported and stored; the planner
-uses a proxy only when it ranks well (see ``calibration.plan``).
+uses a proxy only when it ranks well (see ``calibration.mixed_precision.plan``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -48,11 +49,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from quantpipe.blocks.execute import BlockContext, embed_inputs, run_block
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.capture import BlockContext, embed_inputs, run_block
+from quantpipe.calibration.mixed_precision.budget import bits_per_weight, upgrade_path
 from quantpipe.core.families import attn_implementation, family_for, get_blocks
-from quantpipe.core.io import output_lock, write_json_atomic
+from quantpipe.core.io import MANIFEST_NAME, output_lock, write_json_atomic
 from quantpipe.core.metrics import mean_kld, token_kld
+from quantpipe.core.qformat import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ class SensitivitySpec:
     validate_tokens: int = 1024
     validate_step: float = 0.025  # bits per weight between validation checkpoints
     validate_max_bits: float = 5.0  # last checkpoint at most here (plans rarely go beyond)
+    out: Path | None = None  # the file written; None: CALIB_DIR/sensitivity.json
 
     def __post_init__(self) -> None:
         if not self.bits or any(b not in (4, 8) for b in self.bits) or len(set(self.bits)) != len(
@@ -96,6 +100,10 @@ class SensitivitySpec:
                              f"{self.seq_len}; use 0 (no validation) or 1024")
         if not (self.validate_step > 0 and self.validate_max_bits > 0):
             raise ValueError("validate_step and validate_max_bits must be > 0")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.calib_dir) / SENSITIVITY_FILE if self.out is None else Path(self.out)
 
     @property
     def validates(self) -> bool:
@@ -207,14 +215,41 @@ class _Scorer:
         return mean_kld(per_chunk)
 
 
-def _existing(path: Path, spec: SensitivitySpec) -> dict | None:
+def calibration_identity(calib: Calibration) -> dict:
+    """Which calibration a measurement describes: its folder and the hash of its manifest
+    (the manifest records every setting and the FP16 shards' hashes; a new calibration into
+    the same folder gets another one)."""
+    manifest = (Path(calib.folder) / MANIFEST_NAME).read_bytes()
+    return {"folder": str(Path(calib.folder).resolve()),
+            "manifest_sha256": hashlib.sha256(manifest).hexdigest()}
+
+
+def read_sensitivity(path: Path, calib: Calibration) -> dict:
+    """The measurement in ``path``, refused (ValueError naming the remedy) unless it is JSON
+    and was measured on ``calib``. Files written before measurements recorded their
+    calibration are accepted only as that calibration's own sensitivity.json."""
+    remedy = f"measure again: `quantpipe sensitivity {calib.folder} --out {path} --force`"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({exc}); {remedy}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+        raise ValueError(f"{path} is not a sensitivity measurement (no layers); {remedy}")
+    recorded = data.get("calibration")
+    own = Path(path).resolve() == (Path(calib.folder) / SENSITIVITY_FILE).resolve()
+    if recorded is None and not own:
+        raise ValueError(f"{path} does not record the calibration it was measured on; {remedy}")
+    if recorded is not None and recorded.get("manifest_sha256") != calibration_identity(
+            calib)["manifest_sha256"]:
+        raise ValueError(f"{path} was measured on another calibration ({recorded.get('folder')}"
+                         f") than {calib.folder}; {remedy}")
+    return data
+
+
+def _existing(path: Path, spec: SensitivitySpec, calib: Calibration) -> dict | None:
     if not path.is_file() or spec.force:  # --force never needs to read the old file
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(
-            f"{path} is not valid JSON ({exc}); pass --force to measure again") from None
+    data = read_sensitivity(path, calib)
     if data.get("settings") != spec.settings():
         raise ValueError(
             f"{path} was measured with other settings ({data.get('settings')}); pass --force "
@@ -269,12 +304,12 @@ def _calibration_ids(fp16_dir: Path, spec: SensitivitySpec,
                      split: str = "measure") -> torch.Tensor:
     """Packed token ids [n, seq_len] of the measured split ("measure"; every record when the
     spec does not validate) or of the held-out split ("validate")."""
-    from quantpipe.calibration.prompts import (
+    from quantpipe.core.sources import load_folder_tokenizer
+    from quantpipe.prompts.sets import (
         CalibDataSpec,
         build_calibration_set,
         load_prompt_records,
     )
-    from quantpipe.core.sources import load_folder_tokenizer
 
     records = load_prompt_records(PROMPT_SET)
     tokens = spec.tokens
@@ -325,7 +360,8 @@ def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[f
 
 def measure_sensitivity(spec: SensitivitySpec, model=None, input_ids: torch.Tensor | None = None,
                         validate_ids: torch.Tensor | None = None) -> SensitivityResult:
-    """Measure every linear of ``spec.calib_dir`` alone; write CALIB_DIR/sensitivity.json.
+    """Measure every linear of ``spec.calib_dir`` alone; write ``spec.path``
+    (CALIB_DIR/sensitivity.json unless ``spec.out`` names another file).
 
     ``model`` / ``input_ids`` / ``validate_ids`` may be passed to skip loading (tests); by
     default the FP16 model is loaded from the calibration's ``fp16_dir`` and the business-calib
@@ -342,8 +378,8 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
              validate_ids: torch.Tensor | None) -> SensitivityResult:
     t0 = time.perf_counter()
     calib = read_calibration(spec.calib_dir)
-    path = Path(spec.calib_dir) / SENSITIVITY_FILE
-    old = _existing(path, spec)
+    path = spec.path
+    old = _existing(path, spec, calib)
     if old is not None:
         log.info("reusing %s (same settings); pass --force to measure again", path)
         return SensitivityResult(path, old, reused=True)
@@ -403,6 +439,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
                          f"{missing[:3]}: their names do not match the model's blocks")
     data = {
         "version": SENSITIVITY_VERSION,
+        "calibration": calibration_identity(calib),
         "settings": spec.settings(),
         "tokens_scored": scorer.tokens,
         "seconds": 0.0,
@@ -436,8 +473,6 @@ def _checkpoints(path: list[tuple[str, int | None, float]], start_bits: float, s
 def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: list[list[str]],
               prefix: str, model_ids: tuple, spec: SensitivitySpec) -> dict:
     """Score the whole mixed model on the held-out split along the planner's upgrade path."""
-    from quantpipe.calibration.plan import bits_per_weight, upgrade_path  # plan imports us
-    from quantpipe.core.qformat import QuantSpec
 
     model, ids = model_ids
     names = [n for group in by_block for n in group]

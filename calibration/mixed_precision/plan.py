@@ -39,27 +39,28 @@ that export, verify and the report share; docs/formats.md has the table per form
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantpipe.calibration.sensitivity import SENSITIVITY_FILE
+from quantpipe.calibration.mixed_precision.budget import (
+    DEFAULT_FORMAT,
+    bits_per_weight,
+    greedy_budget_plan,
+    upgrade_path,
+)
+from quantpipe.calibration.mixed_precision.sensitivity import (
+    SENSITIVITY_FILE,
+    read_sensitivity,
+)
 from quantpipe.core.formats import registry
 from quantpipe.core.qformat import QuantSpec
 
 log = logging.getLogger(__name__)
 
-FP16 = None  # the plan's value for "keep this layer in FP16"
 PROXY_MIN_SPEARMAN = 0.8  # the proxy may drive a plan only if it ranks layers at least this well
-DEFAULT_FORMAT = registry.FORMAT_NAMES[0]  # whose layout counts the bits unless told otherwise
 
-
-def bits_per_weight(spec: QuantSpec | None, shape: tuple[int, int],
-                    fmt: str = DEFAULT_FORMAT) -> float:
-    """Stored bits per weight of one layer in format ``fmt`` (see module docstring)."""
-    return registry.bits_per_weight(spec, shape, fmt)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class PlanSpec:
     overrides: tuple[str, ...] = field(default_factory=tuple)  # parsed with Override.parse
     damage: str = "auto"  # "auto" (= kld; needs sensitivity.json), "kld" or "proxy"
     fmt: str = DEFAULT_FORMAT  # checkpoint format whose stored bits the budget counts
+    # the measurement the budget planner reads (``quantpipe sensitivity --out``); None:
+    # CALIB_DIR/sensitivity.json. It must have been measured on the calibration planned.
+    sensitivity: Path | None = None
 
     def __post_init__(self) -> None:
         registry.format_named(self.fmt)  # ValueError listing the formats
@@ -191,20 +195,21 @@ class Plan:
         return "\n".join(rows)
 
 
-def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
+def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
+                  path: Path) -> tuple[dict, str]:
     """layer -> {4: damage, 8: damage, None: 0.0} and the name of the source used.
 
-    The dispatch implements the rule in the module docstring (auto / kld / proxy).
+    ``sens`` is the measurement in ``path`` (None: there is none). The dispatch implements the
+    rule in the module docstring (auto / kld / proxy).
     """
-    path = Path(calib.folder) / SENSITIVITY_FILE
-    sens = json.loads(path.read_text()) if path.is_file() else None
     run_it = f"run `quantpipe sensitivity {calib.folder}` first"
     if source in ("auto", "kld"):
         if sens is None:
-            raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}: the budget planner needs "
-                             f"measured layer sensitivity; {run_it} (minutes on CPU), or add "
-                             "--damage proxy to this command (plan or export) to plan on the "
-                             "unvalidated proxy loss")
+            raise ValueError(f"{calib.folder} has no {SENSITIVITY_FILE}: the budget planner "
+                             f"needs measured layer sensitivity; {run_it} (minutes on CPU) or "
+                             "name a measurement with --sensitivity FILE, or add --damage proxy "
+                             "to this command (plan or export) to plan on the unvalidated "
+                             "proxy loss")
         layers = sens["layers"]
         lacking = [n for n in layer_infos
                    if n not in layers or "kld_w4" not in layers[n] or "kld_w8" not in layers[n]]
@@ -213,7 +218,7 @@ def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
                              f"{lacking[0]}); re-run `quantpipe sensitivity --bits 4,8 --force`")
         table = {n: {4: layers[n]["kld_w4"], 8: layers[n]["kld_w8"], None: 0.0}
                  for n in layer_infos}
-        return table, "measured KL divergence (sensitivity.json)"
+        return table, f"measured KL divergence ({path.name})"
     if source == "proxy":
         if sens is None:
             log.warning("planning on the proxy loss without a measurement of how well it ranks "
@@ -229,6 +234,21 @@ def _damage_table(calib, layer_infos: dict, source: str) -> tuple[dict, str]:
         return ({n: {4: v["w4"]["loss"], 8: v["w8"]["loss"], None: 0.0}
                  for n, v in layer_infos.items()}, "proxy loss tr(dW H dW^T)")
     raise ValueError(f"damage {source!r}: use auto, kld or proxy")
+
+
+def _sensitivity(calib, spec: PlanSpec) -> tuple[dict | None, Path]:
+    """The measurement the plan reads and its path; None where the default file is absent
+    (an explicit ``--sensitivity`` file must exist)."""
+    if spec.sensitivity is None:
+        path = Path(calib.folder) / SENSITIVITY_FILE
+        if not path.is_file():
+            return None, path
+    else:
+        path = Path(spec.sensitivity)
+        if not path.is_file():
+            raise ValueError(f"--sensitivity {path} does not exist; measure it with "
+                             f"`quantpipe sensitivity {calib.folder} --out {path}`")
+    return read_sensitivity(path, calib), path
 
 
 def make_plan(calib, spec: PlanSpec) -> Plan:
@@ -258,12 +278,13 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
             bits[n] = spec.bits
             reasons[n] = "default"
     else:
-        damage, damage_source = _damage_table(calib, infos, spec.damage)
+        sens, sens_path = _sensitivity(calib, spec)
+        damage, damage_source = _damage_table(calib, infos, spec.damage, sens, sens_path)
         chosen = greedy_budget_plan(free, shapes, specs_of, damage, bits, spec.budget_bits,
                                     spec.fmt)
         if damage_source.startswith("measured"):
             chosen, validated, note = apply_validation(
-                _read_validation(calib), chosen, shapes, specs_of, damage, bits,
+                sens.get("validation"), chosen, shapes, specs_of, damage, bits,
                 spec.budget_bits, spec.fmt)
         for n in free:
             bits[n] = chosen[n]
@@ -273,11 +294,6 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
     return Plan(ordered, {n: specs_of[n][bits[n]] for n in names}, shapes,
                 {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted,
                 validated, note, spec.fmt)
-
-
-def _read_validation(calib) -> dict | None:
-    path = Path(calib.folder) / SENSITIVITY_FILE
-    return json.loads(path.read_text()).get("validation") if path.is_file() else None
 
 
 def apply_validation(
@@ -328,108 +344,3 @@ def apply_validation(
         state[n] = b
     return state, best["validated"], (f"validation KLD stopped improving at {at}: stopped "
                                       "upgrading there")
-
-
-def upgrade_path(
-    free: list[str],
-    shapes: dict[str, tuple[int, int]],
-    specs_of: dict[str, dict[int | None, QuantSpec | None]],
-    damage: dict[str, dict[int | None, float]],
-    fmt: str = DEFAULT_FORMAT,
-) -> list[tuple[str, int | None, float]]:
-    """Every upgrade the budget planner would buy with an unlimited budget, in the order it
-    buys them, starting from all-INT4 with no overrides: (layer, new precision, effective
-    bits per weight after the move). The greedy plan for a budget B is the longest prefix
-    whose bits fit B, plus smaller later moves that still fit (:func:`greedy_budget_plan`)."""
-    params = {n: shapes[n][0] * shapes[n][1] for n in free}
-    total = sum(params.values())
-    used = sum(registry.layer_bits(specs_of[n][4], shapes[n], fmt) for n in free)
-    out = []
-    for ratio, n, _frm, to, extra in _hull_moves(free, shapes, specs_of, damage, fmt):
-        if ratio <= 0:
-            break
-        used += extra
-        out.append((n, to, used / total))
-    return out
-
-
-def _hull_moves(free, shapes, specs_of, damage,
-                fmt: str) -> list[tuple[float, str, int, int | None, float]]:
-    """(ratio, layer, from, to, extra stored bits) sorted by decreasing damage drop per bit;
-    see :func:`greedy_budget_plan` for why these moves and this order."""
-
-    def cost(n, b):
-        return registry.layer_bits(specs_of[n][b], shapes[n], fmt)
-
-    moves = []
-    for n in free:
-        d4, d8, d16 = damage[n][4], damage[n][8], damage[n][None]
-        c4, c8, c16 = cost(n, 4), cost(n, 8), cost(n, None)
-        r48 = (d4 - d8) / (c8 - c4)
-        r816 = (d8 - d16) / (c16 - c8)
-        if r816 > r48:  # INT8 not on the lower hull: FP16 at once is the better rate
-            moves.append(((d4 - d16) / (c16 - c4), n, 4, None, c16 - c4))
-        else:
-            moves.append((r48, n, 4, 8, c8 - c4))
-            moves.append((r816, n, 8, None, c16 - c8))
-    # stable order: ties broken by layer order, so equal inputs give equal plans
-    moves.sort(key=lambda m: -m[0])
-    return moves
-
-
-def greedy_budget_plan(
-    free: list[str],
-    shapes: dict[str, tuple[int, int]],
-    specs_of: dict[str, dict[int | None, QuantSpec | None]],
-    damage: dict[str, dict[int | None, float]],
-    fixed: dict[str, int | None],
-    budget: float,
-    fmt: str = DEFAULT_FORMAT,
-) -> dict[str, int | None]:
-    """Greedy multiple-choice knapsack: one precision per free layer, average bits <= budget.
-
-    Each layer moves along INT4 -> INT8 -> FP16. A move costs extra stored bits
-    (params x delta bits-per-weight) and buys a drop in predicted damage.
-
-    Why greedy by ratio is (nearly) right: relax "one precision per layer" to fractions of a
-    layer. That LP's optimum lies on each layer's lower convex hull of (bits, damage) points,
-    and is found by taking hull moves in decreasing order of damage drop per bit until the
-    budget is reached, the last move taken fractionally (Sinha & Zoltners 1979, the
-    multiple-choice knapsack LP). So:
-    - a layer whose INT8 point is above the chord INT4 -> FP16 (``r816 > r48``) is not on the
-      hull; its two moves are merged into the jump 4 -> 16 at the average ratio (the greedy
-      never takes 8 -> 16 before 4 -> 8, which is what makes the sorted order a valid plan);
-    - the LP optimum is a lower bound on the integer optimum, and the greedy prefix (every move
-      before the first one that does not fit) is at most the gain of that one move above the
-      LP optimum: greedy damage <= exact optimum + the largest single-move gain.
-    - after that move, smaller moves later in the order are still tried, so the leftover
-      budget is used as fully as the granularity of layers allows (this only lowers damage).
-    The exact dynamic programme is tested against it on small instances
-    (tests/calibration/test_plan.py). Moves with no gain (ratio <= 0) are never bought.
-    """
-    params = {n: shapes[n][0] * shapes[n][1] for n in shapes}
-    total_params = sum(params.values())
-
-    def cost(n, b):
-        return registry.layer_bits(specs_of[n][b], shapes[n], fmt)
-
-    used = sum(cost(n, b) for n, b in fixed.items()) + sum(cost(n, 4) for n in free)
-    limit = budget * total_params
-    min_bits = used / total_params
-    if used > limit * (1 + 1e-12):
-        raise ValueError(
-            f"--budget-bits {budget} is below the minimum {min_bits:.4f} bits per weight "
-            "(every free layer at INT4, with scale and zero overhead, plus overrides); use "
-            f"--budget-bits >= {min_bits:.4f}, fewer INT8/FP16 overrides or a larger group size"
-        )
-    moves = _hull_moves(free, shapes, specs_of, damage, fmt)
-    state: dict[str, int | None] = {n: 4 for n in free}
-    for ratio, n, frm, to, extra in moves:
-        if ratio <= 0:
-            break
-        if state[n] != frm:  # its previous step was not taken: this one is not reachable
-            continue
-        if used + extra <= limit * (1 + 1e-12):
-            state[n] = to
-            used += extra
-    return state

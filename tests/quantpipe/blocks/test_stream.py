@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from quantpipe.blocks.stream import ModelStream
 from quantpipe.calibration import block_step, pipeline, two_stream
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
-from quantpipe.calibration.stream import ModelStream
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import CORPUS, make_model, save_model
 
@@ -77,7 +77,7 @@ def test_stream_block_equals_the_full_model(deep_fp16):
     """A streamed block computes what the same block of the eagerly loaded model computes."""
     from transformers import AutoModelForCausalLM
 
-    from quantpipe.calibration.capture import embed_inputs
+    from quantpipe.blocks.execute import embed_inputs
 
     full = AutoModelForCausalLM.from_pretrained(deep_fp16, dtype=torch.float32).eval()
     stream = ModelStream(deep_fp16)

@@ -9,7 +9,7 @@ and written a batch of samples at a time (``run_block`` only ever needs one batc
 memory stays one batch whatever the calibration set's size. Reads go through the page cache,
 which the kernel gives back under pressure; no mapping of the file is kept.
 
-The sets live on the CPU whatever ``--device`` is (calibration.device): a block on a GPU
+The sets live on the CPU whatever ``--device`` is (quantpipe.blocks.device): a block on a GPU
 reads them a batch at a time and its outputs come back through :meth:`Activations.write`.
 
 A spilled set is written to ``<name>.f32.tmp`` and becomes ``<name>.f32`` only when
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.calibration.device import HOST, to_host
+from quantpipe.blocks.device import HOST, to_host
 
 # default --max-memory for the activations: this fraction of the memory available at start
 DEFAULT_MEMORY_FRACTION = 0.25

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
-from quantpipe.calibration.plan import PlanSpec, make_plan
-from quantpipe.calibration.sensitivity import (
+from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
+from quantpipe.calibration.mixed_precision.sensitivity import (
     SENSITIVITY_FILE,
     SensitivitySpec,
     _calibration_ids,
+    calibration_identity,
     _checkpoints,
     measure_sensitivity,
     spearman,
 )
+from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.tiny_models import make_model, save_model
 
@@ -219,6 +220,54 @@ def test_plan_uses_measurement_and_cli(measured, calib_dir):
     assert res.exit_code != 0 and "outside the range a plan can reach" in res.output
     res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "4.01"])
     assert res.exit_code != 0 and "below the minimum" in res.output
+
+
+def test_explicit_sensitivity_file_is_checked_against_the_calibration(measured, calib_dir,
+                                                                       tmp_path):
+    """``sensitivity --out FILE`` writes FILE (CALIB_DIR's own file untouched); ``plan
+    --sensitivity FILE`` plans on it as on the default file, and refuses a file measured on
+    another calibration, one that does not say which, and a missing one."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    calib = read_calibration(calib_dir)
+    assert measured.data["calibration"] == calibration_identity(calib)
+    own = calib_dir / SENSITIVITY_FILE
+    stamp = own.stat().st_mtime_ns
+    elsewhere = tmp_path / "measured.json"
+    runner = CliRunner()
+    res = runner.invoke(main, ["sensitivity", str(calib_dir), "--tokens", "128", "--seq-len",
+                               "64", "--out", str(elsewhere)])
+    assert res.exit_code == 0, res.output
+    assert f"wrote {elsewhere}" in res.output and own.stat().st_mtime_ns == stamp
+    data = json.loads(elsewhere.read_text())
+    assert data["calibration"] == measured.data["calibration"]
+    assert data["layers"] == measured.data["layers"]  # the same measurement, reproduced
+    default = make_plan(calib, PlanSpec(budget_bits=6.0))
+    named = make_plan(calib, PlanSpec(budget_bits=6.0, sensitivity=elsewhere))
+    assert named.bits == default.bits and named.validated_damage == default.validated_damage
+    res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "6",
+                               "--sensitivity", str(elsewhere)])
+    assert res.exit_code == 0, res.output
+
+    other = tmp_path / "other-calib"  # the same FP16 folder, another group size
+    shutil.copytree(calib_dir, other)
+    manifest = json.loads((other / "quantpipe.json").read_text())
+    manifest["settings"]["group_size"] = 64
+    (other / "quantpipe.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="measured on another calibration"):
+        make_plan(read_calibration(other), PlanSpec(budget_bits=6.0, sensitivity=elsewhere))
+    with pytest.raises(ValueError, match="measured on another calibration"):
+        make_plan(read_calibration(other), PlanSpec(budget_bits=6.0))  # the copied own file
+    unstamped = tmp_path / "unstamped.json"
+    unstamped.write_text(json.dumps({k: v for k, v in data.items() if k != "calibration"}))
+    with pytest.raises(ValueError, match="does not record the calibration"):
+        make_plan(calib, PlanSpec(budget_bits=6.0, sensitivity=unstamped))
+    with pytest.raises(ValueError, match="--sensitivity .* does not exist"):
+        make_plan(calib, PlanSpec(budget_bits=6.0, sensitivity=tmp_path / "missing.json"))
 
 
 def test_awq_calibration_measured_against_folded_model(calib_dir, tmp_path):
