@@ -5,9 +5,9 @@
 For each linear shape (out x in: SmolLM2-135M's and Qwen2.5-Coder-1.5B's q/k/v, o, gate/up and
 down projections by default), each thread count and each number of activation rows M, the
 median time of
-- ``amx``: ``int4_amx_bf16_mm``, the W4A8 layout's weights expanded to bf16 on the AMX tile unit
-  (what ``int4_a8_mm`` runs from 32 rows on an AMX CPU);
-- ``vnni``: ``int4_a8_mm`` on the same weights in calls of 16 rows (its VNNI tiles, int8
+- ``amx``: ``w4a8_mm_amx``, the W4A8 layout's weights expanded to bf16 on the AMX tile unit
+  (what ``w4a8_mm`` runs from 32 rows on an AMX CPU);
+- ``vnni``: ``w4a8_mm`` on the same weights in calls of 16 rows (its VNNI tiles, int8
   activations: what it ran for every row count before the AMX kernel, and still runs below 32);
 - ``onednn_bf16``: ``torch.nn.functional.linear`` on bf16 activations and a bf16 weight of the
   same shape (oneDNN's AMX GEMM: what vLLM's CPU build runs on the unquantized model),
@@ -33,11 +33,11 @@ from bench.kernel_speed import timeit as _timeit  # noqa: E402
 from bench.vs_llamacpp import lscpu  # noqa: E402
 from quantpipe.core.io import write_json_atomic  # noqa: E402
 from quantpipe.runtime.kernels import cpu_ext  # noqa: E402
-from quantpipe.runtime.kernels.cpu import pack_a8w4  # noqa: E402
+from quantpipe.runtime.kernels.cpu import pack_w4a8  # noqa: E402
 
 SHAPES = ("smollm2:960x576,576x576,3072x576,576x1536,"
           "qwen2.5-1.5b:2048x1536,1536x1536,17920x1536,1536x8960")
-VNNI_ROWS = 16  # rows per int4_a8_mm call for the VNNI timing (below the AMX threshold)
+VNNI_ROWS = 16  # rows per w4a8_mm call for the VNNI timing (below the AMX threshold)
 
 
 def timeit(fn, min_s: float) -> float:
@@ -77,7 +77,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for model, n, k in parse_shapes(args.shapes):
         gs = args.group_size if k % args.group_size == 0 else 64
-        packed = pack_a8w4(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
+        packed = pack_w4a8(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
         scales = (torch.rand(n // 16, k // gs, 16, generator=gen) * 0.02 + 0.001).half()
         w_bf16 = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
         for threads in (int(t) for t in args.threads.split(",")):
@@ -86,9 +86,9 @@ def main() -> None:
                 x = torch.randn(m, k, generator=gen)
                 chunks = [x[i:i + VNNI_ROWS].contiguous() for i in range(0, m, VNNI_ROWS)]
                 ms = {
-                    "amx": timeit(lambda: ops.int4_amx_bf16_mm(x, packed, scales, None, gs),
+                    "amx": timeit(lambda: ops.w4a8_mm_amx(x, packed, scales, None, gs),
                                   args.min_s) * 1e3,
-                    "vnni": timeit(lambda: [ops.int4_a8_mm(c, packed, scales, None, gs, True)
+                    "vnni": timeit(lambda: [ops.w4a8_mm(c, packed, scales, None, gs, True)
                                             for c in chunks], args.min_s) * 1e3,
                     "onednn_bf16": timeit(lambda: torch.nn.functional.linear(x.bfloat16(),
                                                                              w_bf16),

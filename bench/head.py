@@ -5,7 +5,7 @@
 For each head shape (vocab x hidden: Gemma 3's 262,144 x 640 and Qwen2.5-1.5B's 151,936 x 1536
 by default), each ISA build this CPU runs, each thread count and each number of rows M, the
 median time of ``fp16_mm`` (the fp16 head), ``bf16_mm`` (the bf16 head, ``serve``'s default)
-and ``int8_a8_mm`` (the int8 head, ``generate``'s default), with the achieved weight-read rate
+and ``w8a8_mm`` (the int8 head, ``generate``'s default), with the achieved weight-read rate
 in GB/s (weight bytes / time; the heads are read once per call) next to a measured copy rate.
 Random weights (the kernels' speed does not depend on the values). Not a test.
 """
@@ -49,10 +49,10 @@ def heads(n: int, k: int) -> dict:
     """{kernel: (operands, weight bytes)} for a random fp16 head [n, k]."""
     w16 = (torch.randn(n, k) * 0.02).half()
     q8, scales = int8_head_blocked(w16)
-    # q8 [n/16, k/4, 64], scales fp16 [n/16, k/32, 16]: int8_a8_mm's layout
+    # q8 [n/16, k/4, 64], scales fp16 [n/16, k/32, 16]: w8a8_mm's layout
     return {"fp16_mm": ((block_rows(w16),), n * k * 2),
             "bf16_mm": ((block_row_pairs(w16.bfloat16()),), n * k * 2),
-            "int8_a8_mm": ((q8, scales), n * k + n * k // 32 * 2)}
+            "w8a8_mm": ((q8, scales), n * k + n * k // 32 * 2)}
 
 
 def main() -> None:

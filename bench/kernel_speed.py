@@ -1,8 +1,8 @@
 """INT4 / INT8 quantized matmul vs dense FP16/BF16 matmul, side by side in one run.
 
 GPU: Triton kernels (autotuned) at M in {1, 4, 16, 64, 256} for 4096x4096, 8192x8192 and
-4096x11008 (N x K), fp16 activations. CPU: quantpipe's int4 / int8 kernels (``int4avx512`` /
-``int8avx512``, where they are usable) and torch's int4pack / int8pack on the same layers (the
+4096x11008 (N x K), fp16 activations. CPU: quantpipe's int4 / int8 kernels (``w4a16_avx512`` /
+``w8a32_avx512``, where they are usable) and torch's int4pack / int8pack on the same layers (the
 peers, bf16 activations) vs dense fp32 and bf16, smaller shapes; --quick shrinks further. For
 each case prints the time, the speed-up over the dense baseline, and the achieved fraction of
 measured memory bandwidth (bytes of weights + activations + output / time, over a measured

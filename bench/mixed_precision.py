@@ -84,7 +84,8 @@ def heuristic_overrides(calib, budget: float) -> dict[str, tuple[str, ...]]:
 
 def unvalidated_plan(calib, budget: float) -> dict[str, int | None]:
     """The greedy plan on the measured per-layer KLDs alone (no validation stop)."""
-    from quantpipe.calibration.mixed_precision.plan import _damage_table, greedy_budget_plan
+    from quantpipe.calibration.mixed_precision.budget import greedy_budget_plan
+    from quantpipe.calibration.mixed_precision.plan import PlanSpec, damage_table
     from quantpipe.core.qformat import QuantSpec
 
     infos = calib.layer_infos()
@@ -92,7 +93,7 @@ def unvalidated_plan(calib, budget: float) -> dict[str, int | None]:
     specs_of = {n: {4: QuantSpec.from_dict(v["w4"]["spec"]),
                     8: QuantSpec.from_dict(v["w8"]["spec"]), None: None}
                 for n, v in infos.items()}
-    damage, _ = _damage_table(calib, infos, "kld")
+    damage, _ = damage_table(calib, PlanSpec(damage="kld"))
     return greedy_budget_plan(list(infos), shapes, specs_of, damage, {}, budget)
 
 

@@ -29,7 +29,7 @@ class RuntimeDefaults:
     port: int = 8000
     max_queue: int = 64  # accepted requests waiting beyond the running batch; then 429
     # CPU head precision when serving: int8 as for generate; the head runs on one row per
-    # sequence of a step (at most max_num_seqs), where int8_a8_mm is the fastest head measured
+    # sequence of a step (at most max_num_seqs), where w8a8_mm is the fastest head measured
     # (docs/serving.md: 1.5 ms for 16 rows of SmolLM2's head vs bf16_mm's 6.5)
     serve_head_dtype: str = "int8"
     max_request_bytes: int = 2**20  # request body bytes; more -> 413

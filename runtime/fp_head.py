@@ -32,7 +32,7 @@ Modes of :class:`HalfHead` (``head_dtype`` of the runtime's loaders):
 |      |                         | kernels, else 1), bf16 above              |                   |
 
 Mode ``int8`` (:class:`Int8Head`) quantizes the head at load time to int8 per row and 32
-columns with fp16 scales (llama.cpp's Q8_0 precision) and runs it with ``int8_a8_mm`` (the
+columns with fp16 scales (llama.cpp's Q8_0 precision) and runs it with ``w8a8_mm`` (the
 activations quantized to int8 per 32 columns as for the W4A8 linears, exact integer dot
 products, fp32 scaling: llama.cpp's Q8_0 x Q8_0 dot): half the bytes of fp16 per generated
 token, and one int8 dot-product instruction per 64 weights instead of an FMA per 16, so the
@@ -301,7 +301,7 @@ def quantize_head_int8(weight_fp16: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def block_row_quads(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] (K % 4 == 0) -> [ceil(N / 16), K / 4, 64]: int8_a8_mm's layout, byte
+    """int8 [N, K] (K % 4 == 0) -> [ceil(N / 16), K / 4, 64]: w8a8_mm's layout, byte
     4r + e of chunk (b, c) = q[16b + r, 4c + e] (16 rows x 4 columns, rows zero-padded)."""
     b = block_rows(q)  # [N / 16, K, 16]
     nb, k, _ = b.shape
@@ -311,7 +311,7 @@ def block_row_quads(q: torch.Tensor) -> torch.Tensor:
 
 def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 [N, K] -> int8_a8_mm's operands: q8 int8 [N / 16, K / 4, 64] (:func:`block_row_quads`)
+    """fp16 [N, K] -> w8a8_mm's operands: q8 int8 [N / 16, K / 4, 64] (:func:`block_row_quads`)
     and scales fp16 [N / 16, K / 32, 16] (:func:`quantize_head_int8`'s values, rows zero-padded
     to 16), made
     ``INT8_HEAD_CHUNK_ROWS`` rows at a time. With ``release``, where the weight is a view of a file
@@ -340,7 +340,7 @@ def int8_head_blocked(weight_fp16: torch.Tensor, release: bool = True
 
 class Int8Head(nn.Module):
     """y = x_q @ (q * scale)^T (+ b): the head quantized to int8 at load time (``head_dtype
-    int8``), run by the active ISA build's ``int8_a8_mm`` (x_q: x quantized to int8 per row and
+    int8``), run by the active ISA build's ``w8a8_mm`` (x_q: x quantized to int8 per row and
     32 columns; exact integer dots, fp32 scaling and sums): half the bytes of the fp16 head per
     generated token. Needs the kernels."""
 
@@ -352,13 +352,13 @@ class Int8Head(nn.Module):
             raise ValueError(f"head dtype int8 needs hidden size % {INT8_HEAD_GROUP} == 0, "
                              f"not {self.in_features}; use fp16")
         self.out_dtype = out_dtype
-        # [N / 16, K / 4, 64] and [N / 16, K / 32, 16] (int8_a8_mm's layout)
+        # [N / 16, K / 4, 64] and [N / 16, K / 32, 16] (w8a8_mm's layout)
         q8, scales = int8_head_blocked(weight_fp16)
         self.register_buffer("q8", q8, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(),
                              persistent=False)
-        self._int8_a8_mm = cpu_ext.ops().int8_a8_mm.default
+        self._w8a8_mm = cpu_ext.ops().w8a8_mm.default
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode=int8"
@@ -366,7 +366,7 @@ class Int8Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2d = x.reshape(rows, self.in_features).float().contiguous()  # [M, in] fp32
-        y = self._int8_a8_mm(x2d, self.q8, self.scales)  # [M, padded out]
+        y = self._w8a8_mm(x2d, self.q8, self.scales)  # [M, padded out]
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features].contiguous()
         y = y.view(*x.shape[:-1], self.out_features)

@@ -3,20 +3,23 @@
 Backend per layer, chosen once at construction from the device and the layer's layout
 (visible dispatch in :func:`choose_backend`):
 
-| device | backend          | kernel                                                       |
-|--------|------------------|--------------------------------------------------------------|
-| cuda   | ``triton``       | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot)      |
-| cpu    | ``int4a8avx512`` | ``kernels/csrc/cpu_ops.cpp`` (ours; W4A8, AVX-512 VNNI)      |
-| cpu    | ``int4a8avx2``   | ``kernels/csrc/cpu_ops_avx2.cpp`` (ours; W4A8, AVX2)         |
-| cpu    | ``int4avx512``   | ``kernels/csrc/cpu_ops.cpp`` (ours; W4A16, bf16 activations) |
-| cpu    | ``int4pack``     | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16)        |
-| cpu    | ``int8avx512``   | ours, AVX-512 build (exact int8 weights, fp32 activations)   |
-| cpu    | ``int8avx2``     | ours, AVX2 build (the same numerics)                         |
-| cpu    | ``int8pack``     | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
-| any    | ``dequant``      | dequantize in fp32 + matmul per call (layouts the above reject) |
+| device | backend            | kernel                                                       |
+|--------|--------------------|--------------------------------------------------------------|
+| cuda   | ``triton``         | ``kernels/triton_kernels.py`` (autotuned GEMV / tl.dot)      |
+| cpu    | ``w4a8_avx512``    | ``csrc/cpu_ops.cpp`` ``w4a8_mm`` (ours; VNNI, AMX >= 32 rows) |
+| cpu    | ``w4a8_avx2``      | ``kernels/csrc/cpu_ops_avx2.cpp`` ``w4a8_mm`` (ours; AVX2)   |
+| cpu    | ``w4a16_avx512``   | ``kernels/csrc/cpu_ops.cpp`` ``w4a16_mm`` (ours; bf16 activations) |
+| cpu    | ``int4pack``       | ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16)        |
+| cpu    | ``w8a32_avx512``   | ``w8a32_mm``, AVX-512 build (exact int8 weights, fp32 activations) |
+| cpu    | ``w8a32_avx2``     | ``w8a32_mm``, AVX2 build (the same numerics)                 |
+| cpu    | ``int8pack``       | ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations)    |
+| any    | ``dequant``        | dequantize in fp32 + matmul per call (layouts the above reject) |
 
 Our kernels are built on first use, one library per instruction set
-(``kernels/cpu_ext.py``: the best the CPU has, or ``QUANTPIPE_CPU_ISA``).
+(``kernels/cpu_ext.py``: the best the CPU has, or ``QUANTPIPE_CPU_ISA``). One name per kernel:
+``wXaY`` (X-bit weights, Y-bit activations) is the backend (``wXaY_<isa>``), its C++ op
+(``wXaY_mm``), its Python layout (``CpuWXAY``, ``repack_wXaY``, ``wXaY_matmul``) and the
+docs' label (WXAY); torch's kernels keep torch's names (``int4pack``, ``int8pack``).
 
 The repacked tensors are built on the target device at construction; no dequantized copy of
 the weight outlives a forward call.

@@ -38,4 +38,4 @@ def test_cli_writes_the_three_pairs(tiny_llama_dir, tmp_path, monkeypatch):
     assert cpu_ext.ENV not in os.environ  # put back as it was
     for pair in ("reference_vs_torch", "reference_vs_ours", "torch_vs_ours"):
         assert res[pair]["tokens"] == 16 and res[pair]["kld_mean"] >= 0
-    assert not any(b.startswith("int4a8") for b in res["backends"]["torch"])
+    assert not any(b.startswith("w4a8") for b in res["backends"]["torch"])

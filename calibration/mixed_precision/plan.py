@@ -251,6 +251,14 @@ def _sensitivity(calib, spec: PlanSpec) -> tuple[dict | None, Path]:
     return read_sensitivity(path, calib), path
 
 
+def damage_table(calib, spec: PlanSpec) -> tuple[dict, str]:
+    """layer -> {4: damage, 8: damage, None: 0.0} that ``spec.damage`` names for ``calib``,
+    and the name of its source (what the budget planner minimises; the module docstring has
+    the rule)."""
+    sens, path = _sensitivity(calib, spec)
+    return _damage_table(calib, calib.layer_infos(), spec.damage, sens, path)
+
+
 def make_plan(calib, spec: PlanSpec) -> Plan:
     """Build the plan for a finished calibration (``calibration.artifact.Calibration``)."""
     infos = calib.layer_infos()

@@ -58,13 +58,13 @@ from quantpipe.core.heap import mapped_zeros, release_freed_memory
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import (
-    CpuA8W4,
-    a8w4_joined,
-    a8w4_matmul,
-    a8w4_rows,
-    a8w4_stackable,
-    copy_a8w4_,
-    empty_a8w4_stack,
+    CpuW4A8,
+    copy_w4a8_,
+    empty_w4a8_stack,
+    w4a8_joined,
+    w4a8_matmul,
+    w4a8_rows,
+    w4a8_stackable,
 )
 
 # "0" runs a step layer by layer in Python (each op its own call) even where the whole-layer
@@ -274,41 +274,41 @@ class FusedProjections:
     of the same build (q/k/v: or every part has a bias).
     """
 
-    qkv: CpuA8W4 | None  # [(H + 2 KV) * D, hidden]
-    gate_up: CpuA8W4 | None  # [2 * intermediate, hidden]
+    qkv: CpuW4A8 | None  # [(H + 2 KV) * D, hidden]
+    gate_up: CpuW4A8 | None  # [2 * intermediate, hidden]
     qkv_bias: torch.Tensor | None = None  # fp32 [(H + 2 KV) * D]: q/k/v biases (Qwen2)
 
 
-def _a8_parts(mods, with_bias: bool = False) -> list[CpuA8W4] | None:
+def _w4a8_parts(mods, with_bias: bool = False) -> list[CpuW4A8] | None:
     """The parts' W4A8 weights; None unless every part is W4A8 and bias-free (``with_bias``:
     or every part has a bias)."""
     ws = [getattr(m, "_w", None) for m in mods]
     biased = [m.bias is not None for m in mods]
-    if all(isinstance(w, CpuA8W4) for w in ws) and (
+    if all(isinstance(w, CpuW4A8) for w in ws) and (
             not any(biased) or (with_bias and all(biased))):
         return ws
     return None
 
 
-def _fuse(mods, with_bias: bool = False) -> CpuA8W4 | None:
+def _fuse(mods, with_bias: bool = False) -> CpuW4A8 | None:
     """The stacked layer, the parts rebound to views into it (the weights held once).
 
     Each part is copied into its rows of the stack and rebound, and its own tensors are
     handed back to the OS, before the next part is copied: the stack's pages become resident
     as they are written, so the load holds one part twice at most, not the whole group."""
-    parts = _a8_parts(mods, with_bias)
-    if parts is None or not a8w4_stackable(parts):
+    parts = _w4a8_parts(mods, with_bias)
+    if parts is None or not w4a8_stackable(parts):
         return None
-    joined = a8w4_joined(parts)  # stacked already (stack_projections, at load)
+    joined = w4a8_joined(parts)  # stacked already (stack_projections, at load)
     if joined is not None:
         return joined
-    fused = empty_a8w4_stack(parts)
+    fused = empty_w4a8_stack(parts)
     del parts  # no reference to a part's own tensors beyond its module's
     start = 0
     for mod in mods:
         n = mod._w.packed.shape[0]  # blocks of 16 output rows
-        rows = a8w4_rows(fused, start, n)
-        copy_a8w4_(rows, mod._w)
+        rows = w4a8_rows(fused, start, n)
+        copy_w4a8_(rows, mod._w)
         mod.use_weights(rows)
         release_freed_memory()  # the part's own tensors, freed by the rebinding
         start += n
@@ -456,7 +456,7 @@ class ModelRunner:
                 or proj.qkv is None or proj.gate_up is None):
             return None
         o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-        if _a8_parts([o, down]) is None:
+        if _w4a8_parts([o, down]) is None:
             return None
         linears = [proj.qkv, o._w, proj.gate_up, down._w]
         if len({w.vnni for w in linears}) != 1 or len({w.op for w in linears}) != 1:
@@ -583,7 +583,7 @@ class ModelRunner:
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         fused = self.projections[i].qkv
         if fused is not None or self.family.qkv_proj:  # one matmul: [T, (H + 2 KV) * D]
-            qkv = a8w4_matmul(x, fused) if fused is not None else attn.qkv_proj(x)
+            qkv = w4a8_matmul(x, fused) if fused is not None else attn.qkv_proj(x)
             if self.projections[i].qkv_bias is not None:
                 qkv = qkv + self.projections[i].qkv_bias
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=1)
@@ -655,7 +655,7 @@ class ModelRunner:
         fp = self.projections[i]
         if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> act(gate) * up [T, I]
             gated = getattr(self.ops, GATED_ACTS[self.act])
-            return layer.mlp.down_proj(gated(a8w4_matmul(x, fp.gate_up)))
+            return layer.mlp.down_proj(gated(w4a8_matmul(x, fp.gate_up)))
         if self.family.moe is not None:  # transformers' MoE blocks take [batch, seq, hidden]
             return layer.mlp(x[None])[0]
         return layer.mlp(x)

@@ -7,35 +7,35 @@ objects (:data:`CPU_BACKENDS`, registered in ``quant_linear.BACKENDS``); which o
 
 | backend          | when                                                                   |
 |------------------|------------------------------------------------------------------------|
-| ``int4a8<isa>``  | bits 4, group size a multiple of 32 dividing ``in``, ``out % 16 == 0``, |
-|                  | our kernels usable (``int4a8avx512`` / ``int4a8avx2``); act-order as   |
-|                  | for int4pack. W4A8: activations quantized to int8 per 32 columns in the |
+| ``w4a8_<isa>``   | bits 4, group size a multiple of 32 dividing ``in``, ``out % 16 == 0``, |
+|                  | our kernels usable (``w4a8_avx512`` / ``w4a8_avx2``); act-order as for  |
+|                  | int4pack. W4A8: activations quantized to int8 per 32 columns in the    |
 |                  | op, int8 dot products. The default for 4-bit layers                    |
-| ``int4avx512``   | bits 4 on the AVX-512 build when the group size is a multiple of 16 but |
+| ``w4a16_avx512`` | bits 4 on the AVX-512 build when the group size is a multiple of 16 but |
 |                  | not of 32, or ``QUANTPIPE_CPU_INT4_ACT=bf16``: W4A16, bf16 activations  |
 | ``int4pack``     | bits 4 when none of ours is usable: group size 32/64/128/256 dividing   |
 |                  | ``in``, ``out % 16 == 0``, ``in % 32 == 0``; act-order only when every |
 |                  | group holds ``group_size`` columns (then columns are sorted by group and |
 |                  | the input is permuted). For ``M >= PREFILL_ROWS`` (prefill) the layer is |
 |                  | dequantized once per call into a bf16 temporary and multiplied densely  |
-| ``int8<isa>``    | bits 8, group size a multiple of 16 dividing ``in`` (or per channel),   |
+| ``w8a32_<isa>``  | bits 8, group size a multiple of 16 dividing ``in`` (or per channel),   |
 |                  | ``out % 16 == 0``, ours usable; sym or asym, act-order as above. Exact  |
-|                  | int8 weights x fp32 activations (``int8_mm``)                          |
+|                  | int8 weights x fp32 activations (``w8a32_mm``)                          |
 | ``int8pack``     | bits 8 when ours are not usable: sym, one group per row (per channel)  |
 | ``dequant``      | everything else: dequantize (fp32) and matmul on every call            |
 
-W4A8 (``int4_a8_mm``, both builds) quantizes each activation row per block of 32 columns to
+W4A8 (``w4a8_mm``, both builds) quantizes each activation row per block of 32 columns to
 int8 (d = amax / 127, xq = round-half-even(x * 127 / amax)); the integer dots of unsigned q
 with xq are exact; each block's dot is scaled by ``d * scale`` in fp32 and the zero point adds
 ``-z * scale * sum_blocks(d * sum(xq))`` per group (the same quantized activations, so their
 rounding errors cancel with the dots'). Layout: ``packed`` uint8 ``[out / 16, in / 8, 64]``
-(:func:`pack_a8w4`), ``scales`` fp16 (the checkpoint's) and ``mz = -z * scale`` fp32
+(:func:`pack_w4a8`), ``scales`` fp16 (the checkpoint's) and ``mz = -z * scale`` fp32
 ``[out / 16, G, 16]`` (no ``mz`` for a symmetric layer: the kernel forms ``-8 * scale``).
 
 Numerics of the bf16-activation paths (torch's kernels are fast only for bf16 inputs; fp32
 inputs are 15-40x slower there):
 
-- int4avx512 computes ``sum_k bf16(x_k) * (q - 8)`` per group in fp32 (``q - 8`` is exact in
+- w4a16_avx512 computes ``sum_k bf16(x_k) * (q - 8)`` per group in fp32 (``q - 8`` is exact in
   bf16), then ``* scale + zf * sum_k bf16(x_k)`` with the checkpoint's fp16 scale (exact) and
   ``zf = (8 - z) * scale`` in fp32 (exact), so the only roundings are of x to bf16 and fp32 sums.
 
@@ -47,13 +47,13 @@ inputs are 15-40x slower there):
 - int8pack computes ``x @ (q8 * scale).T`` with ``q8 = q - 128`` as int8 (exact) and bf16
   per-row scales.
 
-int8avx512 computes ``sum_k x_k * (q - 128)`` per group with exact int8 -> fp32 weights and
+w8a32_avx512 computes ``sum_k x_k * (q - 128)`` per group with exact int8 -> fp32 weights and
 fp32 activations, then ``* scale + zf * sum_k x_k``, ``zf = (128 - z) * scale``: fp32 sums only.
 
-Repacked layouts: int8avx512 is ``q8`` int8 ``[out / 16, in, 16]`` (q - 128, 16 output rows
-side by side), scales / zf as for int4avx512. int4avx512 is ``packed`` uint8
+Repacked layouts: w8a32_avx512 is ``q8`` int8 ``[out / 16, in, 16]`` (q - 128, 16 output rows
+side by side), scales / zf as for w4a16_avx512. w4a16_avx512 is ``packed`` uint8
 ``[out / 16, in / 4, 32]`` (16 output rows x 4 columns per 32-byte chunk, layout in
-``csrc/cpu_ops.cpp``; :func:`unpack_qp4` inverts it),
+``csrc/cpu_ops.cpp``; :func:`unpack_w4a16` inverts it),
 ``scales`` fp16 ``[out / 16, G, 16]``, ``zf`` fp32 ``[out / 16, G, 16]`` (None when every
 ``z == 8``, sym). int4pack takes unsigned q as int32 [out, in] and returns its own uint8 blob
 ``[out, in / 2]`` (``_convert_weight_to_int4pack_for_cpu(q, inner_k_tiles=2)``), plus
@@ -82,9 +82,9 @@ from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.backend import Backend
 from quantpipe.runtime.kernels.layout import PackedLinear
 
-QP4_ROWS = 16  # int4avx512: output rows per block, and the group size's multiple
+BLOCK_ROWS = 16  # w4a16_avx512: output rows per block, and the group size's multiple
 A8_BLOCK = 32  # W4A8: activations quantized per block of 32 columns (the group size's multiple)
-# "int8" (default): 4-bit layers run W4A8; "bf16": W4A16 (int4avx512) on AVX-512 hosts
+# "int8" (default): 4-bit layers run W4A8; "bf16": W4A16 (w4a16_avx512) on AVX-512 hosts
 INT4_ACT_ENV = "QUANTPIPE_CPU_INT4_ACT"
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = 2  # int4pack tiling; needs in % (16 * INNER_K_TILES) == 0
@@ -110,8 +110,8 @@ def act_order_permutation(p: PackedLinear) -> torch.Tensor | None:
 
 
 @dataclass(frozen=True)
-class CpuQP4:
-    """The int4avx512 layout (module docstring); w = (q - 8) * scale + zf."""
+class CpuW4A16:
+    """The w4a16_avx512 layout (module docstring); w = (q - 8) * scale + zf."""
 
     packed: torch.Tensor  # uint8 [out / 16, in / 4, 32]
     scales: torch.Tensor  # fp16 [out / 16, G, 16]
@@ -122,7 +122,7 @@ class CpuQP4:
 
 def pack_int4_blocks(q: torch.Tensor, half: int) -> torch.Tensor:
     """uint8 [out, in] q in [0, 16) -> uint8 [out / 16, in / (2 half), 16 half]: the int4
-    layout of both our int4 kernels (``half`` 2: int4avx512, csrc/cpu_ops.cpp; 4: W4A8,
+    layout of both our int4 kernels (``half`` 2: w4a16_avx512, csrc/cpu_ops.cpp; 4: W4A8,
     csrc/common.h).
 
     Chunk (b, c) covers rows 16 b .. 16 b + 15 and columns 2 half c .. 2 half c + 2 half - 1;
@@ -131,27 +131,27 @@ def pack_int4_blocks(q: torch.Tensor, half: int) -> torch.Tensor:
     """
     out_f, in_f = q.shape
     chunks = in_f // (2 * half)
-    v = q.view(out_f // QP4_ROWS, QP4_ROWS, chunks, 2, half)  # [b, r, c, h, e]
+    v = q.view(out_f // BLOCK_ROWS, BLOCK_ROWS, chunks, 2, half)  # [b, r, c, h, e]
     v = v.permute(0, 2, 1, 4, 3)  # [b, c, r, e, h]
     packed = v[..., 0] | (v[..., 1] << 4)  # [b, c, r, e] uint8
-    return packed.reshape(out_f // QP4_ROWS, chunks, QP4_ROWS * half).contiguous()
+    return packed.reshape(out_f // BLOCK_ROWS, chunks, BLOCK_ROWS * half).contiguous()
 
 
 def unpack_int4_blocks(packed: torch.Tensor, half: int) -> torch.Tensor:
     """Inverse of :func:`pack_int4_blocks`: uint8 [out / 16, in / (2 half), 16 half] ->
     uint8 [out, in]."""
     nb, chunks, _ = packed.shape
-    v = packed.view(nb, chunks, QP4_ROWS, half)  # [b, c, r, e]
+    v = packed.view(nb, chunks, BLOCK_ROWS, half)  # [b, c, r, e]
     q = torch.stack([v & 15, v >> 4], dim=-1)  # [b, c, r, e, h]
-    return q.permute(0, 2, 1, 4, 3).reshape(nb * QP4_ROWS, chunks * 2 * half)  # [out, in]
+    return q.permute(0, 2, 1, 4, 3).reshape(nb * BLOCK_ROWS, chunks * 2 * half)  # [out, in]
 
 
-def pack_qp4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in] -> uint8 [out / 16, in / 4, 32], the int4avx512 layout."""
+def pack_w4a16(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] -> uint8 [out / 16, in / 4, 32], the w4a16_avx512 layout."""
     return pack_int4_blocks(q, 2)
 
 
-def unpack_qp4(packed: torch.Tensor) -> torch.Tensor:
+def unpack_w4a16(packed: torch.Tensor) -> torch.Tensor:
     return unpack_int4_blocks(packed, 2)
 
 
@@ -170,23 +170,23 @@ def block_rows(t: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K, 16]: 16 rows side by side per column, the layout of every
     weight, scale and zero-point tensor of quantpipe's CPU kernels (rows zero-padded to 16)."""
     n, k = t.shape
-    pad = -n % QP4_ROWS
+    pad = -n % BLOCK_ROWS
     if pad:
         t = torch.cat([t, t.new_zeros(pad, k)])  # [N + pad, K]
-    return t.view(-1, QP4_ROWS, k).transpose(1, 2).contiguous()  # [N / 16, K, 16]
+    return t.view(-1, BLOCK_ROWS, k).transpose(1, 2).contiguous()  # [N / 16, K, 16]
 
 
-def repack_qp4(p: PackedLinear) -> CpuQP4:
+def repack_w4a16(p: PackedLinear) -> CpuW4A16:
     q, perm = _group_ordered_q(p)  # uint8 [out, in] in [0, 16)
     zeros = p.zeros_u8()  # [out, G]
     zf = None
     if not bool((zeros == 8).all()):
         # (8 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 8)
         zf = block_rows((8.0 - zeros.float()) * p.scales.float())  # [out / 16, G, 16] fp32
-    return CpuQP4(pack_qp4(q.contiguous()), block_rows(p.scales), zf, perm, p.group_size)
+    return CpuW4A16(pack_w4a16(q.contiguous()), block_rows(p.scales), zf, perm, p.group_size)
 
 
-def qp4_matmul(x2d: torch.Tensor, w: CpuQP4) -> torch.Tensor:
+def w4a16_matmul(x2d: torch.Tensor, w: CpuW4A16) -> torch.Tensor:
     """x2d [M, in] float -> [M, out] in x's dtype (the kernel rounds x to bf16 itself).
 
     Called ~200 times per decoded token of a small model: kept to one op call on the fp32 path.
@@ -194,30 +194,30 @@ def qp4_matmul(x2d: torch.Tensor, w: CpuQP4) -> torch.Tensor:
     x = x2d if x2d.dtype in (torch.float32, torch.bfloat16) else x2d.float()
     if w.perm is not None:
         x = x[:, w.perm]  # [M, in] columns in the repacked order
-    y = torch.ops.quantpipe_cpu.int4_mm.default(x.contiguous(), w.packed, w.scales, w.zf,
+    y = torch.ops.quantpipe_cpu.w4a16_mm.default(x.contiguous(), w.packed, w.scales, w.zf,
                                                 w.group_size)  # [M, out] fp32
     return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 
 @dataclass(frozen=True)
-class CpuA8W4:
+class CpuW4A8:
     """The W4A8 layout: w = q * scale + mz, activations quantized to int8 per 32 columns."""
 
-    packed: torch.Tensor  # uint8 [out / 16, in / 8, 64] (pack_a8w4)
+    packed: torch.Tensor  # uint8 [out / 16, in / 8, 64] (pack_w4a8)
     scales: torch.Tensor  # fp16 [out / 16, G, 16] (the checkpoint's)
     mz: torch.Tensor | None  # fp32 [out / 16, G, 16] = -z * scale; None: every z is 8
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
-    op: Any  # int4_a8_mm of the ISA it was packed for (torch OpOverload)
-    vnni: bool  # int4_a8_mm's instruction choice (cpu_ext.a8_uses_vnni)
+    op: Any  # w4a8_mm of the ISA it was packed for (torch OpOverload)
+    vnni: bool  # w4a8_mm's instruction choice (cpu_ext.w4a8_uses_vnni)
 
 
-def pack_a8w4(q: torch.Tensor) -> torch.Tensor:
+def pack_w4a8(q: torch.Tensor) -> torch.Tensor:
     """uint8 [out, in] -> uint8 [out / 16, in / 8, 64], the W4A8 layout."""
     return pack_int4_blocks(q, 4)
 
 
-def unpack_a8w4(packed: torch.Tensor) -> torch.Tensor:
+def unpack_w4a8(packed: torch.Tensor) -> torch.Tensor:
     return unpack_int4_blocks(packed, 4)
 
 
@@ -231,7 +231,7 @@ REPACK_SLICE = 32767
 def repack_rows(row_elements: int) -> int:
     """Output rows per repack step: a multiple of 16 of at most REPACK_SLICE elements (16
     rows for layers wider than that)."""
-    return max(QP4_ROWS, REPACK_SLICE // row_elements // QP4_ROWS * QP4_ROWS)
+    return max(BLOCK_ROWS, REPACK_SLICE // row_elements // BLOCK_ROWS * BLOCK_ROWS)
 
 
 def _spread_nibbles_(x: torch.Tensor) -> torch.Tensor:
@@ -243,10 +243,10 @@ def _spread_nibbles_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_and_(0x0F0F0F0F)  # n0 @ 0, n1 @ 8, n2 @ 16, n3 @ 24
 
 
-def a8w4_words(qweight: torch.Tensor) -> torch.Tensor:
+def w4a8_words(qweight: torch.Tensor) -> torch.Tensor:
     """Native words -> W4A8 words, elementwise: int32 [..., in / 8] holding 8 codes each
     (column 8 c + k in bits 4 k .. 4 k + 3, ``qformat.pack_int32``) -> int32 [..., in / 8]
-    whose little-endian bytes are pack_a8w4's 4 bytes of those 8 columns: byte e = code e
+    whose little-endian bytes are pack_w4a8's 4 bytes of those 8 columns: byte e = code e
     (low nibble) | code 4 + e (high nibble)."""
     lo = _spread_nibbles_(qweight & 0xFFFF)  # codes 0..3 -> bytes 0..3, low nibbles
     # codes 4..7 (the arithmetic shift's sign bits masked off) -> high nibbles; the shift into
@@ -255,64 +255,64 @@ def a8w4_words(qweight: torch.Tensor) -> torch.Tensor:
     return lo.bitwise_or_(hi.bitwise_left_shift_(4))
 
 
-def pack_a8w4_words(qweight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+def pack_w4a8_words(qweight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """int32 [out, in / 8] native 4-bit words -> uint8 [out / 16, in / 8, 64]: bitwise
-    ``pack_a8w4(unpack_int32(qweight, 4))``, without an unpacked copy of the layer (``rows``
+    ``pack_w4a8(unpack_int32(qweight, 4))``, without an unpacked copy of the layer (``rows``
     output rows at a time, default :func:`repack_rows`).
 
     Chunk (b, c) of the layout is 16 rows x 4 bytes; read as int32 it is [16], and row r's
-    word is ``a8w4_words(qweight[16 b + r, c])``: the layout is the words' shuffle, stacked
+    word is ``w4a8_words(qweight[16 b + r, c])``: the layout is the words' shuffle, stacked
     16 rows side by side (block_rows). Little-endian hosts only (x86, arm64)."""
     assert qweight.dtype == torch.int32 and sys.byteorder == "little"
     out_f, words = qweight.shape
     rows = rows or repack_rows(words)
-    assert out_f % QP4_ROWS == 0 and rows % QP4_ROWS == 0, (out_f, rows)
-    packed = torch.empty(out_f // QP4_ROWS, words, QP4_ROWS, dtype=torch.int32)
+    assert out_f % BLOCK_ROWS == 0 and rows % BLOCK_ROWS == 0, (out_f, rows)
+    packed = torch.empty(out_f // BLOCK_ROWS, words, BLOCK_ROWS, dtype=torch.int32)
     for r0 in range(0, out_f, rows):
-        w = a8w4_words(qweight[r0:r0 + rows])  # [R, in / 8] int32
-        n = w.shape[0] // QP4_ROWS
+        w = w4a8_words(qweight[r0:r0 + rows])  # [R, in / 8] int32
+        n = w.shape[0] // BLOCK_ROWS
         # [R, in / 8] -> [R / 16, 16, in / 8] -> [R / 16, in / 8, 16]
-        packed[r0 // QP4_ROWS:r0 // QP4_ROWS + n] = w.view(n, QP4_ROWS, words).transpose(1, 2)
+        packed[r0 // BLOCK_ROWS:r0 // BLOCK_ROWS + n] = w.view(n, BLOCK_ROWS, words).transpose(1, 2)
     return packed.view(torch.uint8)  # [out / 16, in / 8, 64]
 
 
-def _pack_a8w4_permuted(p: PackedLinear, perm: torch.Tensor) -> torch.Tensor:
+def _pack_w4a8_permuted(p: PackedLinear, perm: torch.Tensor) -> torch.Tensor:
     """Act-order: uint8 [out / 16, in / 8, 64] of the codes with columns in ``perm`` order,
     unpacked and packed a slice of output rows at a time (rows of the layout are
     independent)."""
     out_f, in_f = p.out_features, p.in_features
     rows = repack_rows(in_f)  # the unpacked slice: uint8 [rows, in]
-    packed = torch.empty(out_f // QP4_ROWS, in_f // 8, 64, dtype=torch.uint8)
+    packed = torch.empty(out_f // BLOCK_ROWS, in_f // 8, 64, dtype=torch.uint8)
     for r0 in range(0, out_f, rows):
         q = unpack_int32(p.qweight[r0:r0 + rows], 4, in_f)[:, perm]  # [R, in] uint8
-        packed[r0 // QP4_ROWS:(r0 + q.shape[0]) // QP4_ROWS] = pack_a8w4(q)
+        packed[r0 // BLOCK_ROWS:(r0 + q.shape[0]) // BLOCK_ROWS] = pack_w4a8(q)
     return packed
 
 
-def repack_a8w4(p: PackedLinear, isa: str | None = None) -> CpuA8W4:
-    """``isa``: the build whose ``int4_a8_mm`` runs it (default: the active one)."""
+def repack_w4a8(p: PackedLinear, isa: str | None = None) -> CpuW4A8:
+    """``isa``: the build whose ``w4a8_mm`` runs it (default: the active one)."""
     isa = isa or cpu_ext.active_isa()
     perm = None
     if p.g_idx is not None:
         perm = act_order_permutation(p)  # [in] int64: columns in sequential groups
         assert perm is not None, "dispatch sends uneven act-order groups to dequant"
-    packed = (pack_a8w4_words(p.qweight) if perm is None  # [out / 16, in / 8, 64] uint8
-              else _pack_a8w4_permuted(p, perm))
+    packed = (pack_w4a8_words(p.qweight) if perm is None  # [out / 16, in / 8, 64] uint8
+              else _pack_w4a8_permuted(p, perm))
     scales = p.scales  # [out, G] fp16, the checkpoint's (exact in fp32; half the bytes)
     zeros = p.zeros_u8()
     # -z * s: exact in fp32 (an fp16 scale times an integer of magnitude < 16); a symmetric
     # layer (every z == 8) stores none: the kernel forms -8 * s itself, the same fp32 values
     mz = None if bool((zeros == 8).all()) else block_rows(-zeros.float() * scales.float())
-    return CpuA8W4(packed, block_rows(scales), mz, perm,
-                   p.group_size, cpu_ext.ops(isa).int4_a8_mm.default, cpu_ext.a8_uses_vnni(isa))
+    return CpuW4A8(packed, block_rows(scales), mz, perm,
+                   p.group_size, cpu_ext.ops(isa).w4a8_mm.default, cpu_ext.w4a8_uses_vnni(isa))
 
 
-def a8w4_mz(w: CpuA8W4) -> torch.Tensor:
+def w4a8_mz(w: CpuW4A8) -> torch.Tensor:
     """w's fp32 [out / 16, G, 16] -z * scale, formed from the scales when w stores none."""
     return w.mz if w.mz is not None else w.scales.float() * -8.0
 
 
-def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:
+def w4a8_matmul(x2d: torch.Tensor, w: CpuW4A8) -> torch.Tensor:
     """x2d [M, in] float -> [M, out] in x's dtype (the kernel quantizes x to int8 itself)."""
     x = x2d if x2d.dtype == torch.float32 else x2d.float()
     if w.perm is not None:
@@ -321,7 +321,7 @@ def a8w4_matmul(x2d: torch.Tensor, w: CpuA8W4) -> torch.Tensor:
     return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 
-def a8w4_stackable(ws: list[CpuA8W4]) -> bool:
+def w4a8_stackable(ws: list[CpuW4A8]) -> bool:
     """Whether several W4A8 layers can run as one stacked layer: the same group size, column
     order, ISA and instruction choice."""
     first = ws[0]
@@ -330,33 +330,33 @@ def a8w4_stackable(ws: list[CpuA8W4]) -> bool:
                and (w.perm is None or torch.equal(w.perm, first.perm)) for w in ws[1:])
 
 
-def empty_a8w4_stack(ws: list[CpuA8W4]) -> CpuA8W4:
-    """Unwritten tensors of the layer stacking ``ws`` (a8w4_stackable): [sum(out) / 16, ...];
-    their pages become resident as :func:`copy_a8w4_` writes the parts in."""
+def empty_w4a8_stack(ws: list[CpuW4A8]) -> CpuW4A8:
+    """Unwritten tensors of the layer stacking ``ws`` (w4a8_stackable): [sum(out) / 16, ...];
+    their pages become resident as :func:`copy_w4a8_` writes the parts in."""
     first, nb = ws[0], sum(w.packed.shape[0] for w in ws)
     g = first.scales.shape[1]
     # symmetric parts only: no mz; else each part's, formed where a part stores none
     mz = (None if all(w.mz is None for w in ws)
-          else torch.empty(nb, g, QP4_ROWS, dtype=torch.float32))  # [sum(out) / 16, G, 16]
-    return CpuA8W4(torch.empty(nb, *first.packed.shape[1:], dtype=torch.uint8),  # [.., in/8, 64]
-                   torch.empty(nb, g, QP4_ROWS, dtype=torch.float16),  # [sum(out) / 16, G, 16]
+          else torch.empty(nb, g, BLOCK_ROWS, dtype=torch.float32))  # [sum(out) / 16, G, 16]
+    return CpuW4A8(torch.empty(nb, *first.packed.shape[1:], dtype=torch.uint8),  # [.., in/8, 64]
+                   torch.empty(nb, g, BLOCK_ROWS, dtype=torch.float16),  # [sum(out) / 16, G, 16]
                    mz, first.perm, first.group_size, first.op, first.vnni)
 
 
-def a8w4_rows(w: CpuA8W4, start: int, n: int) -> CpuA8W4:
+def w4a8_rows(w: CpuW4A8, start: int, n: int) -> CpuW4A8:
     """Blocks ``start .. start + n`` of w's blocks of 16 output rows, as views into w."""
     mz = None if w.mz is None else w.mz[start:start + n]
-    return CpuA8W4(w.packed[start:start + n], w.scales[start:start + n], mz, w.perm,
+    return CpuW4A8(w.packed[start:start + n], w.scales[start:start + n], mz, w.perm,
                    w.group_size, w.op, w.vnni)
 
 
-def copy_a8w4_(dst: CpuA8W4, src: CpuA8W4) -> None:
+def copy_w4a8_(dst: CpuW4A8, src: CpuW4A8) -> None:
     """Write ``src`` into ``dst`` (the same rows' views of a stack; mz formed where src has
     none and dst keeps one)."""
     dst.packed.copy_(src.packed)
     dst.scales.copy_(src.scales)
     if dst.mz is not None:
-        dst.mz.copy_(a8w4_mz(src))
+        dst.mz.copy_(w4a8_mz(src))
 
 
 def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -373,8 +373,8 @@ def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def a8w4_joined(ws: list[CpuA8W4]) -> CpuA8W4 | None:
-    """The stacked layer when ``ws`` (a8w4_stackable) already are consecutive rows of one
+def w4a8_joined(ws: list[CpuW4A8]) -> CpuW4A8 | None:
+    """The stacked layer when ``ws`` (w4a8_stackable) already are consecutive rows of one
     (a stack made earlier, e.g. by the loader), as views: nothing is copied; else None."""
     packed, scales = _joined([w.packed for w in ws]), _joined([w.scales for w in ws])
     if packed is None or scales is None:
@@ -384,25 +384,25 @@ def a8w4_joined(ws: list[CpuA8W4]) -> CpuA8W4 | None:
     elif any(w.mz is None for w in ws) or (mz := _joined([w.mz for w in ws])) is None:
         return None
     first = ws[0]
-    return CpuA8W4(packed, scales, mz, first.perm, first.group_size, first.op, first.vnni)
+    return CpuW4A8(packed, scales, mz, first.perm, first.group_size, first.op, first.vnni)
 
 
-def concat_a8w4(ws: list[CpuA8W4]) -> CpuA8W4 | None:
+def concat_w4a8(ws: list[CpuW4A8]) -> CpuW4A8 | None:
     """One W4A8 layer computing the outputs of several that share their input (q/k/v, or
     gate/up): [out_1 + out_2 + ..., in], blocks of 16 rows stacked; None when they differ in
     group size, column order, ISA or instruction choice."""
-    if not a8w4_stackable(ws):
+    if not w4a8_stackable(ws):
         return None
-    fused, start = empty_a8w4_stack(ws), 0
+    fused, start = empty_w4a8_stack(ws), 0
     for w in ws:
         n = w.packed.shape[0]
-        copy_a8w4_(a8w4_rows(fused, start, n), w)
+        copy_w4a8_(w4a8_rows(fused, start, n), w)
         start += n
     return fused
 
 
 @dataclass(frozen=True)
-class CpuInt4:
+class CpuInt4Pack:
     packed: torch.Tensor  # uint8 [out, in / 2] int4pack layout
     scales_and_zeros: torch.Tensor  # [G, out, 2] in the activation dtype (bf16)
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
@@ -439,7 +439,7 @@ def _int4pack_block_rows(packed: torch.Tensor, q_u8: torch.Tensor) -> int:
                  if out_f % n == 0 and torch.equal(unpack_int4pack(packed, out_f, n), q_u8)), 0)
 
 
-def dequantize_int4pack(w: CpuInt4) -> torch.Tensor:
+def dequantize_int4pack(w: CpuInt4Pack) -> torch.Tensor:
     """bf16 [out, in] = (q - 8) * scale + zero_fp, in the repacked column order."""
     q = unpack_int4pack(w.packed, w.out_features, w.block_rows)  # [out, in] uint8
     out_f, in_f = q.shape
@@ -450,7 +450,7 @@ def dequantize_int4pack(w: CpuInt4) -> torch.Tensor:
     return wg.view(out_f, in_f).to(torch.bfloat16)  # [out, in]
 
 
-def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> CpuInt4:
+def repack_int4pack(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> CpuInt4Pack:
     """``act_dtype`` (bf16 fast; fp32 exact but slow, used by tests to check the packing)."""
     q, perm = _group_ordered_q(p)
     q = q.to(torch.int32)  # [out, in] int32 in [0, 16), groups sequential
@@ -462,10 +462,10 @@ def repack_int4(p: PackedLinear, act_dtype: torch.dtype = torch.bfloat16) -> Cpu
     sz = torch.stack([scales, zero_fp], dim=-1)  # [out, G, 2]
     sz = sz.transpose(0, 1).contiguous().to(act_dtype)  # [G, out, 2] act_dtype
     block_rows = _int4pack_block_rows(packed, q.to(torch.uint8))
-    return CpuInt4(packed, sz, perm, p.group_size, p.out_features, block_rows)
+    return CpuInt4Pack(packed, sz, perm, p.group_size, p.out_features, block_rows)
 
 
-def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:
+def int4pack_matmul(x2d: torch.Tensor, w: CpuInt4Pack) -> torch.Tensor:
     """x2d [M, in] any float -> [M, out] in x's dtype (activations cast to the sz dtype)."""
     xb = x2d.to(w.scales_and_zeros.dtype)
     if w.perm is not None:
@@ -480,19 +480,19 @@ def int4_matmul(x2d: torch.Tensor, w: CpuInt4) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CpuQ8:
-    """The int8avx512 layout: w = (q - 128) * scale + zf (module docstring)."""
+class CpuW8A32:
+    """The w8a32_avx512 layout: w = (q - 128) * scale + zf (module docstring)."""
 
     q8: torch.Tensor  # int8 [out / 16, in, 16] = q - 128
     scales: torch.Tensor  # fp16 [out / 16, G, 16]
     zf: torch.Tensor | None  # fp32 [out / 16, G, 16] = (128 - z) * scale; None when all z == 128
     perm: torch.Tensor | None  # int64 [in] input column order (act-order), else None
     group_size: int
-    op: Any = None  # the int8_mm op of the ISA it was packed for (torch OpOverload)
+    op: Any = None  # the w8a32_mm op of the ISA it was packed for (torch OpOverload)
 
 
-def repack_q8(p: PackedLinear, isa: str | None = None) -> CpuQ8:
-    """``isa``: the build whose ``int8_mm`` runs it (default: the active one)."""
+def repack_w8a32(p: PackedLinear, isa: str | None = None) -> CpuW8A32:
+    """``isa``: the build whose ``w8a32_mm`` runs it (default: the active one)."""
     q, perm = _group_ordered_q(p)  # uint8 [out, in]
     q8 = (q.to(torch.int16) - 128).to(torch.int8)  # [out, in], exact
     q8 = block_rows(q8)  # [out / 16, in, 16]
@@ -501,11 +501,11 @@ def repack_q8(p: PackedLinear, isa: str | None = None) -> CpuQ8:
     if not bool((zeros == 128).all()):
         # (128 - z) * s: exact in fp32 (an fp16 scale times an integer of magnitude <= 128)
         zf = block_rows((128.0 - zeros.float()) * p.scales.float())
-    op = cpu_ext.ops(isa).int8_mm.default
-    return CpuQ8(q8, block_rows(p.scales), zf, perm, p.group_size, op)
+    op = cpu_ext.ops(isa).w8a32_mm.default
+    return CpuW8A32(q8, block_rows(p.scales), zf, perm, p.group_size, op)
 
 
-def q8_matmul(x2d: torch.Tensor, w: CpuQ8) -> torch.Tensor:
+def w8a32_matmul(x2d: torch.Tensor, w: CpuW8A32) -> torch.Tensor:
     """x2d [M, in] float -> [M, out] in x's dtype (fp32 activations, exact int8 weights)."""
     x = x2d if x2d.dtype == torch.float32 else x2d.float()
     if w.perm is not None:
@@ -515,17 +515,17 @@ def q8_matmul(x2d: torch.Tensor, w: CpuQ8) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CpuInt8:
+class CpuInt8Pack:
     q_int8: torch.Tensor  # int8 [out, in] = q - 128
     scales: torch.Tensor  # bf16 [out]
 
 
-def repack_int8(p: PackedLinear) -> CpuInt8:
+def repack_int8pack(p: PackedLinear) -> CpuInt8Pack:
     q8 = (p.unpacked_q().to(torch.int16) - 128).to(torch.int8)  # [out, in] exact
-    return CpuInt8(q8.contiguous(), p.scales[:, 0].to(torch.bfloat16).contiguous())
+    return CpuInt8Pack(q8.contiguous(), p.scales[:, 0].to(torch.bfloat16).contiguous())
 
 
-def int8_matmul(x2d: torch.Tensor, w: CpuInt8) -> torch.Tensor:
+def int8pack_matmul(x2d: torch.Tensor, w: CpuInt8Pack) -> torch.Tensor:
     """x2d [M, in] -> [M, out] (bf16 activations and scales: int8pack needs them equal)."""
     y = torch.ops.aten._weight_int8pack_mm(x2d.to(torch.bfloat16).contiguous(), w.q_int8,
                                            w.scales)  # [M, out] bf16
@@ -561,7 +561,7 @@ def dequant_matmul(x2d: torch.Tensor, w: Unpacked) -> torch.Tensor:
 # ---- the CPU backends and the choice between them -------------------------------------------
 
 
-def _unfit(p: PackedLinear, bits: int, gs_multiple: int, out_multiple: int = QP4_ROWS,
+def _unfit(p: PackedLinear, bits: int, gs_multiple: int, out_multiple: int = BLOCK_ROWS,
            group_sizes: tuple[int, ...] | None = None) -> str | None:
     """Why a kernel for ``bits``-bit layers with the group size a multiple of ``gs_multiple``
     (or one of ``group_sizes``) and ``out % out_multiple == 0`` cannot take ``p``, or None."""
@@ -608,32 +608,34 @@ def _int8pack_unfit(p: PackedLinear) -> str | None:
 
 
 def _ours(kind: str, isa: str, repack, matmul, bits: int, gs_multiple: int) -> Backend:
-    return Backend(f"{kind}{isa}", "cpu", repack, matmul,
+    return Backend(f"{kind}_{isa}", "cpu", repack, matmul,
                    lambda p: _unfit(p, bits, gs_multiple), _build_available(isa))
 
 
-def _a8w4_repack(isa: str):
-    return lambda p, device: repack_a8w4(p, isa)
+def _w4a8_repack(isa: str):
+    return lambda p, device: repack_w4a8(p, isa)
 
 
-def _q8_repack(isa: str):
-    return lambda p, device: repack_q8(p, isa)
+def _w8a32_repack(isa: str):
+    return lambda p, device: repack_w8a32(p, isa)
 
 
 # quantpipe's C++ kernels, per (kind, ISA build): the module docstring's table
 OURS: dict[tuple[str, str], Backend] = {
-    ("int4a8", "avx512"): _ours("int4a8", "avx512", _a8w4_repack("avx512"), a8w4_matmul, 4,
-                                A8_BLOCK),
-    ("int4a8", "avx2"): _ours("int4a8", "avx2", _a8w4_repack("avx2"), a8w4_matmul, 4, A8_BLOCK),
-    ("int4", "avx512"): _ours("int4", "avx512", lambda p, device: repack_qp4(p), qp4_matmul, 4,
-                              QP4_ROWS),
-    ("int8", "avx512"): _ours("int8", "avx512", _q8_repack("avx512"), q8_matmul, 8, QP4_ROWS),
-    ("int8", "avx2"): _ours("int8", "avx2", _q8_repack("avx2"), q8_matmul, 8, QP4_ROWS),
+    ("w4a8", "avx512"): _ours("w4a8", "avx512", _w4a8_repack("avx512"), w4a8_matmul, 4,
+                              A8_BLOCK),
+    ("w4a8", "avx2"): _ours("w4a8", "avx2", _w4a8_repack("avx2"), w4a8_matmul, 4, A8_BLOCK),
+    ("w4a16", "avx512"): _ours("w4a16", "avx512", lambda p, device: repack_w4a16(p),
+                               w4a16_matmul, 4, BLOCK_ROWS),
+    ("w8a32", "avx512"): _ours("w8a32", "avx512", _w8a32_repack("avx512"), w8a32_matmul, 8,
+                               BLOCK_ROWS),
+    ("w8a32", "avx2"): _ours("w8a32", "avx2", _w8a32_repack("avx2"), w8a32_matmul, 8,
+                             BLOCK_ROWS),
 }
 # torch's kernels, the peers of ours when ours cannot run
-INT4PACK = Backend("int4pack", "cpu", lambda p, device: repack_int4(p), int4_matmul,
+INT4PACK = Backend("int4pack", "cpu", lambda p, device: repack_int4pack(p), int4pack_matmul,
                    _int4pack_unfit)
-INT8PACK = Backend("int8pack", "cpu", lambda p, device: repack_int8(p), int8_matmul,
+INT8PACK = Backend("int8pack", "cpu", lambda p, device: repack_int8pack(p), int8pack_matmul,
                    _int8pack_unfit)
 TORCH_PEER = {4: INT4PACK, 8: INT8PACK}
 # any layout on any device: dequantize per call
@@ -653,21 +655,21 @@ def _int4_act() -> str:
 def _quantpipe_backend(p: PackedLinear) -> tuple[Backend | None, str]:
     """(the kernel of ours for this layer or None, reason); groups can be made sequential."""
     bits, gs, out_f = p.spec.bits, p.group_size, p.out_features
-    if gs % QP4_ROWS or out_f % QP4_ROWS:
-        return None, f"quantpipe's kernels need out and group size % {QP4_ROWS} == 0"
+    if gs % BLOCK_ROWS or out_f % BLOCK_ROWS:
+        return None, f"quantpipe's kernels need out and group size % {BLOCK_ROWS} == 0"
     usable, why = cpu_ext.kernel_status()
     if not usable:
         return None, why
     isa = cpu_ext.active_isa()
     if bits == 8:
-        return OURS[("int8", isa)], why
+        return OURS[("w8a32", isa)], why
     a8_ok, act = gs % A8_BLOCK == 0, _int4_act()  # the setting is checked on every ISA
     if isa == "avx512" and (act == "bf16" or not a8_ok):
-        return OURS[("int4", isa)], why + ("" if a8_ok else
+        return OURS[("w4a16", isa)], why + ("" if a8_ok else
                                            f" (W4A16: group size {gs} % {A8_BLOCK})")
     if a8_ok:
-        vnni = cpu_ext.a8_uses_vnni(isa)
-        return OURS[("int4a8", isa)], f"{why}, W4A8{' VNNI' if vnni else ''}"
+        vnni = cpu_ext.w4a8_uses_vnni(isa)
+        return OURS[("w4a8", isa)], f"{why}, W4A8{' VNNI' if vnni else ''}"
     return None, f"{why}: W4A8 needs group size % {A8_BLOCK} == 0, not {gs}"
 
 

@@ -7,10 +7,10 @@
 | avx2   | ``csrc/cpu_ops_avx2.cpp`` | ``quantpipe_cpu_avx2`` | avx2, fma, f16c (avx_vnni    |
 |        |                           |                        | used where present)          |
 
-Both builds register the same op names (``int4_a8_mm``, ``int8_mm``, ``int8_a8_mm``,
+Both builds register the same op names (``w4a8_mm``, ``w8a32_mm``, ``w8a8_mm``,
 ``fp16_mm``, ``bf16_mm``, ``paged_attention``, ``add_rms_norm_``, ``rope_``, ``silu_mul``,
 ``gelu_tanh_mul``, ``decoder_layer``, ``quantize_a8``; the AVX-512 build adds the bf16
-``int4_mm``, and ``int4_amx_bf16_mm`` / ``amx_supported`` for AMX CPUs, where ``int4_a8_mm``
+``w4a16_mm``, and ``w4a8_mm_amx`` / ``amx_supported`` for AMX CPUs, where ``w4a8_mm``
 runs calls of 32 rows or more on the tile unit unless ``QUANTPIPE_CPU_AMX=0``), so callers
 take the namespace from :func:`ops`. The best ISA the CPU has is
 chosen; ``QUANTPIPE_CPU_ISA=avx2|avx512`` forces one (an error if the CPU lacks it: an AVX-512
@@ -67,7 +67,7 @@ class IsaBuild:
     """One build of the kernels for one instruction set."""
 
     name: str  # the QUANTPIPE_CPU_ISA spelling
-    source: str  # file under csrc/ (includes csrc/common.h and csrc/simd.h)
+    source: str  # file under csrc/ (includes the shared headers csrc/*.h)
     namespace: str  # torch op namespace it registers
     cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the CPU must have
     cflags: tuple[str, ...]  # compiler flags beyond -O3 -fopenmp
@@ -116,7 +116,7 @@ def interpreter_key() -> str:
 
 def library_name(isa: str) -> str:
     b = ISAS[isa]
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # common.h, simd.h
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # every shared header
     digest = hashlib.sha256((CSRC / b.source).read_bytes() + headers
                             + interpreter_key().encode() + BUILD_FLAGS_VERSION.encode()
                             + " ".join(b.cflags).encode()).hexdigest()
@@ -230,13 +230,13 @@ def active_isa() -> str | None:
 
 
 def ops(isa: str | None = None):
-    """The op namespace of ``isa`` (default: the active one), e.g. ``ops().int8_mm``."""
+    """The op namespace of ``isa`` (default: the active one), e.g. ``ops().w8a32_mm``."""
     isa = isa or active_isa()
     if isa is None:
         raise ValueError(f"quantpipe's CPU kernels are not usable here: {kernel_status()[1]}")
     return getattr(torch.ops, ISAS[isa].namespace)
 
 
-def a8_uses_vnni(isa: str) -> bool:
-    """int4_a8_mm's instruction choice: VNNI always on AVX-512, AVX-VNNI where present on AVX2."""
+def w4a8_uses_vnni(isa: str) -> bool:
+    """w4a8_mm's instruction choice: VNNI always on AVX-512, AVX-VNNI where present on AVX2."""
     return isa == "avx512" or "avx_vnni" in (_cpu_flags() or set())

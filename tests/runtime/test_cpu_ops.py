@@ -10,7 +10,7 @@ reference is the float64 product of the *bf16-rounded* activations with the floa
 weight, and the only tolerance is fp32 accumulation: relative 1e-5 of the row's absolute sum of
 products. The W4A8 kernel quantizes the activations to int8 per 32 columns: the quantizer is
 checked bit-exactly against the same fp32 arithmetic in torch, and the matmul against the
-float64 product of the dequantized int8 activations. On CPUs with AMX, int4_a8_mm hands 32
+float64 product of the dequantized int8 activations. On CPUs with AMX, w4a8_mm hands 32
 rows and more to a bf16 tile kernel: checked against the float64 product of the bf16-rounded
 activations and weights. The int8 kernel keeps fp32 activations (no rounding at all); the other
 ops (head matmuls, add + RMSNorm, RoPE, paged attention) are checked the same way at the end.
@@ -45,20 +45,20 @@ def ops(request):
 
 
 def _a8_variants(isa):
-    """int4_a8_mm's instruction choices on this ISA build: AVX2 runs pmaddubsw, and AVX-VNNI
+    """w4a8_mm's instruction choices on this ISA build: AVX2 runs pmaddubsw, and AVX-VNNI
     where the CPU has it; AVX-512 always VNNI."""
     if isa == "avx512":
         return [True]
-    return [False, True] if cpu_ext.a8_uses_vnni("avx2") else [False]
+    return [False, True] if cpu_ext.w4a8_uses_vnni("avx2") else [False]
 
 
 @pytest.mark.parametrize("out_f,in_f", [(16, 16), (48, 64), (96, 256), (64, 1536)])
 def test_pack_unpack_exact_round_trip(out_f, in_f):
     q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8,
                       generator=torch.Generator().manual_seed(out_f * in_f))
-    packed = cpu_kernels.pack_qp4(q)
+    packed = cpu_kernels.pack_w4a16(q)
     assert packed.shape == (out_f // 16, in_f // 4, 32) and packed.dtype == torch.uint8
-    assert torch.equal(cpu_kernels.unpack_qp4(packed), q)
+    assert torch.equal(cpu_kernels.unpack_w4a16(packed), q)
     # one element by hand: q[16 b + r, 4 c + 2 + e] is the high nibble of byte 2 r + e
     b, c, r, e = out_f // 16 - 1, in_f // 4 - 1, 5, 1
     assert packed[b, c, 2 * r + e] >> 4 == q[16 * b + r, 4 * c + 2 + e]
@@ -71,12 +71,12 @@ def test_kernel_builds_and_loads_on_this_cpu(isa, ops):
 
 
 @pytest.mark.parametrize("out_f,in_f", [(16, 8), (48, 64), (96, 256), (64, 1536)])
-def test_a8w4_pack_unpack_exact_round_trip(out_f, in_f):
+def test_w4a8_pack_unpack_exact_round_trip(out_f, in_f):
     q = torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8,
                       generator=torch.Generator().manual_seed(out_f + in_f))
-    packed = cpu_kernels.pack_a8w4(q)
+    packed = cpu_kernels.pack_w4a8(q)
     assert packed.shape == (out_f // 16, in_f // 8, 64) and packed.dtype == torch.uint8
-    assert torch.equal(cpu_kernels.unpack_a8w4(packed), q)
+    assert torch.equal(cpu_kernels.unpack_w4a8(packed), q)
     # one element by hand: q[16 b + r, 8 c + 4 + e] is the high nibble of byte 4 r + e
     b, c, r, e = out_f // 16 - 1, in_f // 8 - 1, 13, 3
     assert packed[b, c, 4 * r + e] >> 4 == q[16 * b + r, 8 * c + 4 + e]
@@ -102,13 +102,13 @@ def test_kernel_matches_float64_reference_every_tile(spec, avx512):
     """W4A16 (AVX-512 only). M = 1..17 covers every row tile (1..8) and the remainders."""
     out_f, in_f = 48, 256
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
-    w = cpu_kernels.repack_qp4(p)
+    w = cpu_kernels.repack_w4a16(p)
     assert (w.zf is None) == spec.sym
     w64 = dequantize_reference(p)  # [out, in] float64
     gen = torch.Generator().manual_seed(7)
     for m in range(1, 18):
         x = torch.randn(m, in_f, generator=gen) * 3  # fresh inputs per M
-        got = cpu_kernels.qp4_matmul(x, w)  # [m, out] fp32
+        got = cpu_kernels.w4a16_matmul(x, w)  # [m, out] fp32
         xb = x.bfloat16().double()
         want = xb @ w64.T
         bound = 1e-5 * (xb.abs() @ w64.abs().T) + 1e-30
@@ -151,21 +151,21 @@ A8_LAYOUTS = [QuantSpec(4, gs, sym, act) for gs in (32, 64, 128, -1)
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("spec", A8_LAYOUTS, ids=lambda s: s.label())
-def test_a8w4_kernel_matches_float64_reference_every_tile(isa, spec, ops):
+def test_w4a8_kernel_matches_float64_reference_every_tile(isa, spec, ops):
     """W4A8: the float64 product of the kernel's int8 activations (dequantized, bit-exact per
     the test above) with the float64 weight; only fp32 accumulation differs: relative 1e-5 of
     the absolute sum of products. M = 1..17: every tile (1..8 rows AVX-512, 1..4 AVX2) and
     remainders; every instruction choice of the ISA."""
     out_f, in_f = 48, 256
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
-    w = cpu_kernels.repack_a8w4(p, isa)
+    w = cpu_kernels.repack_w4a8(p, isa)
     w64 = dequantize_reference(p)  # [out, in] float64
     gen = torch.Generator().manual_seed(9)
     for vnni in _a8_variants(isa):
-        w = cpu_kernels.CpuA8W4(w.packed, w.scales, w.mz, w.perm, w.group_size, w.op, vnni)
+        w = cpu_kernels.CpuW4A8(w.packed, w.scales, w.mz, w.perm, w.group_size, w.op, vnni)
         for m in range(1, 18):
             x = torch.randn(m, in_f, generator=gen) * 3
-            got = cpu_kernels.a8w4_matmul(x, w)  # [m, out] fp32
+            got = cpu_kernels.w4a8_matmul(x, w)  # [m, out] fp32
             xp = x if w.perm is None else x[:, w.perm]  # the kernel quantizes permuted columns
             xq, dx = _quantize_a8_reference(xp.contiguous(), w.group_size)
             xhat = (xq.double().view(m, -1, 32) * dx.double()[..., None]).view(m, in_f)
@@ -209,14 +209,14 @@ def _amx_reference(x: torch.Tensor, p, w) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("spec", A8_LAYOUTS + [QuantSpec(4, 256, False)],
                          ids=lambda s: s.label())
 def test_amx_kernel_matches_bf16_rounded_float64_reference(spec, avx512):
-    """int4_amx_bf16_mm (AVX-512 build, AMX-BF16 CPUs): the W4A8 layout's weights expanded to
+    """w4a8_mm_amx (AVX-512 build, AMX-BF16 CPUs): the W4A8 layout's weights expanded to
     bf16 on the tile unit. 48 output rows: a pair of 16-row blocks and a lone one; M around the
-    16-row tiles and the 32-row pairs, the prefill sizes int4_a8_mm hands it and more than one
+    16-row tiles and the 32-row pairs, the prefill sizes w4a8_mm hands it and more than one
     pass of rows."""
     out_f, in_f = 48, 256
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()) + 1)
-    w = cpu_kernels.repack_a8w4(p, "avx512")
-    op = cpu_ext.ops("avx512").int4_amx_bf16_mm
+    w = cpu_kernels.repack_w4a8(p, "avx512")
+    op = cpu_ext.ops("avx512").w4a8_mm_amx
     gen = torch.Generator().manual_seed(11)
     for m in (1, 15, 16, 17, 31, 32, 33, 48, 64, 100, 600):  # 600: two passes of 512
         x = torch.randn(m, in_f, generator=gen) * 3
@@ -234,35 +234,35 @@ def test_amx_kernel_matches_bf16_rounded_float64_reference(spec, avx512):
 
 @needs_amx
 def test_w4a8_op_hands_32_rows_and_more_to_amx_unless_turned_off(avx512, monkeypatch):
-    """int4_a8_mm runs the AMX kernel from 32 rows (bit for bit its result) and the VNNI tiles
+    """w4a8_mm runs the AMX kernel from 32 rows (bit for bit its result) and the VNNI tiles
     below (each row's result independent of the others); QUANTPIPE_CPU_AMX=0, read at every
     call, keeps the VNNI tiles at every row count."""
     p = random_packed(64, 256, QuantSpec(4, 64, False), seed=5)
-    w = cpu_kernels.repack_a8w4(p, "avx512")
+    w = cpu_kernels.repack_w4a8(p, "avx512")
     ops = cpu_ext.ops("avx512")
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
     args = (w.packed, w.scales, w.mz, w.group_size)
-    vnni = torch.cat([ops.int4_a8_mm(x[i:i + 8].contiguous(), *args, True)
+    vnni = torch.cat([ops.w4a8_mm(x[i:i + 8].contiguous(), *args, True)
                       for i in range(0, 40, 8)])
-    amx = ops.int4_amx_bf16_mm(x, *args)
+    amx = ops.w4a8_mm_amx(x, *args)
     assert not torch.equal(vnni, amx)  # the two arithmetics differ, so the checks below mean it
     monkeypatch.delenv("QUANTPIPE_CPU_AMX", raising=False)
-    assert torch.equal(ops.int4_a8_mm(x, *args, True), amx)
-    assert torch.equal(ops.int4_a8_mm(x[:31].contiguous(), *args, True), vnni[:31])
+    assert torch.equal(ops.w4a8_mm(x, *args, True), amx)
+    assert torch.equal(ops.w4a8_mm(x[:31].contiguous(), *args, True), vnni[:31])
     monkeypatch.setenv("QUANTPIPE_CPU_AMX", "0")
-    assert torch.equal(ops.int4_a8_mm(x, *args, True), vnni)
+    assert torch.equal(ops.w4a8_mm(x, *args, True), vnni)
     monkeypatch.setenv("QUANTPIPE_CPU_AMX", "1")
-    assert torch.equal(ops.int4_a8_mm(x, *args, True), amx)
+    assert torch.equal(ops.w4a8_mm(x, *args, True), amx)
     monkeypatch.setenv("QUANTPIPE_CPU_AMX", "off")  # a typo is an error, not a silent choice
     with pytest.raises(RuntimeError, match="QUANTPIPE_CPU_AMX='off'"):
-        ops.int4_a8_mm(x, *args, True)
+        ops.w4a8_mm(x, *args, True)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a8w4_kernel_rejects_bad_inputs_with_a_message(isa, ops):
+def test_w4a8_kernel_rejects_bad_inputs_with_a_message(isa, ops):
     p = random_packed(32, 128, QuantSpec(4, 32, False), seed=1)
-    w = cpu_kernels.repack_a8w4(p, isa)
-    op = ops.int4_a8_mm
+    w = cpu_kernels.repack_w4a8(p, isa)
+    op = ops.w4a8_mm
     vnni = _a8_variants(isa)[-1]
     with pytest.raises(RuntimeError, match="packed holds K = 128"):
         op(torch.randn(2, 64), w.packed, w.scales, w.mz, 32, vnni)
@@ -283,23 +283,23 @@ def test_a8w4_kernel_rejects_bad_inputs_with_a_message(isa, ops):
                                   for sym in (True, False) for act in (False, True)
                                   if not (act and gs == -1)], ids=lambda s: s.label())
 def test_int8_kernel_matches_float64_reference_every_tile(isa, spec, ops):
-    """int8_mm: exact int8 weights, fp32 activations: only fp32 accumulation differs."""
+    """w8a32_mm: exact int8 weights, fp32 activations: only fp32 accumulation differs."""
     out_f, in_f = 48, 128
     p = random_packed(out_f, in_f, spec, seed=zlib.crc32(spec.label().encode()))
-    w = cpu_kernels.repack_q8(p, isa)
+    w = cpu_kernels.repack_w8a32(p, isa)
     assert (w.zf is None) == spec.sym and w.q8.shape == (3, in_f, 16)
     w64 = dequantize_reference(p)
     gen = torch.Generator().manual_seed(8)
     for m in range(1, 18):
         x = torch.randn(m, in_f, generator=gen) * 3
-        got = cpu_kernels.q8_matmul(x, w)
+        got = cpu_kernels.w8a32_matmul(x, w)
         want = x.double() @ w64.T
         bound = 1e-5 * (x.double().abs() @ w64.abs().T) + 1e-30
         assert ((got.double() - want).abs() <= bound).all(), (m, (got.double() - want).abs().max())
 
 
-def _int8_a8_reference(x, q, scales, ops):
-    """float64 y [M, N] of int8_a8_mm: x quantized by the kernels' own quantize_a8 (tested
+def _w8a8_reference(x, q, scales, ops):
+    """float64 y [M, N] of w8a8_mm: x quantized by the kernels' own quantize_a8 (tested
     bit-exact above), exact integer dots per block of 32, scaled by scale * dx; and the bound
     on fp32's rounding of the scaling and the sums."""
     n, k = q.shape
@@ -311,8 +311,8 @@ def _int8_a8_reference(x, q, scales, ops):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int8_a8_kernel_matches_float64_reference_every_tile(isa, ops):
-    """int8_a8_mm (the int8 head): int8 weights (the extremes -127 / 127, and -128, included)
+def test_w8a8_kernel_matches_float64_reference_every_tile(isa, ops):
+    """w8a8_mm (the int8 head): int8 weights (the extremes -127 / 127, and -128, included)
     times int8 activations per 32 columns; every tile size, rows padded to 16."""
     from quantpipe.runtime.fp_head import block_row_quads
     from quantpipe.runtime.kernels.cpu import block_rows
@@ -327,33 +327,33 @@ def test_int8_a8_kernel_matches_float64_reference_every_tile(isa, ops):
     for m in range(1, 18):
         x = torch.randn(m, k, generator=gen) * 3
         x[0, 32:64] = 0  # an all-zero activation block
-        got = ops.int8_a8_mm(x, q8, s8)
+        got = ops.w8a8_mm(x, q8, s8)
         assert got.shape == (m, 48) and not got[:, n:].any()  # padded rows: zero weights
-        want, bound = _int8_a8_reference(x, q, scales, ops)
+        want, bound = _w8a8_reference(x, q, scales, ops)
         assert ((got[:, :n].double() - want).abs() <= bound).all(), m
     with pytest.raises(RuntimeError, match="q8 must be contiguous int8"):
-        ops.int8_a8_mm(x, q8.view(3, k // 2, 32), s8)
+        ops.w8a8_mm(x, q8.view(3, k // 2, 32), s8)
     with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
-        ops.int8_a8_mm(torch.randn(2, k - 32), q8, s8)
+        ops.w8a8_mm(torch.randn(2, k - 32), q8, s8)
 
 
 @needs_512
 def test_kernel_takes_bf16_input_and_empty_batches(avx512):
     p = random_packed(32, 128, QuantSpec(4, 32, False), seed=11)
-    w = cpu_kernels.repack_qp4(p)
+    w = cpu_kernels.repack_w4a16(p)
     x = torch.randn(5, 128)
-    y32 = cpu_kernels.qp4_matmul(x, w)
-    y16 = cpu_kernels.qp4_matmul(x.bfloat16(), w)
+    y32 = cpu_kernels.w4a16_matmul(x, w)
+    y16 = cpu_kernels.w4a16_matmul(x.bfloat16(), w)
     assert y16.dtype == torch.bfloat16
     torch.testing.assert_close(y16, y32.bfloat16(), rtol=0, atol=0)  # same bf16 x, same sums
-    assert cpu_kernels.qp4_matmul(torch.empty(0, 128), w).shape == (0, 32)
+    assert cpu_kernels.w4a16_matmul(torch.empty(0, 128), w).shape == (0, 32)
 
 
 @needs_512
 def test_kernel_rejects_bad_shapes_with_a_message(avx512):
     p = random_packed(32, 128, QuantSpec(4, 32, True), seed=1)
-    w = cpu_kernels.repack_qp4(p)
-    op = torch.ops.quantpipe_cpu.int4_mm
+    w = cpu_kernels.repack_w4a16(p)
+    op = torch.ops.quantpipe_cpu.w4a16_mm
     with pytest.raises(RuntimeError, match="packed holds K = 128"):
         op(torch.randn(2, 64), w.packed, w.scales, None, 32)
     with pytest.raises(RuntimeError, match="group_size"):
@@ -384,13 +384,13 @@ def test_dispatch_takes_the_forced_isa_and_the_env_turns_it_off(isa, fresh_statu
     cpu_ext.reset()
     assert cpu_ext.active_isa() == isa
     backend, why = cpu_kernels.cpu_backend_for(p)
-    assert backend == f"int4a8{isa}" and f"{cpu_ext.ISA_ENV}={isa}" in why and "W4A8" in why
-    assert cpu_kernels.cpu_backend_for(p8)[0] == f"int8{isa}"
+    assert backend == f"w4a8_{isa}" and f"{cpu_ext.ISA_ENV}={isa}" in why and "W4A8" in why
+    assert cpu_kernels.cpu_backend_for(p8)[0] == f"w8a32_{isa}"
     layer = QuantLinear(p, "cpu")
-    assert layer.backend == f"int4a8{isa}" and isa in layer.reason
+    assert layer.backend == f"w4a8_{isa}" and isa in layer.reason
     # W4A16 where asked for: AVX-512 has it; AVX2 keeps W4A8
     monkeypatch.setenv(cpu_kernels.INT4_ACT_ENV, "bf16")
-    want16 = "int4avx512" if isa == "avx512" else "int4a8avx2"
+    want16 = "w4a16_avx512" if isa == "avx512" else "w4a8_avx2"
     assert cpu_kernels.cpu_backend_for(p)[0] == want16
     monkeypatch.setenv(cpu_kernels.INT4_ACT_ENV, "fp8")
     with pytest.raises(ValueError, match="QUANTPIPE_CPU_INT4_ACT='fp8'"):
@@ -404,7 +404,7 @@ def test_dispatch_takes_the_forced_isa_and_the_env_turns_it_off(isa, fresh_statu
     backend, why = cpu_kernels.cpu_backend_for(p)
     assert backend == "int4pack" and cpu_ext.ENV in why
     with pytest.raises(ValueError, match="not usable here"):
-        QuantLinear(p, "cpu", backend=f"int4a8{isa}")
+        QuantLinear(p, "cpu", backend=f"w4a8_{isa}")
     monkeypatch.setenv(cpu_ext.ENV, "off")  # a typo is an error, not a silent choice
     cpu_ext.reset()
     with pytest.raises(ValueError, match="QUANTPIPE_CPU_KERNELS='off'"):
@@ -632,10 +632,10 @@ def _split_cases(isa, ops):
     is computed by exactly one thread, so the results must not depend on the thread count."""
     gen = torch.Generator().manual_seed(3)
     p4 = random_packed(576, 576, QuantSpec(4, 64, False), seed=4)
-    w4 = cpu_kernels.repack_a8w4(p4, isa)
-    w4 = cpu_kernels.CpuA8W4(w4.packed, w4.scales, w4.mz, w4.perm, w4.group_size, w4.op,
+    w4 = cpu_kernels.repack_w4a8(p4, isa)
+    w4 = cpu_kernels.CpuW4A8(w4.packed, w4.scales, w4.mz, w4.perm, w4.group_size, w4.op,
                              _a8_variants(isa)[-1])
-    w8 = cpu_kernels.repack_q8(random_packed(576, 576, QuantSpec(8, 64, False), seed=5), isa)
+    w8 = cpu_kernels.repack_w8a32(random_packed(576, 576, QuantSpec(8, 64, False), seed=5), isa)
     wh = (torch.randn(2048 // 16, 576, 16, generator=gen) * 0.1).half()
     k_pool, v_pool = torch.randn(2, 16, 16, 3, 64, generator=gen).unbind(0)  # [blocks, 16, KV, D]
     kv_args = (torch.arange(16).view(1, 16), torch.tensor([250]), torch.tensor([1]), 0.125)
@@ -643,15 +643,15 @@ def _split_cases(isa, ops):
     cases = []
     for m in (1, 3, 9):
         x = torch.randn(m, 576, generator=gen)
-        cases += [(f"int4_a8_mm m={m}", lambda x=x: cpu_kernels.a8w4_matmul(x, w4)),
-                  (f"int8_mm m={m}", lambda x=x: cpu_kernels.q8_matmul(x, w8)),
+        cases += [(f"w4a8_mm m={m}", lambda x=x: cpu_kernels.w4a8_matmul(x, w4)),
+                  (f"w8a32_mm m={m}", lambda x=x: cpu_kernels.w8a32_matmul(x, w8)),
                   (f"fp16_mm m={m}", lambda x=x: ops.fp16_mm(x, wh))]
     head_q8 = torch.randint(-127, 128, (8192 // 16, 576 // 4, 64), generator=gen,
                             dtype=torch.int8)
     head_s = (torch.rand(8192 // 16, 576 // 32, 16, generator=gen) * 0.01).half()
     for m in (1, 3):
         x = torch.randn(m, 576, generator=gen)
-        cases.append((f"int8_a8_mm m={m}", lambda x=x: ops.int8_a8_mm(x, head_q8, head_s)))
+        cases.append((f"w8a8_mm m={m}", lambda x=x: ops.w8a8_mm(x, head_q8, head_s)))
     cases.append(("paged_attention", lambda: ops.paged_attention(q, k_pool, v_pool, *kv_args)))
     return cases
 

@@ -146,12 +146,12 @@ def test_sym_layer_without_mz_equals_explicit_mz(isa, isa_env):
     as the stored tensor, so the outputs are equal; act-order column orders included."""
     for act in (False, True):
         p = random_packed(48, 256, QuantSpec(4, 64, True, act), seed=11)
-        w = cpu_kernels.repack_a8w4(p, isa)
+        w = cpu_kernels.repack_w4a8(p, isa)
         assert w.mz is None
-        explicit = cpu_kernels.CpuA8W4(w.packed, w.scales, cpu_kernels.a8w4_mz(w), w.perm,
+        explicit = cpu_kernels.CpuW4A8(w.packed, w.scales, cpu_kernels.w4a8_mz(w), w.perm,
                                        w.group_size, w.op, w.vnni)
         x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
-        assert torch.equal(cpu_kernels.a8w4_matmul(x, w), cpu_kernels.a8w4_matmul(x, explicit))
+        assert torch.equal(cpu_kernels.w4a8_matmul(x, w), cpu_kernels.w4a8_matmul(x, explicit))
 
 
 def _random_layer_op_args(isa, gemma: bool):
@@ -162,7 +162,7 @@ def _random_layer_op_args(isa, gemma: bool):
     specs = [QuantSpec(4, 32, False, True), QuantSpec(4, 32, True, True),
              QuantSpec(4, 32, False, False), QuantSpec(4, 32, True, True)]
     shapes = [((H + 2 * KV) * D, hidden), (hidden, H * D), (2 * inter, hidden), (hidden, inter)]
-    ws = [cpu_kernels.repack_a8w4(random_packed(o, i, s, seed=20 + n), isa)
+    ws = [cpu_kernels.repack_w4a8(random_packed(o, i, s, seed=20 + n), isa)
           for n, ((o, i), s) in enumerate(zip(shapes, specs))]
     g = torch.Generator().manual_seed(4)
     # gains of input, mlp-in, q, k, attention-out and mlp-out norms
@@ -204,17 +204,17 @@ def test_layer_op_with_act_order_equals_its_ops(isa, isa_env, gemma):
 
     h2, kp2, vp2 = h0.clone(), pools[0].clone(), pools[1].clone()
     x = ops.add_rms_norm_(h2, delta, gains[0], eps[0])
-    qkv = cpu_kernels.a8w4_matmul(x, ws[0]) + bias
+    qkv = cpu_kernels.w4a8_matmul(x, ws[0]) + bias
     q, k, v = (t.reshape(-1, D).contiguous() for t in qkv.split([H * D, KV * D, KV * D], 1))
     q, k, v = norm(q, 2).view(T, H, D), norm(k, 3).view(T, KV, D), v.view(T, KV, D)
     ops.rope_(q, k, cos, sin)
     kp2.view(-1, KV, D)[slots] = k
     vp2.view(-1, KV, D)[slots] = v
     o = ops.paged_attention(q, kp2, vp2, tables, ctx, qlen, 0.25, window)
-    o = norm(cpu_kernels.a8w4_matmul(o.reshape(T, -1), ws[1]), 4)
+    o = norm(cpu_kernels.w4a8_matmul(o.reshape(T, -1), ws[1]), 4)
     x = ops.add_rms_norm_(h2, o, gains[1], eps[1])
     gated = ops.gelu_tanh_mul if gemma else ops.silu_mul
-    want = norm(cpu_kernels.a8w4_matmul(gated(cpu_kernels.a8w4_matmul(x, ws[2])), ws[3]), 5)
+    want = norm(cpu_kernels.w4a8_matmul(gated(cpu_kernels.w4a8_matmul(x, ws[2])), ws[3]), 5)
     assert torch.equal(got, want) and torch.equal(h1, h2)
     assert torch.equal(kp1, kp2) and torch.equal(vp1, vp2)
     with pytest.raises(RuntimeError, match="23 weights"):

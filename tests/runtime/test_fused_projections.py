@@ -63,13 +63,13 @@ def test_layers_that_differ_are_not_fused(isa):
     from tests.runtime._quant_helpers import random_packed
 
     assert cpu_ext.build_status(isa)[0]
-    a = cpu_kernels.repack_a8w4(random_packed(32, 128, QuantSpec(4, 32, True), 1), isa)
-    b = cpu_kernels.repack_a8w4(random_packed(16, 128, QuantSpec(4, 64, True), 2), isa)
-    c = cpu_kernels.repack_a8w4(random_packed(16, 128, QuantSpec(4, 32, False), 3), isa)
-    assert cpu_kernels.concat_a8w4([a, b]) is None  # group sizes differ
-    both = cpu_kernels.concat_a8w4([a, c])
+    a = cpu_kernels.repack_w4a8(random_packed(32, 128, QuantSpec(4, 32, True), 1), isa)
+    b = cpu_kernels.repack_w4a8(random_packed(16, 128, QuantSpec(4, 64, True), 2), isa)
+    c = cpu_kernels.repack_w4a8(random_packed(16, 128, QuantSpec(4, 32, False), 3), isa)
+    assert cpu_kernels.concat_w4a8([a, b]) is None  # group sizes differ
+    both = cpu_kernels.concat_w4a8([a, c])
     assert both.packed.shape == (3, 16, 64)
     x = torch.randn(3, 128)
-    torch.testing.assert_close(cpu_kernels.a8w4_matmul(x, both),
-                               torch.cat([cpu_kernels.a8w4_matmul(x, a),
-                                          cpu_kernels.a8w4_matmul(x, c)], 1), rtol=0, atol=0)
+    torch.testing.assert_close(cpu_kernels.w4a8_matmul(x, both),
+                               torch.cat([cpu_kernels.w4a8_matmul(x, a),
+                                          cpu_kernels.w4a8_matmul(x, c)], 1), rtol=0, atol=0)

@@ -23,7 +23,7 @@ needs_kernels = pytest.mark.skipif(not cpu_ext.kernel_status()[0],
                                    reason="quantpipe's CPU kernels are not usable here")
 
 
-def _previous_repack_a8w4(p):
+def _previous_repack_w4a8(p):
     """The W4A8 repack before the word path: the whole layer unpacked to uint8 [out, in],
     columns permuted for act-order, then packed (and the same scale / mz formulas)."""
     q = p.unpacked_q()  # [out, in] uint8
@@ -33,7 +33,7 @@ def _previous_repack_a8w4(p):
         q = q[:, perm].contiguous()
     zeros = p.zeros_u8()
     mz = None if bool((zeros == 8).all()) else block_rows(-zeros.float() * p.scales.float())
-    return cpu_kernels.pack_a8w4(q.contiguous()), block_rows(p.scales), mz, perm
+    return cpu_kernels.pack_w4a8(q.contiguous()), block_rows(p.scales), mz, perm
 
 
 @pytest.mark.parametrize("out_f,in_f", [(16, 32), (48, 64), (112, 4096), (32, 11008)])
@@ -43,13 +43,13 @@ def test_word_repack_equals_packing_the_unpacked_codes(out_f, in_f):
     q[0] = 15  # words 0xFFFFFFFF (int32 -1): every shift crosses the sign bit
     q[1, ::8] = 8  # a code 8 in slot 0 and codes in the top slot with bit 31 set
     words = pack_int32(q, 4)  # [out, in / 8] int32
-    want = cpu_kernels.pack_a8w4(q)
+    want = cpu_kernels.pack_w4a8(q)
     assert torch.equal(unpack_int32(words, 4), q)
     for rows in (None, 16, 32):  # the default slices, and slices that split the layer
-        got = cpu_kernels.pack_a8w4_words(words, rows)
+        got = cpu_kernels.pack_w4a8_words(words, rows)
         assert got.dtype == torch.uint8 and got.shape == want.shape
         assert torch.equal(got, want)
-        assert torch.equal(cpu_kernels.unpack_a8w4(got), q)
+        assert torch.equal(cpu_kernels.unpack_w4a8(got), q)
 
 
 def test_repack_slices_stay_below_torch_parallel_grain():
@@ -67,10 +67,10 @@ def test_repack_slices_stay_below_torch_parallel_grain():
     (QuantSpec(4, 64, True, act_order=True), 64, 4096),  # act-order: the permuted slices
     (QuantSpec(4, 32, False, act_order=True), 32, 128),
 ])
-def test_repack_a8w4_equals_the_previous_repack(spec, out_f, in_f):
+def test_repack_w4a8_equals_the_previous_repack(spec, out_f, in_f):
     p = random_packed(out_f, in_f, spec, seed=out_f)
-    packed, scales, mz, perm = _previous_repack_a8w4(p)
-    w = cpu_kernels.repack_a8w4(p)
+    packed, scales, mz, perm = _previous_repack_w4a8(p)
+    w = cpu_kernels.repack_w4a8(p)
     assert torch.equal(w.packed, packed) and torch.equal(w.scales, scales)
     assert (w.mz is None) == (mz is None) and (mz is None or torch.equal(w.mz, mz))
     assert (w.perm is None) == (perm is None) and (perm is None or torch.equal(w.perm, perm))
@@ -145,7 +145,7 @@ def test_fused_stack_equals_the_concatenated_parts(tiny_llama_dir, tmp_path):
         if all(w.mz is None for w in parts):
             assert stack.mz is None
         else:
-            assert torch.equal(stack.mz, torch.cat([cpu_kernels.a8w4_mz(w) for w in parts]))
+            assert torch.equal(stack.mz, torch.cat([cpu_kernels.w4a8_mz(w) for w in parts]))
         for mod, w in zip(mods, parts):  # each part runs from a view of the stack, unchanged
             assert mod._w.packed.untyped_storage().data_ptr() == \
                 stack.packed.untyped_storage().data_ptr()
@@ -186,20 +186,20 @@ def test_stacked_at_load_then_fused_without_a_copy(tiny_llama_dir, tmp_path):
 
 @needs_kernels
 def test_joined_needs_consecutive_rows_of_one_stack():
-    parts = [cpu_kernels.repack_a8w4(random_packed(out_f, 64, QuantSpec(4, 32, False), out_f))
+    parts = [cpu_kernels.repack_w4a8(random_packed(out_f, 64, QuantSpec(4, 32, False), out_f))
              for out_f in (32, 16, 48)]
-    stack = cpu_kernels.concat_a8w4(parts)
+    stack = cpu_kernels.concat_w4a8(parts)
     views, start = [], 0
     for w in parts:
-        views.append(cpu_kernels.a8w4_rows(stack, start, w.packed.shape[0]))
+        views.append(cpu_kernels.w4a8_rows(stack, start, w.packed.shape[0]))
         start += w.packed.shape[0]
-    joined = cpu_kernels.a8w4_joined(views)
+    joined = cpu_kernels.w4a8_joined(views)
     assert joined.packed.data_ptr() == stack.packed.data_ptr()
     for field in ("packed", "scales", "mz"):
         assert torch.equal(getattr(joined, field), getattr(stack, field))
-    assert cpu_kernels.a8w4_joined(parts) is None  # separate tensors
-    assert cpu_kernels.a8w4_joined([views[1], views[0], views[2]]) is None  # out of order
-    assert cpu_kernels.a8w4_joined([views[0], views[2]]) is None  # a gap
+    assert cpu_kernels.w4a8_joined(parts) is None  # separate tensors
+    assert cpu_kernels.w4a8_joined([views[1], views[0], views[2]]) is None  # out of order
+    assert cpu_kernels.w4a8_joined([views[0], views[2]]) is None  # a gap
 
 
 def test_zero_pool_is_zeros_that_keep_what_is_written():

@@ -31,7 +31,7 @@ def test_loaded_model_matches_dequantized_reference(qdirs):
     backends = {m.backend for m in model.modules() if isinstance(m, QuantLinear)}
     if cpu_ext.kernel_status()[0]:  # quantpipe's kernels take every layer here
         isa = cpu_ext.active_isa()
-        assert backends == {f"int4a8{isa}", f"int8{isa}"}
+        assert backends == {f"w4a8_{isa}", f"w8a32_{isa}"}
     else:  # torch's int8pack is per channel only: int8 g32 asym falls back to dequant
         assert backends == {"int4pack", "int8pack", "dequant"}
     assert not any(isinstance(m, torch.nn.Linear) and n != "lm_head"
@@ -113,7 +113,7 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     quantize_folder(smollm2_fp16_dir, tmp_path / "q", [QuantSpec(4, 64, True)])
     ref = load_dequantized_model(tmp_path / "q", dtype=torch.float32)
     model, tok = load_model_for_serving(tmp_path / "q", "cpu", head_dtype="fp16")
-    int4 = f"int4a8{cpu_ext.active_isa()}" if cpu_ext.kernel_status()[0] else "int4pack"
+    int4 = f"w4a8_{cpu_ext.active_isa()}" if cpu_ext.kernel_status()[0] else "int4pack"
     assert set(model.quantpipe_backends) == {int4}
     bs = 16
     runner = ModelRunner(model, bs, 64)  # 1,024 KV slots: one sequence at a time
@@ -144,7 +144,7 @@ def test_smollm2_int4_cpu_greedy_matches_dequantized(smollm2_fp16_dir, tmp_path)
     # logits by up to ~0.3 here (its KLD against the dequantized model: docs/runtime.md,
     # bench/cpu_kernel_kld.py); bf16 activations by < 0.1. Seen: <= 3% flips on an AVX-512
     # Xeon, 8 of 256 (max margin 0.28) with the AVX2 build on an AMD EPYC.
-    w4a8 = int4.startswith("int4a8")
+    w4a8 = int4.startswith("w4a8")
     assert len(flips) <= (0.04 if w4a8 else 0.03) * positions, flips
     near_tie = 0.3 if w4a8 else 0.1
     assert all(margin < near_tie for _, _, margin in flips), flips

@@ -36,22 +36,22 @@ def test_quant_linear_cpu_all_layouts(spec, m):
     assert got.shape == (2, m, OUT) and got.dtype == torch.float32
     if cpu_ext.kernel_status()[0]:  # quantpipe's kernels take every layout here (96 x 256)
         isa = cpu_ext.active_isa()
-        expected = {4: f"int4a8{isa}", 8: f"int8{isa}"}[spec.bits]
+        expected = {4: f"w4a8_{isa}", 8: f"w8a32_{isa}"}[spec.bits]
     else:
         # torch's: per-channel int4 at in=256 is one group of 256, a size int4pack takes
         fast = (spec.bits == 4 and spec.group_size_for(IN) in (32, 64, 128, 256)) or (
             spec.bits == 8 and spec.group_size == -1 and spec.sym)
         expected = ({4: "int4pack", 8: "int8pack"}[spec.bits] if fast else "dequant")
     assert ql.backend == expected, ql.reason
-    # bf16 activations in int4pack / int4avx512 and int8pack: relative error ~2**-8; int8
-    # activations per 32 columns (W4A8): ~2**-7; int8avx512 / int8avx2 (exact int8, fp32
+    # bf16 activations in int4pack / w4a16_avx512 and int8pack: relative error ~2**-8; int8
+    # activations per 32 columns (W4A8): ~2**-7; w8a32_avx512 / w8a32_avx2 (exact int8, fp32
     # activations) and the fallback: fp32 sums only
     assert _rel(got, want) < TOLERANCE.get(ql.backend, 1e-2)
 
 
 # relative error vs float64 (see above); others (bf16 activations): 1e-2
-TOLERANCE = {"int8avx512": 1e-5, "int8avx2": 1e-5, "dequant": 1e-6, "int4a8avx512": 2e-2,
-             "int4a8avx2": 2e-2}
+TOLERANCE = {"w8a32_avx512": 1e-5, "w8a32_avx2": 1e-5, "dequant": 1e-6, "w4a8_avx512": 2e-2,
+             "w4a8_avx2": 2e-2}
 REQUESTED = [QuantSpec(4, 64, True), QuantSpec(4, 32, False, True), QuantSpec(4, 16, True),
              QuantSpec(8, -1, True), QuantSpec(8, 32, False, True)]
 
@@ -93,17 +93,17 @@ def test_int4pack_packing_and_zero_point_exact_in_fp32(spec):
     """With fp32 activations and scales the int4pack op reproduces (q - z) * s exactly:
     checks the packing, the [G, out, 2] layout and zero_fp = (8 - z) * scale."""
     p = random_packed(OUT, IN, spec, seed=3)
-    w = cpu_kernels.repack_int4(p, act_dtype=torch.float32)
+    w = cpu_kernels.repack_int4pack(p, act_dtype=torch.float32)
     x = torch.randn(5, IN)
     want = x.double() @ dequantize_reference(p).T
-    got = cpu_kernels.int4_matmul(x, w)
+    got = cpu_kernels.int4pack_matmul(x, w)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("out_f", [64, 192, 96])
 def test_int4pack_blob_unpacks_exactly_where_the_layout_is_known(out_f):
     p = random_packed(out_f, IN, QuantSpec(4, 64, False), seed=out_f)
-    w = cpu_kernels.repack_int4(p)
+    w = cpu_kernels.repack_int4pack(p)
     # torch's AVX-512 kernels block 64 rows, its AVX2 ones 32: either reads 64-multiples back;
     # 96 rows only the AVX2 layout (elsewhere int4pack runs at every M)
     if out_f % 64 == 0:
@@ -119,14 +119,14 @@ def test_int4_prefill_path_matches_reference_and_decode_path(spec):
     """M >= PREFILL_ROWS: dequantize once to bf16 + dense matmul; same result as int4pack up to
     bf16 rounding of the weights (2**-9 relative), both near the float64 reference."""
     p = random_packed(128, IN, spec, seed=5)
-    w = cpu_kernels.repack_int4(p)
+    w = cpu_kernels.repack_int4pack(p)
     assert w.unpackable
     m = cpu_kernels.PREFILL_ROWS + 7
     x = torch.randn(m, IN)
     want = x.double() @ dequantize_reference(p).T
-    got = cpu_kernels.int4_matmul(x, w)  # the prefill path
+    got = cpu_kernels.int4pack_matmul(x, w)  # the prefill path
     # row by row (M = 1 each) is the int4pack kernel
-    rows = torch.cat([cpu_kernels.int4_matmul(x[i:i + 1], w) for i in range(0, m, 45)])
+    rows = torch.cat([cpu_kernels.int4pack_matmul(x[i:i + 1], w) for i in range(0, m, 45)])
     assert _rel(got, want) < 1e-2
     assert _rel(rows, want[::45]) < 1e-2
     assert _rel(got[::45], rows.double()) < 1e-2
@@ -146,7 +146,7 @@ def test_backend_dispatch_reasons():
     assert cpu_kernels.cpu_backend_for(uneven)[0] == "dequant"
     assert cpu_kernels.cpu_backend_for(random_packed(24, IN, QuantSpec(4, 32, True), 1))[0] == \
         "dequant"  # out % 16 != 0
-    int8_groupwise = f"int8{cpu_ext.active_isa()}" if cpu_ext.kernel_status()[0] else "dequant"
+    int8_groupwise = f"w8a32_{cpu_ext.active_isa()}" if cpu_ext.kernel_status()[0] else "dequant"
     assert cpu_kernels.cpu_backend_for(random_packed(OUT, IN, QuantSpec(8, 32, True), 1))[0] == \
         int8_groupwise  # int8pack is per channel only
     with pytest.raises(ValueError, match="backend"):

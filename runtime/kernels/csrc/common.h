@@ -5,7 +5,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -77,14 +76,14 @@ inline void check_group_tensors(const at::Tensor& scales, const c10::optional<at
   }
 }
 
-// The W4A8 layout (runtime/kernels/cpu.py:pack_a8w4): packed uint8 [N/16, K/8, 64]; byte
+// The W4A8 layout (runtime/kernels/cpu.py:pack_w4a8): packed uint8 [N/16, K/8, 64]; byte
 // 4r + e of chunk (b, c) holds q[16b + r][8c + e] (low nibble) and q[16b + r][8c + 4 + e]
 // (high nibble), r < 16, e < 4: the low nibbles of a chunk are 16 rows x 4 columns, as an int8
 // dot-product instruction (vpdpbusd, or pmaddubsw + pmaddwd) reads them, rows 0..7 in its
 // first 32 bytes. scales fp16 (the checkpoint's, exact) and mz fp32 [N/16, G, 16],
 // w = q * scale + mz (mz = -z * scale); mz absent: every zero point is 8 (a symmetric layer),
 // mz = -8 * scale computed in the kernel.
-inline void check_a8w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+inline void check_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mz, int64_t group_size) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == 64,
@@ -96,7 +95,7 @@ inline void check_a8w4(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(x.size(1) == K, "packed holds K = ", K, ", x has ", x.size(1));
 }
 
-// --- int4_a8_mm / quantize_a8: activation quantization (W4A8) ------------------------------
+// --- w4a8_mm / quantize_a8: activation quantization (W4A8) ------------------------------
 // Per row and block of 32 columns: d = amax / 127, xq = round_half_even(x * (127 / amax)) in
 // [-127, 127] (0 where amax == 0), and per group qsum = sum over its blocks of d * sum(xq): the
 // zero-point term uses the same quantized activations as the dot products, so its rounding
@@ -126,7 +125,7 @@ A8Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group_size,
 }
 
 // quantize_a8: (xq int8 [M, K], dx fp32 [M, K / 32], qsum fp32 [M, K / group_size]) as
-// int4_a8_mm computes them
+// w4a8_mm computes them
 template <typename QuantizeRow>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_quantize_a8(const at::Tensor& x,
                                                                int64_t group_size,
@@ -146,17 +145,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_quantize_a8(const at::Tensor&
   return {xq, dx, qsum};
 }
 
-// int4_a8_mm: y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations,
+// w4a8_mm: y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations,
 //   y[m, n] = sum_g scale[n, g] * sum_{blocks b of g} dx[m, b] * (sum_k q[n, k] * xq[m, k])
 //             + mz[n, g] * qsum[m, g]
 // (integer dots exact, scaling and sums fp32). tile(mt, a, m0, K, G, group_size, w, sc, mz,
 // out, ldo) computes one block of 16 output rows for mt activation rows from m0: w the block's
 // chunks [K/8, 64], sc / mz its [G, 16], out row m at out + m * ldo.
 template <int MaxTile, typename QuantizeRow, typename Tile>
-at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor run_w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& mz, int64_t group_size,
                           const QuantizeRow& quantize_row, const Tile& tile) {
-  check_a8w4(x, packed, scales, mz, group_size);
+  check_w4a8(x, packed, scales, mz, group_size);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
   const int64_t G = K / group_size;
   const A8Acts a = quantize_acts(x.data_ptr<float>(), M, K, group_size, quantize_row);
@@ -173,11 +172,11 @@ at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const a
   return y;
 }
 
-// --- int8_a8_mm: the int8 output head with int8 activations ---------------------------------
+// --- w8a8_mm: the int8 output head with int8 activations ---------------------------------
 // Weights q8 int8 [N/16, K/4, 64]: byte 4r + e of chunk (b, c) holds q[16b + r][4c + e] (16 rows
 // x 4 columns, as an int8 dot-product instruction reads them; rows 0..7 in the first 32 bytes),
 // q in [-127, 127]; scales fp16 [N/16, K/32, 16]: w = q * scale, per row and block of 32
-// columns, symmetric (llama.cpp's Q8_0). The activations are quantized as for int4_a8_mm (per
+// columns, symmetric (llama.cpp's Q8_0). The activations are quantized as for w4a8_mm (per
 // row and block of 32 columns: xq, dx), and
 //   y[m, n] = sum over blocks b of scale[n, b] * dx[m, b] * (sum_{k in b} q[n, k] * xq[m, k])
 // (integer dots exact, scaling and sums fp32): llama.cpp's Q8_0 x Q8_0 dot product. Where the
@@ -186,7 +185,7 @@ at::Tensor run_int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const a
 // sc, out, ldo) computes one block of 16 output rows for mt activation rows from m0: w the
 // block's chunks [K/4, 64], sc its [K/32, 16], out row m at out + m * ldo.
 template <int MaxTile, typename QuantizeRow, typename Tile>
-at::Tensor run_int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+at::Tensor run_w8a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
                           const QuantizeRow& quantize_row, const Tile& tile) {
   TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
                   q8.size(2) == 64,
@@ -215,14 +214,14 @@ at::Tensor run_int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::T
   return y;
 }
 
-// --- int8_mm: W8A16 ---------------------------------------------------------------------------
+// --- w8a32_mm: W8A16 ---------------------------------------------------------------------------
 // Weights q8 int8 [N/16, K, 16] = q - 128 (16 output rows side by side per k), scales fp16 and
 // zf fp32 [N/16, G, 16]: w = (q - 128) * scale + zf, zf = (128 - z) * scale. int8 -> fp32 is
 // exact and the activations stay fp32 (fp32 FMAs): exact products, fp32 sums.
 // group_sums(x, n_groups, group_size, sumx): sumx[i] = the fp32 sum of group i of x (for zf);
 // tile(mt, x, K, sumx, G, w, sc, zf, group_size, out, ldo): one block of 16 output rows.
 template <int MaxTile, typename GroupSums, typename Tile>
-at::Tensor run_int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+at::Tensor run_w8a32_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& zf, int64_t group_size,
                        const GroupSums& group_sums, const Tile& tile) {
   TORCH_CHECK(q8.dim() == 3 && q8.scalar_type() == at::kChar && q8.is_contiguous() &&
@@ -548,196 +547,6 @@ inline uint16_t float_to_bf16(float f) {
   std::memcpy(&bits, &f, sizeof(bits));
   bits += 0x7FFF + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
-}
-
-// --- registration: the ops both builds define, one schema each (runtime/kernels/cpu.py calls
-// them by these names in either namespace) ---------------------------------------------------
-inline void def_ops(torch::Library& m) {
-  m.def("int8_mm(Tensor x, Tensor q8, Tensor scales, Tensor? zf, int group_size) -> Tensor");
-  m.def("int4_a8_mm(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size, "
-        "bool vnni) -> Tensor");
-  m.def("quantize_a8(Tensor x, int group_size) -> (Tensor, Tensor, Tensor)");
-  m.def("int8_a8_mm(Tensor x, Tensor q8, Tensor scales) -> Tensor");
-  m.def("fp16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("bf16_mm(Tensor x, Tensor wb) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor ctx_lens, Tensor q_lens, float scale, int window=0) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
-  m.def("decoder_layer(Tensor(a!) h, Tensor? delta, Tensor?[] weights, int[] group_sizes, "
-        "bool vnni, float[] eps, float scale, int window, str activation, Tensor cos, "
-        "Tensor sin, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor slots, Tensor block_tables, "
-        "Tensor ctx_lens, Tensor q_lens) -> Tensor");
-}
-
-// the ISA's entry points of def_ops' ops (rope_ is common.h's own)
-struct OpImpls {
-  at::Tensor (*int8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const c10::optional<at::Tensor>&, int64_t);
-  at::Tensor (*int4_a8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const c10::optional<at::Tensor>&, int64_t, bool);
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*quantize_a8)(const at::Tensor&, int64_t);
-  at::Tensor (*fp16_mm)(const at::Tensor&, const at::Tensor&);
-  at::Tensor (*bf16_mm)(const at::Tensor&, const at::Tensor&);
-  at::Tensor (*paged_attention)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                int64_t);
-  at::Tensor (*add_rms_norm_)(at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
-                              double);
-  at::Tensor (*silu_mul)(const at::Tensor&);
-  at::Tensor (*gelu_tanh_mul)(const at::Tensor&);
-  at::Tensor (*int8_a8_mm)(const at::Tensor&, const at::Tensor&, const at::Tensor&);
-};
-
-// --- decoder_layer: one whole pre-norm decoder layer of a short step ------------------------
-// What runtime/engine/model_runner.py does per layer for a decode step (or a prefill chunk the
-// paged kernel takes), in one call instead of about twenty torch ops and Python between them:
-//   x = add_rms_norm_(h, delta, gain_in)             h += delta (the last layer's MLP output)
-//   q, k, v = split(x @ Wqkv^T + bias)                the stacked q/k/v W4A8 layer
-//   q, k = rms_norm per head (q_norm, k_norm)         where given (Gemma 3, Qwen3)
-//   rope_(q, k); k, v -> their paged slots            (rounded to bf16 for a bf16 cache)
-//   o = paged_attention(q, ..., window) @ Wo^T        window 0: full attention
-//   o = rms_norm(o) (attn_out_norm)                   where given (Gemma 2/3's sandwich norm)
-//   x = add_rms_norm_(h, o, gain_mlp)                 h += o
-//   d = down(act(gate) * up)                          act: "silu" or "gelu_pytorch_tanh"
-//   returns rms_norm(d) (mlp_out_norm) or d           the new delta, [T, hidden]
-// Each step is the op of the same name (same arithmetic, same results bit for bit: tested); a
-// norm here is add_rms_norm_ without delta, with the gain the runner passes ((1 + w) for
-// Gemma). weights (Tensor?[], 23): gain_in, gain_mlp, qkv bias, q_norm, k_norm, attn_out_norm,
-// mlp_out_norm (gains, or None where the layer has no such part), then for each of qkv, o,
-// gate_up, down: packed, scales, mz or None, perm or None (int4_a8_mm's operands and the
-// act-order column order). group_sizes: the four layers'; eps (6): the norms', in the order of
-// their gains (an absent norm's is ignored).
-constexpr int64_t kLayerWeights = 23;
-constexpr int64_t kLayerNorms = 7;  // gains (and the qkv bias) before the linears' operands
-
-namespace {
-
-OpImpls g_ops{};  // this build's entry points (impl_ops fills them; one copy per library)
-
-inline at::Tensor layer_a8(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w,
-                           int64_t i, int64_t group_size, bool vnni) {
-  const int64_t base = kLayerNorms + 4 * i;
-  const c10::optional<at::Tensor> packed = w.get(base), scales = w.get(base + 1);
-  const c10::optional<at::Tensor> mz = w.get(base + 2), perm = w.get(base + 3);
-  TORCH_CHECK(packed.has_value() && scales.has_value(), "decoder_layer: linear ", i,
-              " needs packed weights and scales");
-  const at::Tensor xin = perm.has_value() ? x.index_select(1, *perm) : x.contiguous();
-  return g_ops.int4_a8_mm(xin, *packed, *scales, mz, group_size, vnni);
-}
-
-// RMSNorm of each row of x [rows, D] with weights[i]'s gain, or x itself where weights[i] is
-// None: add_rms_norm_ without delta (x is not written)
-inline at::Tensor optional_norm(at::Tensor x, const c10::List<c10::optional<at::Tensor>>& w,
-                                int64_t i, double eps) {
-  const c10::optional<at::Tensor> gain = w.get(i);
-  return gain.has_value() ? g_ops.add_rms_norm_(x, c10::nullopt, *gain, eps) : x;
-}
-
-// rows of src [T, KV, D] fp32 -> pool [blocks, block_size, KV, D] (fp32 or bf16) at slots [T]
-inline void write_slots(const at::Tensor& src, at::Tensor& pool, const at::Tensor& slots) {
-  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.size(2) == src.size(1) &&
-                  pool.size(3) == src.size(2),
-              "k_pool / v_pool must be contiguous [blocks, block_size, KV, D]");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  slots.size(0) == src.size(0),
-              "slots must be contiguous int64 [T]");
-  const int64_t T = src.size(0), row = src.size(1) * src.size(2);
-  const int64_t n_slots = pool.size(0) * pool.size(1);
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const float* sp = src.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sl[t] >= 0 && sl[t] < n_slots, "slot ", sl[t], " outside the pool");
-  if (pool.scalar_type() == at::kFloat) {
-    float* pp = pool.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(pp + sl[t] * row, sp + t * row, row * sizeof(float));
-  } else {
-    TORCH_CHECK(pool.scalar_type() == at::kBFloat16, "the KV pools must be fp32 or bf16");
-    uint16_t* pp = reinterpret_cast<uint16_t*>(pool.data_ptr<at::BFloat16>());
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < row; ++i) pp[sl[t] * row + i] = float_to_bf16(sp[t * row + i]);
-  }
-}
-
-// the gated MLP's activation op by its transformers name
-inline at::Tensor gated_act(const at::Tensor& gu, c10::string_view activation) {
-  if (activation == "silu") return g_ops.silu_mul(gu);
-  if (activation == "gelu_pytorch_tanh") return g_ops.gelu_tanh_mul(gu);
-  TORCH_CHECK(false, "decoder_layer: activation '", std::string(activation),
-              "' is not silu or gelu_pytorch_tanh");
-}
-
-// qkv [T, (H + 2 KV) D] -> q [T, H, D], k and v [T, KV, D] (contiguous copies of its parts)
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv,
-                                                                 int64_t KV, int64_t D) {
-  const int64_t T = qkv.size(0), N = qkv.size(1), H = N / D - 2 * KV;
-  TORCH_CHECK(N % D == 0 && H >= KV, "qkv has ", N, " outputs: not (H + 2 * ", KV, ") * ", D);
-  at::Tensor q = at::empty({T, H, D}, qkv.options());
-  at::Tensor k = at::empty({T, KV, D}, qkv.options());
-  at::Tensor v = at::empty({T, KV, D}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {  // the row's q | k | v parts
-    std::memcpy(q.data_ptr<float>() + t * H * D, src + t * N, H * D * sizeof(float));
-    std::memcpy(k.data_ptr<float>() + t * KV * D, src + t * N + H * D, KV * D * sizeof(float));
-    std::memcpy(v.data_ptr<float>() + t * KV * D, src + t * N + (H + KV) * D,
-                KV * D * sizeof(float));
-  }
-  return {q, k, v};
-}
-
-at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
-                         const c10::List<c10::optional<at::Tensor>>& w,
-                         at::IntArrayRef group_sizes, bool vnni, at::ArrayRef<double> eps,
-                         double scale, int64_t window, c10::string_view activation,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
-                         at::Tensor& v_pool, const at::Tensor& slots,
-                         const at::Tensor& block_tables, const at::Tensor& ctx_lens,
-                         const at::Tensor& q_lens) {
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == kLayerWeights && group_sizes.size() == 4 &&
-                  eps.size() == 6,
-              "decoder_layer takes 23 weights, 4 group sizes and 6 eps");
-  TORCH_CHECK(w.get(0).has_value() && w.get(1).has_value(), "decoder_layer needs both gains");
-  TORCH_CHECK(k_pool.dim() == 4, "k_pool must be [blocks, block_size, KV, D]");
-  const int64_t T = h.size(0), KV = k_pool.size(2), D = k_pool.size(3);
-  at::Tensor x = g_ops.add_rms_norm_(h, delta, *w.get(0), eps[0]);
-  at::Tensor qkv = layer_a8(x, w, 0, group_sizes[0], vnni);  // [T, (H + 2 KV) D]
-  if (w.get(2).has_value()) qkv.add_(*w.get(2));
-  auto [q, k, v] = split_qkv(qkv, KV, D);
-  const int64_t H = q.size(1);
-  q = optional_norm(q.view({T * H, D}), w, 3, eps[2]).view({T, H, D});
-  k = optional_norm(k.view({T * KV, D}), w, 4, eps[3]).view({T, KV, D});
-  rope_(q, k, cos, sin);
-  write_slots(k, k_pool, slots);
-  write_slots(v, v_pool, slots);
-  const at::Tensor o = g_ops.paged_attention(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
-                                             scale, window);
-  const at::Tensor attn = optional_norm(layer_a8(o.view({T, H * D}), w, 1, group_sizes[1], vnni),
-                                        w, 5, eps[4]);
-  x = g_ops.add_rms_norm_(h, attn, *w.get(1), eps[1]);
-  const at::Tensor gu = layer_a8(x, w, 2, group_sizes[2], vnni);
-  return optional_norm(layer_a8(gated_act(gu, activation), w, 3, group_sizes[3], vnni), w, 6,
-                       eps[5]);
-}
-
-}  // namespace
-
-inline void impl_ops(torch::Library& m, const OpImpls& ops) {
-  g_ops = ops;
-  m.impl("decoder_layer", &decoder_layer);
-  m.impl("int8_mm", ops.int8_mm);
-  m.impl("int4_a8_mm", ops.int4_a8_mm);
-  m.impl("quantize_a8", ops.quantize_a8);
-  m.impl("fp16_mm", ops.fp16_mm);
-  m.impl("bf16_mm", ops.bf16_mm);
-  m.impl("paged_attention", ops.paged_attention);
-  m.impl("add_rms_norm_", ops.add_rms_norm_);
-  m.impl("rope_", &rope_);
-  m.impl("silu_mul", ops.silu_mul);
-  m.impl("gelu_tanh_mul", ops.gelu_tanh_mul);
-  m.impl("int8_a8_mm", ops.int8_a8_mm);
 }
 
 }  // namespace qp

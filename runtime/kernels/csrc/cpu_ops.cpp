@@ -1,14 +1,15 @@
 // quantpipe's CPU kernels for AVX-512 BF16 + VNNI machines (built by runtime/kernels/cpu_ext.py;
 // cpu_ops_avx2.cpp is the AVX2 build of the same ops, csrc/common.h their shared plain C++,
-// csrc/simd.h their shared SIMD kernels over this file's 16-lane vector ops, struct Simd).
+// csrc/simd.h their shared SIMD kernels over this file's 16-lane vector ops, struct Simd,
+// csrc/decoder_layer.h the whole-layer op and csrc/registration.h the ops' schemas).
 //
-//   int4_a8_mm     W4A8 GEMM/GEMV, int8 activations per 32 columns, vpdpbusd (the 4-bit default);
-//                  from 32 rows on AMX CPUs it runs int4_amx_bf16_mm
-//   int4_amx_bf16_mm  the same weights expanded to bf16 on the AMX tile unit (amx_supported())
-//   quantize_a8    int4_a8_mm's activation quantizer (exposed for tests)
-//   int4_mm        W4A16 GEMM/GEMV, bf16 activations (QUANTPIPE_CPU_INT4_ACT=bf16)
-//   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
-//   int8_a8_mm     int8 weights x int8 activations, vpdpbusd (the int8 output head)
+//   w4a8_mm        W4A8 GEMM/GEMV, int8 activations per 32 columns, vpdpbusd (the 4-bit default);
+//                  from 32 rows on AMX CPUs it runs w4a8_mm_amx
+//   w4a8_mm_amx    the same weights expanded to bf16 on the AMX tile unit (amx_supported())
+//   quantize_a8    w4a8_mm's activation quantizer (exposed for tests)
+//   w4a16_mm       W4A16 GEMM/GEMV, bf16 activations (QUANTPIPE_CPU_INT4_ACT=bf16)
+//   w8a32_mm       W8A32 GEMM/GEMV, exact int8 weights x fp32 activations (8-bit linears)
+//   w8a8_mm        int8 weights x int8 activations, vpdpbusd (the int8 output head)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16 activations (the output head, half the FMAs of fp16_mm)
 //   paged_attention  short query chunks over their paged K/V blocks (decode, small prefills),
@@ -17,16 +18,16 @@
 //   rope_          rotary embedding (rotate-half convention) applied in place to q and k
 //   silu_mul       silu(gate) * up of a fused gate/up projection
 //   gelu_tanh_mul  gelu_pytorch_tanh(gate) * up (Gemma's MLP)
-//   decoder_layer  a whole decoder layer of a short step (common.h)
+//   decoder_layer  a whole decoder layer of a short step (decoder_layer.h)
 
-// --- int4_mm ------------------------------------------------------------------------------
+// --- w4a16_mm ------------------------------------------------------------------------------
 //
 // Why our own: torch's int4pack CPU kernel is compute-bound on the AVX-512 machines we measured
 // (docs/runtime.md) and works in blocks of 4 activation rows, so an 8-row decode
 // step costs twice a 4-row one. This kernel expands each 32-byte chunk of packed weights once,
 // with two table lookups, and feeds it to `vdpbf16ps` for every activation row of the tile.
 //
-// Layout (built by runtime/kernels/cpu.py:repack_qp4; unpack_qp4 inverts it, tested exactly):
+// Layout (built by runtime/kernels/cpu.py:repack_w4a16; unpack_w4a16 inverts it, tested exactly):
 //   packed  uint8 [N/16, K/4, 32]: block b holds output rows 16b..16b+15; chunk c holds
 //           k = 4c..4c+3; byte j = 2r + e holds q[16b + r][4c + e] in its low nibble and
 //           q[16b + r][4c + 2 + e] in its high nibble (r in 0..15, e in 0..1).
@@ -50,6 +51,7 @@
 #include <memory>
 
 #include "common.h"
+#include "registration.h"
 
 // the functions with vector code, here and in simd.h (the rest of the file is plain x86-64:
 // it runs before the CPU check)
@@ -199,7 +201,7 @@ void check_weights(const at::Tensor& packed, const at::Tensor& scales,
 }
 
 // y fp32 [M, N] = x [M, K] (fp32 or bf16; used as bf16) @ W^T, W from the packed layout.
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& zf, int64_t group_size) {
   check_weights(packed, scales, zf, group_size);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -305,13 +307,13 @@ struct Simd {
   static void check() { check_cpu(); }
 };
 
-// --- int4_a8_mm: W4A8 --------------------------------------------------------------------------
+// --- w4a8_mm: W4A8 --------------------------------------------------------------------------
 // The activations quantized to int8 per row and block of 32 columns, the 4-bit weights
 // multiplied with them by vpdpbusd (unsigned q x signed xq, four products per 32-bit lane):
 // common.h describes the layout (16 rows x 4 columns per half chunk), the quantizer and the
 // formula; both builds give identical xq, dx and qsum.
 
-// The exact integer dot of one 32-column block, all 16 rows (simd.h's a8_tile). vpdpbusd has a
+// The exact integer dot of one 32-column block, all 16 rows (simd.h's w4a8_tile). vpdpbusd has a
 // latency of several cycles: with few rows each row gets A independent chains.
 struct DotVnni512 {
   template <int MT>
@@ -340,15 +342,15 @@ struct DotVnni512 {
 };
 
 template <int MT>
-QP_TARGET __attribute__((flatten)) void a8_tile(const A8Acts& a, int64_t m0, int64_t K,
+QP_TARGET __attribute__((flatten)) void w4a8_tile(const A8Acts& a, int64_t m0, int64_t K,
                                                 int64_t G, int64_t group_size, const uint8_t* w,
                                                 const uint16_t* sc, const float* mz, float* out,
                                                 int64_t ldo) {
-  qp::simd::a8_tile<Simd, DotVnni512, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
+  qp::simd::w4a8_tile<Simd, DotVnni512, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
 }
 
-// --- int4_a8_mm on AMX: the weights in bf16 on the tile unit (prefill-sized row counts) -------
-// From kAmxMinRows activation rows on a CPU with AMX, int4_a8_mm runs this kernel instead of
+// --- w4a8_mm on AMX: the weights in bf16 on the tile unit (prefill-sized row counts) -------
+// From kAmxMinRows activation rows on a CPU with AMX, w4a8_mm runs this kernel instead of
 // the VNNI tiles. An int8 AMX version of the W4A8 arithmetic was measured first: the per-block
 // activation scales make it store every 32-column block's int32 tile and fold it into fp32
 // with vector code, which then takes most of the time (1.5-2x the VNNI tiles, half of oneDNN's
@@ -392,7 +394,7 @@ bool amx_supported() {
   return supported;
 }
 
-// int4_a8_mm's choice: AMX where supported, unless QUANTPIPE_CPU_AMX=0 (read at every call of
+// w4a8_mm's choice: AMX where supported, unless QUANTPIPE_CPU_AMX=0 (read at every call of
 // 32 rows or more: a process may switch, as the tests do); any value but 0, 1 or unset is an
 // error, not a silent choice
 bool amx_auto() {
@@ -543,12 +545,12 @@ QP_AMX_TARGET void amx_bf16_units(int64_t p0, int64_t p1, const uint16_t* xb, in
 
 // y fp32 [M, N] = x @ W^T with W the W4A8 layout expanded to bf16 and x rounded to bf16 (any row
 // count; an error without AMX)
-at::Tensor int4_amx_bf16_mm(const at::Tensor& x, const at::Tensor& packed,
+at::Tensor w4a8_mm_amx(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& scales, const c10::optional<at::Tensor>& mz,
                             int64_t group_size) {
   check_cpu();
   TORCH_CHECK(amx_supported(), "this CPU (or kernel) does not let quantpipe use AMX");
-  qp::check_a8w4(x, packed, scales, mz, group_size);
+  qp::check_w4a8(x, packed, scales, mz, group_size);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kRows;
   const int64_t G = K / group_size;
   const int64_t padded = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
@@ -580,20 +582,20 @@ at::Tensor int4_amx_bf16_mm(const at::Tensor& x, const at::Tensor& packed,
 
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations. `vnni` is the AVX2 build's
 // choice of instruction; here it must be true (AVX-512 VNNI is part of this build's baseline).
-at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& mz, int64_t group_size, bool vnni) {
   check_cpu();
   TORCH_CHECK(vnni, "the AVX-512 build always uses VNNI; pass vnni=True");
   if (x.dim() == 2 && x.size(0) >= kAmxMinRows && amx_auto())
-    return int4_amx_bf16_mm(x, packed, scales, mz, group_size);
-  return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
+    return w4a8_mm_amx(x, packed, scales, mz, group_size);
+  return qp::run_w4a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
                                       &qp::simd::quantize_row<Simd>,
                                       [](auto mt, const auto&... args) {
-                                        a8_tile<decltype(mt)::value>(args...);
+                                        w4a8_tile<decltype(mt)::value>(args...);
                                       });
 }
 
-// --- int8_a8_mm: the int8 head, int8 activations (common.h gives the layout and formula) ------
+// --- w8a8_mm: the int8 head, int8 activations (common.h gives the layout and formula) ------
 
 // The exact integer dot of one 32-column block, all 16 rows: vpdpbusd multiplies unsigned bytes
 // (q + 128, as q xor 0x80) by the signed activations; the chains start at -128 * sum(xq), so
@@ -622,17 +624,17 @@ struct DotI8Vnni512 {
 };
 
 template <int MT>
-QP_TARGET __attribute__((flatten)) void i8a8_tile(const A8Acts& a, const int32_t* xsum,
+QP_TARGET __attribute__((flatten)) void w8a8_tile(const A8Acts& a, const int32_t* xsum,
                                                   int64_t m0, int64_t K, const int8_t* w,
                                                   const uint16_t* sc, float* out, int64_t ldo) {
-  qp::simd::i8a8_tile<Simd, DotI8Vnni512, MT>(a, xsum, m0, K, w, sc, out, ldo);
+  qp::simd::w8a8_tile<Simd, DotI8Vnni512, MT>(a, xsum, m0, K, w, sc, out, ldo);
 }
 
-at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales) {
+at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales) {
   check_cpu();
-  return qp::run_int8_a8_mm<kMaxTile>(x, q8, scales, &qp::simd::quantize_row<Simd>,
+  return qp::run_w8a8_mm<kMaxTile>(x, q8, scales, &qp::simd::quantize_row<Simd>,
                                       [](auto mt, const auto&... args) {
-                                        i8a8_tile<decltype(mt)::value>(args...);
+                                        w8a8_tile<decltype(mt)::value>(args...);
                                       });
 }
 
@@ -677,19 +679,19 @@ bool int4_supported() { return cpu_supported(); }
 
 TORCH_LIBRARY(quantpipe_cpu, m) {
   qp::def_ops(m);
-  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
+  m.def("w4a16_mm(Tensor x, Tensor packed, Tensor scales, Tensor? zf, int group_size) -> Tensor");
   m.def("supported() -> bool", &int4_supported);
   m.def("amx_supported() -> bool", &amx_supported);
-  m.def("int4_amx_bf16_mm(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size) "
+  m.def("w4a8_mm_amx(Tensor x, Tensor packed, Tensor scales, Tensor? mz, int group_size) "
         "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu, CPU, m) {
-  m.impl("int4_mm", &int4_mm);
-  m.impl("int4_amx_bf16_mm", &int4_amx_bf16_mm);
+  m.impl("w4a16_mm", &w4a16_mm);
+  m.impl("w4a8_mm_amx", &w4a8_mm_amx);
   using namespace qp::simd;
-  qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
+  qp::impl_ops(m, {&w8a32_mm<Simd, kMaxTile>, &w4a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
                    &add_rms_norm_<Simd>, &silu_mul<Simd>, &gelu_tanh_mul<Simd>,
-                   &int8_a8_mm});
+                   &w8a8_mm});
 }

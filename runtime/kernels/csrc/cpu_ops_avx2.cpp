@@ -1,13 +1,13 @@
 // quantpipe's CPU kernels for AVX2 + FMA + F16C machines (built by runtime/kernels/cpu_ext.py
 // with -mavx2 -mfma -mf16c; loaded only on a CPU that has those). The same ops as the AVX-512
-// build (cpu_ops.cpp) in the op namespace quantpipe_cpu_avx2, except int4_mm (W4A16 needs
-// vdpbf16ps): the 4-bit linears run as int4_a8_mm.
+// build (cpu_ops.cpp) in the op namespace quantpipe_cpu_avx2, except w4a16_mm (W4A16 needs
+// vdpbf16ps): the 4-bit linears run as w4a8_mm.
 //
-//   int4_a8_mm     W4A8 GEMM/GEMV: int8 activations per block of 32, int8 dot products
+//   w4a8_mm        W4A8 GEMM/GEMV: int8 activations per block of 32, int8 dot products
 //                  (pmaddubsw + pmaddwd, or AVX-VNNI vpdpbusd where the CPU has it)
-//   quantize_a8    the activation quantizer int4_a8_mm uses (exposed for tests)
-//   int8_mm        W8A16 GEMM/GEMV, exact int8 weights x fp32 activations
-//   int8_a8_mm     int8 weights x int8 activations (pmaddubsw; the int8 output head)
+//   quantize_a8    the activation quantizer w4a8_mm uses (exposed for tests)
+//   w8a32_mm       W8A32 GEMM/GEMV, exact int8 weights x fp32 activations
+//   w8a8_mm        int8 weights x int8 activations (pmaddubsw; the int8 output head)
 //   fp16_mm        exact fp16 weights x fp32 activations (the output head)
 //   bf16_mm        bf16 weights x bf16-rounded activations (the output head)
 //   paged_attention, add_rms_norm_, rope_, silu_mul, gelu_tanh_mul, decoder_layer
@@ -25,6 +25,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "registration.h"
 
 // the whole file is compiled for AVX2 + FMA + F16C (cpu_ext.py's flags): simd.h's functions need
 // no target attribute
@@ -111,7 +112,7 @@ struct Simd {
   static void check() {}  // this library is loaded only on CPUs with AVX2, FMA and F16C
 };
 
-// --- int4_a8_mm (common.h gives the formula) ----------------------------------------------------
+// --- w4a8_mm (common.h gives the formula) ----------------------------------------------------
 // The integer dot of one block is exact (|q * xq| <= 15 * 127; pmaddubsw's int16 pair sums
 // stay below 2^15 even summed over the block's four chunks); scaling and sums are fp32.
 
@@ -159,18 +160,18 @@ struct DotAvxVnni {
 };
 
 // The two instruction sets as separate functions, everything inlined into each (flatten), so
-// that the AVX-VNNI instructions appear only in a8_tile_vnni, which runs only where the CPU
+// that the AVX-VNNI instructions appear only in w4a8_tile_vnni, which runs only where the CPU
 // has them.
 #define QP_A8_ARGS                                                                          \
   const A8Acts &a, int64_t m0, int64_t K, int64_t G, int64_t group_size, const uint8_t *w, \
       const uint16_t *sc, const float *mz, float *out, int64_t ldo
 template <int MT>
-__attribute__((flatten)) void a8_tile(QP_A8_ARGS) {
-  qp::simd::a8_tile<Simd, DotMaddubs, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
+__attribute__((flatten)) void w4a8_tile(QP_A8_ARGS) {
+  qp::simd::w4a8_tile<Simd, DotMaddubs, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
 }
 template <int MT>
-__attribute__((flatten, target("avxvnni"))) void a8_tile_vnni(QP_A8_ARGS) {
-  qp::simd::a8_tile<Simd, DotAvxVnni, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
+__attribute__((flatten, target("avxvnni"))) void w4a8_tile_vnni(QP_A8_ARGS) {
+  qp::simd::w4a8_tile<Simd, DotAvxVnni, MT>(a, m0, K, G, group_size, w, sc, mz, out, ldo);
 }
 #undef QP_A8_ARGS
 
@@ -183,18 +184,18 @@ bool has_avxvnni() {
 }
 
 // y fp32 [M, N] = x fp32 [M, K] @ W^T with int8 activations; vnni: use AVX-VNNI (checked)
-at::Tensor int4_a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& mz, int64_t group_size, bool vnni) {
   TORCH_CHECK(!vnni || has_avxvnni(), "vnni=True but the CPU lacks AVX-VNNI (avx_vnni)");
-  return qp::run_int4_a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
+  return qp::run_w4a8_mm<kMaxTile>(x, packed, scales, mz, group_size,
                                       &qp::simd::quantize_row<Simd>,
                                       [vnni](auto mt, const auto&... args) {
-                                        if (vnni) a8_tile_vnni<decltype(mt)::value>(args...);
-                                        else a8_tile<decltype(mt)::value>(args...);
+                                        if (vnni) w4a8_tile_vnni<decltype(mt)::value>(args...);
+                                        else w4a8_tile<decltype(mt)::value>(args...);
                                       });
 }
 
-// --- int8_a8_mm: the int8 head, int8 activations (common.h gives the layout and formula) ------
+// --- w8a8_mm: the int8 head, int8 activations (common.h gives the layout and formula) ------
 
 // The exact integer dot of one 32-column block, 8 output rows: pmaddubsw multiplies |q| (as
 // unsigned bytes) by xq with q's sign, so each int16 pair sum is at most 2 * 128 * 127 < 2^15
@@ -218,16 +219,16 @@ struct DotI8Maddubs {
 };
 
 template <int MT>
-__attribute__((flatten)) void i8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0,
+__attribute__((flatten)) void w8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0,
                                         int64_t K, const int8_t* w, const uint16_t* sc,
                                         float* out, int64_t ldo) {
-  qp::simd::i8a8_tile<Simd, DotI8Maddubs, MT>(a, xsum, m0, K, w, sc, out, ldo);
+  qp::simd::w8a8_tile<Simd, DotI8Maddubs, MT>(a, xsum, m0, K, w, sc, out, ldo);
 }
 
-at::Tensor int8_a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales) {
-  return qp::run_int8_a8_mm<kMaxTile>(x, q8, scales, &qp::simd::quantize_row<Simd>,
+at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales) {
+  return qp::run_w8a8_mm<kMaxTile>(x, q8, scales, &qp::simd::quantize_row<Simd>,
                                       [](auto mt, const auto&... args) {
-                                        i8a8_tile<decltype(mt)::value>(args...);
+                                        w8a8_tile<decltype(mt)::value>(args...);
                                       });
 }
 
@@ -288,8 +289,8 @@ TORCH_LIBRARY(quantpipe_cpu_avx2, m) {
 
 TORCH_LIBRARY_IMPL(quantpipe_cpu_avx2, CPU, m) {
   using namespace qp::simd;
-  qp::impl_ops(m, {&int8_mm<Simd, kMaxTile>, &int4_a8_mm, &quantize_a8<Simd>,  // OpImpls' order
+  qp::impl_ops(m, {&w8a32_mm<Simd, kMaxTile>, &w4a8_mm, &quantize_a8<Simd>,  // OpImpls' order
                    &fp16_mm<Simd, kMaxTile>, &bf16_mm, &paged_attention<Simd>,
                    &add_rms_norm_<Simd>, &silu_mul<Simd>, &gelu_tanh_mul<Simd>,
-                   &int8_a8_mm});
+                   &w8a8_mm});
 }

@@ -68,7 +68,7 @@ QP_TARGET inline void store_row_sums(const typename V::F (&acc)[MT][P], float* o
   }
 }
 
-// --- int4_a8_mm: W4A8 (common.h gives the layout, the quantizer and the formula) ----------------
+// --- w4a8_mm: W4A8 (common.h gives the layout, the quantizer and the formula) ----------------
 
 // one row: x fp32 [K] -> xq int8 [K], dx fp32 [K / 32], qsum fp32 [K / group_size]
 template <class V>
@@ -102,7 +102,7 @@ QP_TARGET void quantize_row(const float* x, int64_t K, int64_t group_size, int8_
 //   w  the block's chunks [K/8, 64]; sc (fp16 bits) / mz (fp32) the block's [G, 16] (mz null:
 //   -8 * sc); out row m at out + m * ldo
 template <class V, class Dot, int MT>
-QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
+QP_TARGET inline void w4a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
                               int64_t group_size, const uint8_t* w, const uint16_t* sc,
                               const float* mz, float* out, int64_t ldo) {
   const int64_t nb = K / kA8Block, per_group = group_size / kA8Block;
@@ -131,14 +131,14 @@ QP_TARGET inline void a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t G,
   }
 }
 
-// --- int8_a8_mm: the int8 head with int8 activations (common.h gives the layout and formula) --
+// --- w8a8_mm: the int8 head with int8 activations (common.h gives the layout and formula) --
 
 // One block of 16 output rows for MT activation rows (the tile's first row at m0), in halves of
 // V::L rows. Dot::run<MT>(w, xb, xs, iacc) is the ISA's exact integer dot of one block of 32
 // columns (the half's bytes at w, chunk stride 64, 8 chunks; row m's 32 int8 at xb[m], their
 // sum xs[m]) into iacc[m].
 template <class V, class Dot, int MT>
-QP_TARGET inline void i8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0, int64_t K,
+QP_TARGET inline void w8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0, int64_t K,
                                 const int8_t* w, const uint16_t* sc, float* out, int64_t ldo) {
   const int64_t nb = K / kA8Block;
   for (int64_t h = 0; h < kRows / V::L; ++h) {
@@ -164,7 +164,7 @@ QP_TARGET inline void i8a8_tile(const A8Acts& a, const int32_t* xsum, int64_t m0
   }
 }
 
-// --- int8_mm: W8A16 (common.h gives the layout and numerics) ----------------------------------
+// --- w8a32_mm: W8A32 (common.h gives the layout and numerics) ----------------------------------
 
 // sumx[i] = sum of the fp32 values x[i * group_size : (i + 1) * group_size]
 template <class V>
@@ -427,10 +427,10 @@ QP_TARGET float sum_squares(const float* h, int64_t D) {
 // --- the ops both builds define the same way (V::check() first: the build's CPU check) --------
 
 template <class V, int MaxTile>
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
+at::Tensor w8a32_mm(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& zf, int64_t group_size) {
   V::check();
-  return run_int8_mm<MaxTile>(x, q8, scales, zf, group_size, &group_sums_f32<V>,
+  return run_w8a32_mm<MaxTile>(x, q8, scales, zf, group_size, &group_sums_f32<V>,
                               [](auto mt, const auto&... args) {
                                 int8_tile<V, decltype(mt)::value>(args...);
                               });

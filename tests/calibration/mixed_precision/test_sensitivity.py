@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
+from quantpipe.calibration.mixed_precision.plan import PlanSpec, damage_table, make_plan
 from quantpipe.calibration.mixed_precision.sensitivity import (
     SENSITIVITY_FILE,
     SensitivitySpec,
     _calibration_ids,
-    calibration_identity,
     _checkpoints,
+    calibration_identity,
     measure_sensitivity,
     spearman,
 )
@@ -209,6 +209,9 @@ def test_plan_uses_measurement_and_cli(measured, calib_dir):
     assert plan.validated_damage is not None and plan.validated_damage >= 0
     assert plan.to_dict()["validated_damage"] == plan.validated_damage
     assert "validated KLD" in plan.table()
+    table, source = damage_table(calib, PlanSpec(damage="kld"))  # what the planner minimised
+    assert source == plan.damage_source
+    assert table == {n: {4: v["kld_w4"], 8: v["kld_w8"], None: 0.0} for n, v in layers.items()}
     runner = CliRunner()
     res = runner.invoke(main, ["sensitivity", str(calib_dir), "--tokens", "128",
                                "--seq-len", "64"])
