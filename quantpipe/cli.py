@@ -685,15 +685,23 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, force):
 @click.option("--allow-other-source", is_flag=True,
               help="Report candidates whose manifests say they were made from other FP16 "
                    "weights.")
+@click.option("--max-kld", type=float, default=None,
+              help="Recommend only a candidate whose mean KLD (95% upper end) is at most this.")
+@click.option("--max-size", default=None,
+              help="Recommend only a candidate whose weights take at most this (e.g. 4GB).")
 def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
-               eval_max_tokens, speed, speed_bench, out, allow_other_source):
+               eval_max_tokens, speed, speed_bench, out, allow_other_source, max_kld, max_size):
     """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
+    from quantpipe.core.io import parse_size
     from quantpipe.reports.build import ReportSpec, build_report
+    from quantpipe.reports.data import Constraint
 
+    limit = Constraint(max_kld, None if max_size is None else parse_size(max_size, "--max-size"))
     html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
                                        max_prompts, max_new_tokens, eval_max_tokens,
                                        tuple(speed), speed_bench=speed_bench,
-                                       allow_other_source=allow_other_source))
+                                       allow_other_source=allow_other_source,
+                                       constraint=limit))
     click.echo(f"wrote {html} and {js}")
 
 
@@ -730,11 +738,16 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, sa
         source=source, out=out, bits=int(bits), budget_bits=budget_bits,
         overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym, samples=samples,
         seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed)))
-    k = res.eval["kld"]
-    click.echo(f"KLD mean {k['mean']:.5f} (p99 {k['p99']:.4f}), same top token "
+    k, iv = res.eval["kld"], res.eval.get("intervals") or {}
+    kld_ci = (f"95% {iv['kld_mean'][0]:.5f}-{iv['kld_mean'][1]:.5f}, "
+              if "kld_mean" in iv else "")
+    click.echo(f"KLD mean {k['mean']:.5f} ({kld_ci}p99 {k['p99']:.4f}), same top token "
                f"{100 * res.eval['same_top_rate']:.2f}%, PPL {res.eval['ppl_candidate']:.3f} "
                f"vs FP16 {res.eval['ppl_reference']:.3f}")
     click.echo("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.stages.items()))
+    verdict = json.loads(res.report.with_suffix(".json").read_text())["candidates"][0]["verdict"]
+    click.echo(f"verdict: {verdict['status']}" + "".join(
+        f"\n  next step: {a}" for a in verdict.get("advice", [])))
     click.echo(f"report: {res.report}")
 
 

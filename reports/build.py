@@ -21,6 +21,7 @@ from quantpipe.prompts.sets import SHIPPED_SETS, PromptRecord, load_prompt_recor
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
+    Constraint,
     DistributionMetrics,
     ReportData,
     SpeedRecord,
@@ -55,6 +56,7 @@ class ReportSpec:
     speed_bench: bool = False  # measure decode speed of FP16 and the candidates briefly
     title: str = ""
     allow_other_source: bool = False  # report candidates made from other FP16 weights too
+    constraint: Constraint = field(default_factory=Constraint)  # for the recommendation
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -132,6 +134,44 @@ def _model_name(fp16_dir: Path) -> str:
         if name:
             return Path(name).name
     return Path(fp16_dir).name
+
+
+# GGUF file types whose weights are stored at full precision: dequantizing them is exact
+_FULL_PRECISION_GGUF = ("ALL_F32", "MOSTLY_F16", "MOSTLY_BF16")
+
+
+def reference_notes(fp16_dir: Path) -> tuple[str, ...]:
+    """What a reader must know about the FP16 reference itself: one exported from a GGUF file
+    that is quantized (the default model is a Q4_1 file) already carries that file's rounding,
+    and every number of the report is measured against it, not against the original
+    weights."""
+    manifest = Path(fp16_dir) / "quantpipe.json"
+    if not manifest.is_file():
+        return ()
+    source = read_json_file(manifest, "the manifest").get("source") or {}
+    if source.get("kind") != "gguf":
+        return ()
+    path = Path(source.get("path", ""))
+    file_type = _gguf_file_type(path)
+    if file_type in _FULL_PRECISION_GGUF:
+        return ()
+    kind = ("a quantized GGUF file" if file_type is None else
+            f"a {file_type.removeprefix('MOSTLY_')} GGUF file")
+    return (f"The FP16 reference was dequantized from {kind} ({path.name}): it carries that "
+            "file's own quantization, and every number here compares the candidate with it, "
+            "not with the model's original weights.",)
+
+
+def _gguf_file_type(path: Path) -> str | None:
+    """``general.file_type`` of a GGUF file as gguf's LlamaFileType name, or None where the
+    file or the field is missing or unknown."""
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(path).fields["general.file_type"]
+        return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+    except (ImportError, OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 def _read_speed(path: Path) -> tuple[SpeedRecord, ...]:
@@ -220,6 +260,7 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
             name=Path(qdir).name, path=str(qdir),
             distribution=DistributionMetrics.from_eval(ev), outputs=tuple(outputs),
             calibration=inputs.facts[qdir],
+            weight_bytes=sum(f.stat().st_size for f in Path(qdir).glob("*.safetensors")),
         ))
         del cand
     speed = inputs.speed
@@ -235,6 +276,8 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
         speed=speed,
         machine=detect_machine(),
         created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        notes=reference_notes(spec.reference),
+        constraint=spec.constraint,
     )
     paths = write_report(data, spec.out)
     log.info("report written in %.1fs", time.perf_counter() - t0)

@@ -21,6 +21,7 @@ from quantpipe.reports.verdict import VerdictThresholds
 
 KLD_KEYS = ("mean", "median", "p90", "p99", "p999", "max")
 TOP_PROB_DELTA_KEYS = ("rms", "p1", "p5", "p50", "p95", "p99")
+INTERVAL_KEYS = ("kld_mean", "same_top_rate", "ppl_ratio")
 
 
 def _as_dict(obj: Any, what: str) -> dict:
@@ -42,8 +43,14 @@ class DistributionMetrics:
     ppl_reference: float  # FP16 perplexity on the same tokens
     ppl_candidate: float  # candidate perplexity
     ppl_ratio: float  # ppl_candidate / ppl_reference
+    windows: int = 0  # evaluation windows scored (the units of the intervals)
+    # 95% intervals by window: kld_mean, same_top_rate, ppl_ratio -> (low, high); empty: none
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        unknown = set(self.intervals) - set(INTERVAL_KEYS)
+        if unknown:
+            raise ValueError(f"intervals has {sorted(unknown)}; known: {INTERVAL_KEYS}")
         missing = [k for k in KLD_KEYS if k not in self.kld]
         if missing:
             raise ValueError(f"kld lacks {missing}; reports.eval must give {KLD_KEYS}")
@@ -68,6 +75,9 @@ class DistributionMetrics:
                 ppl_reference=float(d["ppl_reference"]),
                 ppl_candidate=float(d["ppl_candidate"]),
                 ppl_ratio=float(d["ppl_ratio"]),
+                windows=int(d.get("windows", 0)),
+                intervals={k: (float(lo), float(hi))
+                           for k, (lo, hi) in (d.get("intervals") or {}).items()},
             )
         except KeyError as e:
             raise ValueError(
@@ -179,8 +189,11 @@ class CalibrationFacts:
                 raise ValueError(f"plan chooses INT{bits} for {name} but the calibration has no "
                                  f"w{bits} result for it; re-plan from this calibration")
             spec = info["spec"]
+            # act order is how GPTQ walked the columns: static groups with act-order store
+            # no g_idx (their layer spec says False), so the calibration's setting decides
+            act_order = bool(spec.get("act_order", False)) or bool(settings.get("act_order"))
             rows.append(PlanRow(name, int(spec["bits"]), int(spec["group_size"]),
-                                bool(spec["sym"]), bool(spec.get("act_order", False))))
+                                bool(spec["sym"]), act_order))
             errors[name] = float(info["loss"])
             if info.get("damp_raises"):
                 fallbacks.append(Fallback(
@@ -307,10 +320,25 @@ class CandidateData:
     distribution: DistributionMetrics | None = None
     outputs: tuple[str, ...] | None = None  # greedy output per held-out prompt, same order
     calibration: CalibrationFacts | None = None
+    weight_bytes: int | None = None  # bytes of the folder's *.safetensors (None: not known)
 
     def __post_init__(self) -> None:
         if not self.name.strip():
             raise ValueError("candidate name is empty; give each candidate a short label")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the recommendation must respect besides a passing verdict (None: no limit)."""
+
+    max_kld: float | None = None  # mean KLD, nats: the interval's upper end where known
+    max_bytes: int | None = None  # weight bytes on disk
+
+    def __post_init__(self) -> None:
+        if self.max_kld is not None and not (math.isfinite(self.max_kld) and self.max_kld > 0):
+            raise ValueError(f"--max-kld {self.max_kld} must be a positive number of nats")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ValueError(f"--max-size {self.max_bytes} bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -325,6 +353,7 @@ class ReportData:
     speed: tuple[SpeedRecord, ...] = ()
     machine: MachineInfo | None = None  # required when speed records are given
     thresholds: VerdictThresholds = field(default_factory=VerdictThresholds)
+    constraint: Constraint = field(default_factory=Constraint)  # for the recommendation
     created: str = ""  # ISO time stamp shown in the header (empty: none shown)
     notes: tuple[str, ...] = ()  # free lines shown under the header (escaped)
 

@@ -24,11 +24,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from quantpipe.core.io import MANIFEST_NAME, check_output_file  # noqa: F401 (re-exported)
 from quantpipe.core.metrics import mean_kld, token_kld
+from quantpipe.reports.intervals import bootstrap_ratio
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ class EvalResult:
     ppl_ratio: float
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # 95% intervals by window (reports.intervals): kld_mean, same_top_rate, ppl_ratio ->
+    # [low, high]; empty below two windows
+    intervals: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +92,9 @@ class _Accumulator:
     nll_ref: float = 0.0
     nll_cand: float = 0.0
     tokens: int = 0
+    # per window (one add() call), for the intervals: sum of KLDs, same-top count,
+    # sum of nll_cand - nll_ref, tokens
+    windows: list[tuple[float, int, float, int]] = field(default_factory=list)
 
     def add(self, logits_ref: torch.Tensor, logits_cand: torch.Tensor, targets: torch.Tensor):
         """logits_*: [T, V] for positions predicting ``targets`` [T].
@@ -101,10 +109,14 @@ class _Accumulator:
         lp_cand_t = logp_cand.gather(-1, targets[:, None]).squeeze(-1).double()  # [T]
         self.kld.append(kld)
         self.dp.append((lp_cand_t.exp() - lp_ref_t.exp()).float())
-        self.same_top += int((logp_ref.argmax(-1) == logp_cand.argmax(-1)).sum())
-        self.nll_ref -= float(lp_ref_t.sum())
-        self.nll_cand -= float(lp_cand_t.sum())
+        same = int((logp_ref.argmax(-1) == logp_cand.argmax(-1)).sum())
+        nll_ref, nll_cand = -float(lp_ref_t.sum()), -float(lp_cand_t.sum())
+        self.same_top += same
+        self.nll_ref += nll_ref
+        self.nll_cand += nll_cand
         self.tokens += int(targets.numel())
+        self.windows.append((float(kld.double().sum()), same, nll_cand - nll_ref,
+                             int(targets.numel())))
 
 
 def _quantiles(values: torch.Tensor, qs: dict[str, float]) -> dict[str, float]:
@@ -137,7 +149,22 @@ def summarize(acc: _Accumulator) -> dict:
         "ppl_reference": ppl_ref,
         "ppl_candidate": ppl_cand,
         "ppl_ratio": ppl_cand / ppl_ref,
+        "intervals": window_intervals(acc.windows),
     }
+
+
+def window_intervals(wins: list[tuple[float, int, float, int]]) -> dict[str, list[float]]:
+    """95% intervals of the mean KLD, the same-top rate and the perplexity ratio, resampling
+    windows (``_Accumulator.windows``); empty below two windows."""
+    if len(wins) < 2:
+        return {}
+    kld, same, dnll, tokens = (list(col) for col in zip(*wins))
+    out = {
+        "kld_mean": bootstrap_ratio(kld, tokens, "window"),
+        "same_top_rate": bootstrap_ratio(same, tokens, "window"),
+        "ppl_ratio": bootstrap_ratio(dnll, tokens, "window", transform=np.exp),
+    }
+    return {k: [iv.low, iv.high] for k, iv in out.items()}
 
 
 def windows(token_ids: list[list[int]], ctx: int) -> list[list[int]]:
@@ -407,16 +434,25 @@ def check_candidate(reference: str | os.PathLike, candidate: str | os.PathLike,
 
 
 def format_result(r: EvalResult) -> str:
-    k, d = r.kld, r.top_prob_delta
+    k, d, iv = r.kld, r.top_prob_delta, r.intervals
+
+    def ci(key: str, scale: float, spec: str, lead: str = "  (") -> str:
+        """``key``'s 95% interval by window, or nothing below two windows."""
+        if key not in iv:
+            return ")" if lead == ", " else ""
+        low, high = iv[key]
+        return f"{lead}95% {scale * low:{spec}} - {scale * high:{spec}})"
+
     lines = [
         f"tokens scored        {r.tokens} in {r.windows} windows ({r.seconds:.1f}s)",
         f"PPL reference        {r.ppl_reference:.4f}",
-        f"PPL candidate        {r.ppl_candidate:.4f}  (ratio {r.ppl_ratio:.4f})",
-        f"KLD mean             {k['mean']:.6f}",
+        f"PPL candidate        {r.ppl_candidate:.4f}  (ratio {r.ppl_ratio:.4f}"
+        f"{ci('ppl_ratio', 1, '.4f', ', ')}",
+        f"KLD mean             {k['mean']:.6f}{ci('kld_mean', 1, '.6f')}",
         f"KLD median           {k['median']:.6f}",
         f"KLD p90 / p99        {k['p90']:.6f} / {k['p99']:.6f}",
         f"KLD p99.9 / max      {k['p999']:.6f} / {k['max']:.6f}",
-        f"same top token       {100 * r.same_top_rate:.2f}%",
+        f"same top token       {100 * r.same_top_rate:.2f}%{ci('same_top_rate', 100, '.2f')}",
         f"RMS dp (next token)  {100 * d['rms']:.3f}%",
         f"dp p1/p50/p99        {100 * d['p1']:.3f}% / {100 * d['p50']:.3f}% / "
         f"{100 * d['p99']:.3f}%",

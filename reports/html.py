@@ -88,14 +88,29 @@ def _verdicts(summary: ReportSummary) -> str:
             f"{esc(r.level)}</span><span>{esc(r.message)}</span></li>"
             for r in v.reasons
         )
+        advice = "".join(f"<li>{esc(a)}</li>" for a in v.advice)
+        advice = f'<div class="advice"><b>Next step</b><ul>{advice}</ul></div>' if advice else ""
         cards.append(
             f'<div class="card v-{esc(v.status)}" data-verdict="{esc(v.status)}">'
             f'<h3>{esc(c.name)} <span class="badge b-{esc(v.status)}">{esc(v.status)}</span></h3>'
-            f'<div class="path mono">{esc(c.path)}</div><ul class="reasons">{items}</ul></div>'
+            f'<div class="path mono">{esc(c.path)}</div><ul class="reasons">{items}</ul>'
+            f"{advice}</div>"
         )
     return ('<section id="verdict"><h2>Verdict</h2><p class="lead">Worst level reached by any '
-            "rule; thresholds are listed at the end of the page.</p>"
+            "rule. A number with a 95% interval (by evaluation window, or by prompt) decides "
+            "its rule only when the whole interval lies on one side of the level; otherwise the "
+            "rule is <em>inconclusive</em> and says how much more data would decide it. "
+            "Thresholds are listed at the end of the page.</p>"
+            f'<p class="recommendation"><b>{esc(summary.recommendation)}</b></p>'
             f'<div class="verdicts">{"".join(cards)}</div></section>')
+
+
+def _with_interval(text: str, iv, digits: int = 4, percent: bool = False) -> str:
+    """``text`` and, where known, its 95% interval (low, high) beneath it, small."""
+    if iv is None:
+        return text
+    low, high = (pct(iv[0]), pct(iv[1])) if percent else (fmt(iv[0], digits), fmt(iv[1], digits))
+    return f'{text}<div class="ci">95% {low} – {high}</div>'
 
 
 def _distribution(summary: ReportSummary) -> str:
@@ -105,13 +120,15 @@ def _distribution(summary: ReportSummary) -> str:
                 '<p class="empty">Not measured (no evaluation results given).</p></section>')
     metric_rows = [
         ("scored tokens", lambda d: fmt(d.tokens)),
-        ("KLD mean", lambda d: fmt(d.kld["mean"])),
+        ("KLD mean", lambda d: _with_interval(fmt(d.kld["mean"]), d.intervals.get("kld_mean"))),
         ("KLD median", lambda d: fmt(d.kld["median"])),
         ("KLD p90", lambda d: fmt(d.kld["p90"])),
         ("KLD p99", lambda d: fmt(d.kld["p99"])),
         ("KLD p99.9", lambda d: fmt(d.kld["p999"])),
         ("KLD max", lambda d: fmt(d.kld["max"])),
-        ("same top token", lambda d: pct(d.same_top_rate)),
+        ("same top token", lambda d: _with_interval(pct(d.same_top_rate),
+                                                    d.intervals.get("same_top_rate"),
+                                                    percent=True)),
         ("Δp rms", lambda d: fmt(d.top_prob_delta["rms"])),
         ("Δp p1 / p5", lambda d: f'{fmt(d.top_prob_delta["p1"])} / {fmt(d.top_prob_delta["p5"])}'),
         ("Δp p50", lambda d: fmt(d.top_prob_delta["p50"])),
@@ -119,7 +136,8 @@ def _distribution(summary: ReportSummary) -> str:
          lambda d: f'{fmt(d.top_prob_delta["p95"])} / {fmt(d.top_prob_delta["p99"])}'),
         ("perplexity FP16", lambda d: fmt(d.ppl_reference, 3)),
         ("perplexity candidate", lambda d: fmt(d.ppl_candidate, 3)),
-        ("perplexity ratio", lambda d: fmt(d.ppl_ratio)),
+        ("perplexity ratio", lambda d: _with_interval(fmt(d.ppl_ratio),
+                                                      d.intervals.get("ppl_ratio"))),
     ]
     # metrics as rows, candidates as columns: stays readable for any number of metrics
     rows = [[esc(label)] + [get(c.distribution) for c in measured] for label, get in metric_rows]
@@ -148,9 +166,16 @@ def _generation(data: ReportData, summary: ReportSummary) -> str:
     if not gens:
         return ('<section id="generations"><h2>Generation regression vs FP16</h2>'
                 '<p class="empty">Not measured (no greedy outputs given).</p></section>')
-    rows = [[esc(c.name), fmt(c.generation.rouge_l_mean, 3), fmt(c.generation.rouge_l_median, 3),
-             pct(c.generation.exact_match_rate), pct(c.generation.json_parse_rate),
-             pct(c.generation.json_agreement), pct(c.generation.garbage_rate)] for c in gens]
+    rows = []
+    for c in gens:
+        g = c.generation
+        rl, ja = g.intervals.get("rouge_l_mean"), g.intervals.get("json_agreement")
+        rows.append([esc(c.name),
+                     _with_interval(fmt(g.rouge_l_mean, 3), rl and (rl.low, rl.high), 3),
+                     fmt(g.rouge_l_median, 3), pct(g.exact_match_rate), pct(g.json_parse_rate),
+                     _with_interval(pct(g.json_agreement), ja and (ja.low, ja.high),
+                                    percent=True),
+                     pct(g.garbage_rate)])
     ref = summary.reference
     rows.insert(0, ["FP16 (reference)", "1.000", "1.000", "100.0%", pct(ref.json_parse_rate),
                     "—", pct(ref.garbage_rate)])
@@ -323,7 +348,7 @@ def _calibration_block(name: str, cal: CalibrationFacts) -> str:
     else:
         parts.append('<p class="empty">No per-layer reconstruction error recorded.</p>')
     parts.append(_fallbacks_block(numerical, substituted))
-    if cal.plan:
+    if len(groups) > 1:  # a uniform model's plan is the format table above, row for row
         err = cal.layer_errors
         rows = [[f'<span class="mono">{esc(r.layer)}</span>',
                  "FP16" if r.bits is None else fmt(r.bits),

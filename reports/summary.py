@@ -11,7 +11,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from quantpipe.reports.data import CandidateData, DistributionMetrics, ReportData
+from quantpipe.reports.data import CandidateData, Constraint, DistributionMetrics, ReportData
+from quantpipe.reports.intervals import Interval, bootstrap_mean, wilson
 from quantpipe.reports.textmetrics import (
     GarbageScore,
     GarbageThresholds,
@@ -51,6 +52,9 @@ class GenerationSummary:
     garbage_rate: float  # outputs flagged by the garbage detector
     lengths: LengthStats
     per_prompt: tuple[PromptResult, ...]
+    json_expected: int = 0  # expect_json prompts (FP16's output parsed or not)
+    # 95% intervals by prompt (reports.intervals): rouge_l_mean, json_agreement
+    intervals: dict[str, Interval] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class CandidateSummary:
 class ReportSummary:
     reference: ReferenceSummary
     candidates: tuple[CandidateSummary, ...]
+    recommendation: str = ""  # which candidate ships under the constraint, or why none does
 
 
 def _rate(flags: list[bool]) -> float | None:
@@ -106,6 +111,9 @@ def summarize_generations(data: ReportData, cand: CandidateData,
         results.append(PromptResult(p.id, r, e, jc, garbage_score(out, gth)))
     checks = [x.json for x in results if x.json is not None]
     comparable = [c for c in checks if c.reference_parses]
+    intervals = {"rouge_l_mean": bootstrap_mean(rl, "prompt"),
+                 "json_agreement": wilson(sum(c.agrees for c in comparable), len(comparable),
+                                          "prompt")}
     return GenerationSummary(
         rouge_l_mean=statistics.fmean(rl),
         rouge_l_median=statistics.median(rl),
@@ -116,7 +124,32 @@ def summarize_generations(data: ReportData, cand: CandidateData,
         garbage_rate=sum(x.garbage.is_garbage for x in results) / len(results),
         lengths=length_stats(outs),
         per_prompt=tuple(results),
+        json_expected=len(checks),
+        intervals={k: v for k, v in intervals.items() if v is not None},
     )
+
+
+def quality_intervals(ref: ReferenceSummary, d: DistributionMetrics | None,
+                      gen: GenerationSummary | None) -> dict[str, Interval]:
+    """The verdict rules' 95% intervals (rule name -> interval) of one candidate: by window
+    for the distribution metrics, by prompt for the generation ones (the garbage rate above
+    FP16's pairs each prompt's two answers)."""
+    out: dict[str, Interval] = {}
+    if d is not None:
+        for rule, key in (("kld_mean", "kld_mean"), ("same_top", "same_top_rate"),
+                          ("ppl_ratio", "ppl_ratio")):
+            if key in d.intervals:
+                out[rule] = Interval(*d.intervals[key], d.windows, "window")
+    if gen is not None:
+        for rule, key in (("rouge_l", "rouge_l_mean"), ("json_agreement", "json_agreement")):
+            if key in gen.intervals:
+                out[rule] = gen.intervals[key]
+        if len(ref.garbage) == len(gen.per_prompt):
+            excess = bootstrap_mean([float(x.garbage.is_garbage) - float(g.is_garbage)
+                                     for x, g in zip(gen.per_prompt, ref.garbage)], "prompt")
+            if excess is not None:
+                out["garbage_excess"] = excess
+    return out
 
 
 def summarize(data: ReportData, gth: GarbageThresholds = GarbageThresholds()) -> ReportSummary:
@@ -134,9 +167,56 @@ def summarize(data: ReportData, gth: GarbageThresholds = GarbageThresholds()) ->
             json_prompts=gen.json_prompts if gen else 0,
             garbage_rate=gen.garbage_rate if gen else None,
             reference_garbage_rate=ref.garbage_rate,
+            json_expected=gen.json_expected if gen else 0,
+            intervals=quality_intervals(ref, d, gen),
+            tokens_per_window=d.tokens / d.windows if d and d.windows else None,
         )
         cands.append(CandidateSummary(c.name, c.path, d, gen, judge(numbers, data.thresholds)))
-    return ReportSummary(ref, tuple(cands))
+    return ReportSummary(ref, tuple(cands), recommend(data, cands))
+
+
+def _size(n: int | None) -> str:
+    return "size not known" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def _blocker(data_c: CandidateData, c: CandidateSummary, limit: Constraint) -> str | None:
+    """Why candidate ``c`` cannot be recommended under ``limit`` (None: it can)."""
+    if c.verdict.status != "pass":
+        return f"verdict {c.verdict.status}"
+    if limit.max_kld is not None:
+        if c.distribution is None:
+            return "KLD not measured"
+        iv = c.distribution.intervals.get("kld_mean")
+        kld = iv[1] if iv else c.distribution.kld["mean"]
+        if kld > limit.max_kld:
+            what = "KLD 95% upper end" if iv else "KLD"
+            return f"{what} {kld:.4f} > {limit.max_kld:g}"
+    if limit.max_bytes is not None:
+        if data_c.weight_bytes is None:
+            return "size not known"
+        if data_c.weight_bytes > limit.max_bytes:
+            return f"{_size(data_c.weight_bytes)} > {_size(limit.max_bytes)}"
+    return None
+
+
+def recommend(data: ReportData, cands: list[CandidateSummary]) -> str:
+    """The smallest candidate whose verdict passes and that meets ``data.constraint``, or why
+    none does (each candidate's first obstacle)."""
+    limit = data.constraint
+    blockers = [(dc, c, _blocker(dc, c, limit)) for dc, c in zip(data.candidates, cands)]
+    ok = [(dc, c) for dc, c, why in blockers if why is None]
+    terms = ["its verdict passes"]
+    if limit.max_kld is not None:
+        terms.append(f"mean KLD <= {limit.max_kld:g} (95% upper end where known)")
+    if limit.max_bytes is not None:
+        terms.append(f"weights <= {_size(limit.max_bytes)}")
+    rule = ", ".join(terms)
+    if ok:
+        dc, c = min(ok, key=lambda x: (x[0].weight_bytes is None, x[0].weight_bytes or 0))
+        return (f"Recommended: {c.name} ({_size(dc.weight_bytes)}), the smallest of "
+                f"{len(ok)} candidate{'s' if len(ok) > 1 else ''} where {rule}.")
+    why = "; ".join(f"{c.name}: {w}" for _, c, w in blockers)
+    return f"No candidate can be recommended (needed: {rule}). {why}."
 
 
 def _jsonable(obj):
@@ -161,6 +241,8 @@ def report_json(data: ReportData, summary: ReportSummary) -> dict:
         "created": data.created,
         "reference": data.reference,
         "thresholds": data.thresholds.to_dict(),
+        "constraint": _jsonable(data.constraint),
+        "recommendation": summary.recommendation,
         "prompts": [
             {"id": p.id, "category": p.category, "lang": p.lang,
              "expect_json": p.expect_json, "json_keys": list(p.json_keys)}
@@ -171,6 +253,7 @@ def report_json(data: ReportData, summary: ReportSummary) -> dict:
             {
                 "name": c.name,
                 "path": c.path,
+                "weight_bytes": cd.weight_bytes,
                 "verdict": c.verdict.to_dict(),
                 "distribution": _jsonable(c.distribution),
                 "generation": _jsonable(c.generation),

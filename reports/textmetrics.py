@@ -40,7 +40,9 @@ def load_metric(name: str):
 
 def rouge_l(predictions: list[str], references: list[str],
             tokenizer: str = "unicode") -> list[float]:
-    """Per-example ROUGE-L F1 of each prediction against its reference (0..1)."""
+    """Per-example ROUGE-L F1 of each prediction against its reference (0..1). Texts equal
+    after stripping surrounding whitespace score 1.0, two empty answers included (the metric
+    itself gives those 0: no tokens to match)."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
     if not predictions:
@@ -48,7 +50,8 @@ def rouge_l(predictions: list[str], references: list[str],
     out = load_metric("rouge").compute(predictions=predictions, references=references,
                                        rouge_types=["rougeL"], tokenizer=tokenizer,
                                        use_aggregator=False)
-    return [float(v) for v in out["rougeL"]]
+    return [1.0 if p.strip() == r.strip() else float(v)
+            for p, r, v in zip(predictions, references, out["rougeL"])]
 
 
 def exact_match(predictions: list[str], references: list[str]) -> list[bool]:

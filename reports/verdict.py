@@ -2,15 +2,26 @@
 
 Each rule compares one number with a warn level and a fail level (see docs/reports.md). A
 rule whose number was not measured is reported as "not measured" and does not affect the
-verdict; a rule whose levels are ``None`` is switched off. Verdict = the worst level reached.
+verdict; a rule whose levels are ``None`` is switched off.
+
+Where the number has a 95% interval (``reports.intervals``), the rule decides only when the
+whole interval lies on one side of each level: an interval that straddles a level is
+**inconclusive**, with the number of units (evaluation windows or prompts) that would decide it
+at the same spread. A number without an interval is judged on its value alone, as before.
+Verdict = the worst level reached; "inconclusive" where an undecided rule could still reach a
+worse level than every decided one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from quantpipe.reports.intervals import Interval
 
 LEVELS = ("pass", "warn", "fail")
+STATUSES = (*LEVELS, "inconclusive")
+_RANK = {"pass": 0, "warn": 1, "fail": 2}
 
 
 @dataclass(frozen=True)
@@ -100,52 +111,110 @@ class QualityNumbers:
     json_prompts: int = 0  # expect_json prompts where FP16 produced valid JSON
     garbage_rate: float | None = None
     reference_garbage_rate: float | None = None
+    json_expected: int = 0  # expect_json prompts scored (FP16's output parsed or not)
+    # rule name (RULES) -> its 95% interval; a rule without one is judged on its value
+    intervals: dict[str, Interval] = field(default_factory=dict)
+    tokens_per_window: float | None = None  # to say how many tokens more windows are
 
 
 @dataclass(frozen=True)
 class Reason:
-    level: str  # "pass" | "warn" | "fail" | "info"
+    level: str  # "pass" | "warn" | "fail" | "inconclusive" | "info"
     rule: str  # e.g. "kld_mean"
     value: float | None
     message: str
+    interval: tuple[float, float] | None = None
+    # inconclusive: the best and worst level the interval reaches; otherwise both = level
+    could_be: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
 class Verdict:
-    status: str  # "pass" | "warn" | "fail"
+    status: str  # "pass" | "warn" | "fail" | "inconclusive"
     reasons: tuple[Reason, ...]
+    advice: tuple[str, ...] = ()  # what to do next (a ship decision, or how to reach one)
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "reasons": [asdict(r) for r in self.reasons]}
+        return {"status": self.status, "reasons": [asdict(r) for r in self.reasons],
+                "advice": list(self.advice)}
 
 
-def _rule(rule: Rule, value: float | None, th: VerdictThresholds, label: str) -> Reason:
+def _level(rule: Rule, value: float, warn: float | None, fail: float | None) -> str:
+    def worse(limit: float | None) -> bool:
+        if limit is None:
+            return False
+        return value > limit if rule.higher_is_worse else value < limit
+
+    return "fail" if worse(fail) else "warn" if worse(warn) else "pass"
+
+
+def _rule(rule: Rule, value: float | None, th: VerdictThresholds, label: str,
+          interval: Interval | None = None, tokens_per_window: float | None = None) -> Reason:
     warn, fail = th.levels(rule.name)
     fmt = rule.fmt
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return Reason("info", rule.name, None, f"{label}: not measured")
     if warn is None and fail is None:
         return Reason("info", rule.name, value, f"{label} {value:{fmt}} (rule off)")
-
-    def worse(limit: float | None) -> bool:
-        if limit is None:
-            return False
-        return value > limit if rule.higher_is_worse else value < limit
-
+    if interval is not None:
+        return _rule_with_interval(rule, value, warn, fail, label, interval, tokens_per_window)
     op = ">" if rule.higher_is_worse else "<"
     ok_op = "<=" if rule.higher_is_worse else ">="
-    if worse(fail):
+    level = _level(rule, value, warn, fail)
+    if level == "fail":
         return Reason("fail", rule.name, value,
                       f"{label} {value:{fmt}} {op} fail level {fail:{fmt}}")
-    if worse(warn):
+    if level == "warn":
         return Reason("warn", rule.name, value,
                       f"{label} {value:{fmt}} {op} warn level {warn:{fmt}}")
     limit = warn if warn is not None else fail
     return Reason("pass", rule.name, value, f"{label} {value:{fmt}} {ok_op} {limit:{fmt}}")
 
 
+def _rule_with_interval(rule: Rule, value: float, warn: float | None, fail: float | None,
+                        label: str, iv: Interval, tokens_per_window: float | None) -> Reason:
+    fmt = rule.fmt
+    best, worst = (iv.low, iv.high) if rule.higher_is_worse else (iv.high, iv.low)
+    could_be = (_level(rule, best, warn, fail), _level(rule, worst, warn, fail))
+    shown = f"{label} {value:{fmt}} (95% {iv.label(fmt)}, {iv.n} {iv.unit}s)"
+    bounds = (iv.low, iv.high)
+    if could_be[0] == could_be[1]:
+        level = could_be[0]
+        op = ">" if rule.higher_is_worse else "<"
+        ok_op = "<=" if rule.higher_is_worse else ">="
+        if level == "pass":
+            limit = warn if warn is not None else fail
+            text = f"{shown}: all {ok_op} {limit:{fmt}}"
+        else:
+            limit = fail if level == "fail" else warn
+            text = f"{shown}: all {op} {level} level {limit:{fmt}}"
+        return Reason(level, rule.name, value, text, bounds, could_be)
+    straddled = [t for t in (warn, fail) if t is not None and iv.low <= t <= iv.high]
+    t = min(straddled, key=lambda x: abs(x - value))
+    more = iv.more_units(value, t)
+    if more is None:
+        need = f"the estimate sits on the level {t:{fmt}}"
+    else:
+        need = f"about {more:,} more {iv.unit}{'' if more == 1 else 's'}"
+        if iv.unit == "window" and tokens_per_window:
+            need += f" (~{more * tokens_per_window:,.0f} scored tokens)"
+        need += " would decide it"
+    text = (f"{shown}: inconclusive, {could_be[0]} or {could_be[1]} (the interval holds the "
+            f"level {t:{fmt}}); {need}")
+    return Reason("inconclusive", rule.name, value, text, bounds, could_be)
+
+
+_ADVICE_QUALITY = ("keep more precision where it matters: `quantpipe sensitivity CALIB_DIR`, "
+                   "then `quantpipe export CALIB_DIR --budget-bits 4.5` (mixed precision), or "
+                   "`--bits 8` for every layer")
+_ADVICE_MORE = ("measure more before deciding: more held-out tokens (`quantpipe run "
+                "--eval-tokens 0` or `quantpipe report --eval-max-tokens 0`: every token) and "
+                "more prompts (`quantpipe report --max-prompts`); the inconclusive rules say how "
+                "many")
+
+
 def judge(n: QualityNumbers, th: VerdictThresholds | None = None) -> Verdict:
-    """The verdict of one candidate; reasons ordered fail, warn, pass, info."""
+    """The verdict of one candidate; reasons ordered fail, inconclusive, warn, pass, info."""
     th = th or VerdictThresholds()
     excess = None
     if n.garbage_rate is not None:
@@ -158,15 +227,33 @@ def judge(n: QualityNumbers, th: VerdictThresholds | None = None) -> Verdict:
         "json_agreement": n.json_agreement if n.json_prompts > 0 else None,
         "garbage_excess": excess,
     }
-    labels = {"json_agreement": f"JSON agreement ({n.json_prompts} prompts)"}
-    reasons = [_rule(r, values[r.name], th, labels.get(r.name, r.label)) for r in RULES]
-    order = {"fail": 0, "warn": 1, "pass": 2, "info": 3}
+    # the interval names its prompt count; a bare number needs it in the label
+    labels = {} if "json_agreement" in n.intervals else {
+        "json_agreement": f"JSON agreement ({n.json_prompts} prompts)"}
+    reasons = [_rule(r, values[r.name], th, labels.get(r.name, r.label),
+                     n.intervals.get(r.name), n.tokens_per_window) for r in RULES]
+    if n.json_prompts == 0 and n.json_expected > 0:
+        i = next(k for k, r in enumerate(reasons) if r.rule == "json_agreement")
+        reasons[i] = Reason("info", "json_agreement", None,
+                            f"JSON agreement: not measured (FP16's own answer was not valid "
+                            f"JSON on any of the {n.json_expected} JSON prompts)")
+    order = {"fail": 0, "inconclusive": 1, "warn": 2, "pass": 3, "info": 4}
     reasons.sort(key=lambda r: order[r.level])
-    levels = {r.level for r in reasons}
-    status = "fail" if "fail" in levels else "warn" if "warn" in levels else "pass"
-    if levels <= {"info"}:
+    decided = [r.level for r in reasons if r.level in _RANK]
+    undecided = [r.could_be[1] for r in reasons if r.level == "inconclusive"]
+    if not decided and not undecided:
         # nothing measured: never call that a pass
-        status = "warn"
         reasons.insert(0, Reason("warn", "nothing_measured", None,
                                  "no quality number was measured for this candidate"))
-    return Verdict(status, tuple(reasons))
+        return Verdict("warn", tuple(reasons), (_ADVICE_MORE,))
+    floor = max(decided, key=_RANK.__getitem__, default="pass")
+    if undecided and max(_RANK[u] for u in undecided) > _RANK[floor]:
+        status = "inconclusive"
+    else:
+        status = floor
+    advice = []
+    if status in ("warn", "fail") or (status == "inconclusive" and floor != "pass"):
+        advice.append(_ADVICE_QUALITY)
+    if status == "inconclusive":
+        advice.append(_ADVICE_MORE)
+    return Verdict(status, tuple(reasons), tuple(advice))

@@ -75,7 +75,10 @@ def _dist(kld_mean: float, same_top: float, ppl_ratio: float) -> DistributionMet
         tokens=4096, kld=_kld(kld_mean), same_top_rate=same_top,
         top_prob_delta={"rms": 0.04 + kld_mean / 5, "p1": -0.2 - kld_mean, "p5": -0.08,
                         "p50": 0.0, "p95": 0.05, "p99": 0.12},
-        ppl_reference=14.2, ppl_candidate=14.2 * ppl_ratio, ppl_ratio=ppl_ratio)
+        ppl_reference=14.2, ppl_candidate=14.2 * ppl_ratio, ppl_ratio=ppl_ratio, windows=8,
+        intervals={"kld_mean": (kld_mean * 0.8, kld_mean * 1.25),
+                   "same_top_rate": (same_top - 0.012, min(1.0, same_top + 0.01)),
+                   "ppl_ratio": (ppl_ratio * 0.99, ppl_ratio * 1.012)})
 
 
 def _calibration(algorithm: str, seed: int, int8_down: bool) -> CalibrationFacts:

@@ -3,6 +3,7 @@ import json
 import re
 from html.parser import HTMLParser
 
+import numpy as np
 import pytest
 
 from quantpipe.prompts.sets import PromptRecord
@@ -95,7 +96,10 @@ def test_page_sections_and_print_css(written):
     assert "@media print" in page
     assert page.count("<svg") >= 1 + 1 + 2 + 4  # KLD, lengths, 2 layer-error, 4 speed
     assert '<?xml' not in page and "<!DOCTYPE svg" not in page
-    assert 'data-verdict="pass"' in page and 'data-verdict="fail"' in page
+    # the good sample has 2 JSON prompts: too few to pass that rule (its interval holds 0.9)
+    assert 'data-verdict="inconclusive"' in page and 'data-verdict="fail"' in page
+    assert "Next step" in page and "--budget-bits 4.5" in page and "more prompts" in page
+    assert 'class="ci">95% ' in page  # intervals beside the numbers
     assert "Intel(R) Xeon(R) Platinum 8480+" in page and "NVIDIA H200" in page
     assert "gptq_damping" in page
 
@@ -106,7 +110,10 @@ def test_json_beside_holds_the_numbers(written):
     doc = json.loads(json_path.read_text(encoding="utf-8"))
     assert doc["format"] == "quantpipe-report" and doc["version"] == 1
     good, bad = doc["candidates"]
-    assert good["verdict"]["status"] == "pass" and bad["verdict"]["status"] == "fail"
+    assert good["verdict"]["status"] == "inconclusive" and bad["verdict"]["status"] == "fail"
+    json_reason = next(r for r in good["verdict"]["reasons"] if r["rule"] == "json_agreement")
+    assert json_reason["level"] == "inconclusive" and json_reason["could_be"] == ["pass", "fail"]
+    assert good["generation"]["intervals"]["json_agreement"]["n"] == 2
     assert good["distribution"]["kld"]["mean"] == 0.031
     assert good["generation"]["json_agreement"] == 1.0
     assert bad["generation"]["garbage_rate"] == pytest.approx(3 / 5)
@@ -296,3 +303,86 @@ def test_empty_output_is_shown_and_flagged():
     assert s.candidates[0].generation.garbage_rate == 1.0
     assert s.candidates[0].verdict.status == "fail"
     assert "(empty output)" in render_quality_report(d, s)
+
+
+def test_act_order_is_the_calibration_setting_and_uniform_plans_have_no_per_layer_table():
+    """Static act-order groups store no g_idx (the layer spec says act_order False): the
+    report reads how GPTQ walked the columns from the calibration's settings. A uniform model
+    gets its format table only, not one row per layer."""
+    from quantpipe.reports.html import _calibration_block
+
+    spec4 = {"bits": 4, "group_size": 64, "sym": True, "act_order": False}
+    infos = {f"l{i}.proj": {"w4": {"spec": spec4, "loss": 1.0, "damp": 0.01, "damp_raises": 0}}
+             for i in range(3)}
+    manifest = {"stage": "calibration", "algo": "gptq",
+                "settings": {"samples": 16, "seq_len": 256, "act_order": True}}
+    facts = CalibrationFacts.from_calibration(manifest, infos)
+    assert all(r.act_order for r in facts.plan)
+    rtn = dict(manifest, algo="rtn", settings={"samples": 16, "seq_len": 256,
+                                                "act_order": False})
+    assert not any(r.act_order for r in CalibrationFacts.from_calibration(rtn, infos).plan)
+    block = _calibration_block("w4", facts)
+    assert "INT4 g64 sym act-order" in block and "Mixed-precision plan" not in block
+    mixed = CalibrationFacts.from_calibration(
+        manifest, {**infos, "l3.proj": {"w8": {"spec": dict(spec4, bits=8, group_size=-1),
+                                               "loss": 0.1, "damp": 0.01, "damp_raises": 0}}},
+        {"layers": {"l0.proj": {"bits": 4}, "l1.proj": {"bits": 4}, "l2.proj": {"bits": 4},
+                    "l3.proj": {"bits": 8}}})
+    assert "Mixed-precision plan" in _calibration_block("mixed", mixed)
+
+
+def test_a_reference_dequantized_from_a_quantized_gguf_is_named(tmp_path):
+    import gguf
+
+    from quantpipe.reports.build import reference_notes
+
+    def fp16_from(file_type):
+        path = tmp_path / f"m-{file_type.name}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_file_type(file_type)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        folder = tmp_path / f"fp16-{file_type.name}"
+        folder.mkdir()
+        (folder / "quantpipe.json").write_text(json.dumps(
+            {"stage": "fp16", "source": {"kind": "gguf", "path": str(path)}}))
+        return folder
+
+    (note,) = reference_notes(fp16_from(gguf.LlamaFileType.MOSTLY_Q4_1))
+    assert "dequantized from a Q4_1 GGUF file (m-MOSTLY_Q4_1.gguf)" in note
+    assert reference_notes(fp16_from(gguf.LlamaFileType.MOSTLY_F16)) == ()  # exact
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "quantpipe.json").write_text(json.dumps({"stage": "fp16",
+                                                       "source": {"kind": "folder"}}))
+    assert reference_notes(folder) == ()
+
+
+def test_recommendation_is_the_smallest_passing_candidate_within_the_constraint():
+    from quantpipe.reports.data import CandidateData, Constraint, ReportData
+    from tests.reports.sample_data import _dist
+
+    def cand(name, kld, mb, windows_ci=None):
+        d = _dist(kld, 0.95, 1.02)
+        if windows_ci:
+            d = dataclasses.replace(d, windows=16, intervals={"kld_mean": windows_ci})
+        return CandidateData(name, f"/q/{name}", d, weight_bytes=int(mb * 1e6))
+
+    cands = (cand("w8", 0.004, 150), cand("w4.5", 0.04, 95, (0.03, 0.06)),
+             cand("w4", 0.08, 80), cand("w3", 0.7, 60))  # w3 fails on KLD
+    data = ReportData("t", "/fp16", cands)
+    assert summarize(data).recommendation.startswith("Recommended: w4 (80.0 MB)")
+    strict = dataclasses.replace(data, constraint=Constraint(max_kld=0.05))
+    # w4.5's mean 0.04 is below 0.05, its interval's upper end 0.06 is not: w8 it is
+    assert summarize(strict).recommendation.startswith("Recommended: w8 (150.0 MB)")
+    small = dataclasses.replace(data, constraint=Constraint(max_bytes=70_000_000))
+    text = summarize(small).recommendation
+    assert text.startswith("No candidate can be recommended") and "w3: verdict fail" in text
+    assert "w4: 80.0 MB > 70.0 MB" in text
+    page = render_quality_report(small)
+    assert "No candidate can be recommended" in page
+    with pytest.raises(ValueError, match="--max-kld"):
+        Constraint(max_kld=0.0)
