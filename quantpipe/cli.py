@@ -708,7 +708,9 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @main.command("run")
 @click.argument("source", default="smollm2-135m")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="WORKDIR.")
-@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
+@click.option("--bits", "bits", type=click.Choice(["4", "8"]), multiple=True,
+              help="A uniform candidate at this precision (repeatable: --bits 4 --bits 8) "
+                   "[default: 4, none with --budget-bits alone].")
 @click.option("--budget-bits", type=float, default=None,
               help="Mixed precision: average bits per weight (measures sensitivity first).")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
@@ -735,19 +737,26 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, sa
 
     check_output_path(out)
     res = run_pipeline(RunSpec(
-        source=source, out=out, bits=int(bits), budget_bits=budget_bits,
+        source=source, out=out, bits=tuple(int(b) for b in bits), budget_bits=budget_bits,
         overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym, samples=samples,
         seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed)))
-    k, iv = res.eval["kld"], res.eval.get("intervals") or {}
-    kld_ci = (f"95% {iv['kld_mean'][0]:.5f}-{iv['kld_mean'][1]:.5f}, "
-              if "kld_mean" in iv else "")
-    click.echo(f"KLD mean {k['mean']:.5f} ({kld_ci}p99 {k['p99']:.4f}), same top token "
-               f"{100 * res.eval['same_top_rate']:.2f}%, PPL {res.eval['ppl_candidate']:.3f} "
-               f"vs FP16 {res.eval['ppl_reference']:.3f}")
+    for name, ev in res.evals.items():
+        k, iv = ev["kld"], ev.get("intervals") or {}
+        kld_ci = (f"95% {iv['kld_mean'][0]:.5f}-{iv['kld_mean'][1]:.5f}, "
+                  if "kld_mean" in iv else "")
+        click.echo(f"{name + ': ' if len(res.evals) > 1 else ''}KLD mean {k['mean']:.5f} "
+                   f"({kld_ci}p99 {k['p99']:.4f}), same top token "
+                   f"{100 * ev['same_top_rate']:.2f}%, PPL {ev['ppl_candidate']:.3f} "
+                   f"vs FP16 {ev['ppl_reference']:.3f}")
     click.echo("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.stages.items()))
-    verdict = json.loads(res.report.with_suffix(".json").read_text())["candidates"][0]["verdict"]
-    click.echo(f"verdict: {verdict['status']}" + "".join(
-        f"\n  next step: {a}" for a in verdict.get("advice", [])))
+    doc = json.loads(res.report.with_suffix(".json").read_text())
+    for cand in doc["candidates"]:
+        verdict = cand["verdict"]
+        click.echo(f"verdict{' ' + cand['name'] if len(res.evals) > 1 else ''}: "
+                   f"{verdict['status']}"
+                   + "".join(f"\n  next step: {a}" for a in verdict.get("advice", [])))
+    if len(res.evals) > 1:
+        click.echo(doc["recommendation"])
     click.echo(f"report: {res.report}")
 
 

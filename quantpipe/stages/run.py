@@ -3,6 +3,11 @@
 WORKDIR/fp16 (export-fp16) -> WORKDIR/calib (calibrate) -> WORKDIR/int{bits} (export)
 -> WORKDIR/eval.json (eval on the held-out prompts) -> WORKDIR/report.html (report).
 
+Several candidates from one calibration (``--bits 4 --bits 8 --budget-bits 4.5``): one
+WORKDIR/int{bits} per ``--bits`` and WORKDIR/mixed-{budget} for the budget, each exported and
+evaluated (WORKDIR/eval-{candidate}.json), then one report of them all with its
+recommendation. ``--budget-bits`` alone makes the mixed candidate only, nothing the uniform one.
+
 A stage whose output is complete (its manifest exists) is skipped, so re-running after an
 interruption continues where it stopped; calibration itself resumes at its last finished block.
 That reuse is safe only for the same run: WORKDIR/run.json records the sha256 of the source
@@ -36,8 +41,9 @@ log = logging.getLogger(__name__)
 class RunSpec:
     source: str  # model folder, .gguf, or smollm2-135m
     out: Path  # WORKDIR
-    bits: int = 4
-    budget_bits: float | None = None  # mixed precision (runs `sensitivity` first)
+    # uniform candidates, one per precision (an int: one); (): INT4, or none with budget_bits
+    bits: tuple[int, ...] | int = ()
+    budget_bits: float | None = None  # the mixed candidate (runs `sensitivity` first)
     overrides: tuple[str, ...] = field(default_factory=tuple)
     algo: str = CALIB.algo
     group_size: int | None = CALIB.group_size  # None: calibrate's auto (planned per layer)
@@ -52,16 +58,32 @@ class RunSpec:
     speed: tuple[Path, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        check_bits(self.bits, "--bits ")
+        bits = (self.bits,) if isinstance(self.bits, int) else tuple(self.bits)
+        if not bits and self.budget_bits is None:
+            bits = (4,)
+        object.__setattr__(self, "bits", bits)
+        for b in bits:
+            check_bits(b, "--bits ")
+        if len(set(bits)) != len(bits):
+            raise ValueError(f"--bits {list(bits)} repeats a precision; give each once")
         check_budget_bits(self.budget_bits)
+
+    def candidates(self) -> tuple[tuple[str, int, float | None], ...]:
+        """(WORKDIR folder name, bits, budget) of every candidate, uniform ones first."""
+        out = tuple((f"int{b}", b, None) for b in self.bits)
+        if self.budget_bits is not None:
+            out += ((f"mixed-{self.budget_bits}", self.bits[0] if self.bits else 4,
+                     self.budget_bits),)
+        return out
 
 
 @dataclass(frozen=True)
 class RunResult:
     out: Path
     report: Path
-    eval: dict
+    eval: dict  # the first candidate's
     stages: dict[str, float]  # stage -> seconds (0.0 when reused)
+    evals: dict[str, dict] = field(default_factory=dict)  # candidate folder name -> its eval
 
 
 RUN_FILE = "run.json"  # WORKDIR's record of the run's settings (see the module docstring)
@@ -111,6 +133,10 @@ def run_settings(spec: RunSpec, previous: dict | None = None
     src = resolve_source(spec.source)
     settings = {k: json.dumps(v, sort_keys=True) for k, v in asdict(spec).items()
                 if k not in ("source", "out", "speed")}
+    # one precision is recorded as the number it was before --bits could repeat (and a
+    # budget-only run as the 4 it recorded then), so earlier WORKDIRs are still reused
+    bits = spec.bits or (4,)
+    settings["bits"] = json.dumps(bits[0] if len(bits) == 1 else list(bits))
     keys = tree_keys(src.path)
     known = (previous or {}).get("settings", {}).get("source_sha256")
     if known and (previous or {}).get("source_keys") == keys:
@@ -184,18 +210,20 @@ def run_pipeline(spec: RunSpec) -> RunResult:
 
     out = Path(spec.out)
     fp16, calib = out / "fp16", out / "calib"
-    qdir = out / (f"int{spec.bits}" if spec.budget_bits is None else f"mixed-{spec.budget_bits}")
+    many = len(spec.candidates()) > 1
     # every stage's spec is built (and its options validated) before the first stage runs;
     # no stage is forced: an output quantpipe did not make is refused, never replaced
     fp16_spec = Fp16ExportSpec(spec.source, fp16)
     calib_spec = CalibrateSpec(fp16, calib, spec.prompts, algo=spec.algo,
                                group_size=spec.group_size, sym=spec.sym, samples=spec.samples,
                                seq_len=spec.seq_len)
-    export_spec = ExportSpec(calib, qdir, bits=spec.bits, budget_bits=spec.budget_bits,
-                             overrides=spec.overrides)
+    exports = {name: ExportSpec(calib, out / name, bits=bits, budget_bits=budget,
+                                overrides=spec.overrides)
+               for name, bits, budget in spec.candidates()}
+    qdirs = [e.out for e in exports.values()]
     previous = _read_record(out)
     settings, source_keys = run_settings(spec, previous)
-    if (_check_workdir(out, settings, (fp16, calib, qdir))
+    if (_check_workdir(out, settings, (fp16, calib, *qdirs))
             or (previous or {}).get("source_keys") != source_keys):
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / RUN_FILE, {"version": RUN_FILE_VERSION, "source": spec.source,
@@ -222,17 +250,24 @@ def run_pipeline(spec: RunSpec) -> RunResult:
 
         stage("sensitivity", (calib / "sensitivity.json").is_file(),
               lambda: measure_sensitivity(SensitivitySpec(calib)))
-    stage("export", _done(qdir), lambda: export_quantized(export_spec))
-    eval_json = out / "eval.json"
+    eval_files = {}
+    for name, export_spec in exports.items():
+        suffix = f" {name}" if many else ""
+        stage("export" + suffix, _done(export_spec.out),
+              lambda e=export_spec: export_quantized(e))
+        eval_json = out / (f"eval-{name}.json" if many else "eval.json")
 
-    def do_eval() -> None:
-        texts = load_texts(fp16, None, spec.eval_prompts)
-        write_json_atomic(eval_json,
-                          run_eval(EvalSpec(fp16, qdir, texts, spec.eval_tokens)).to_dict())
+        def do_eval(qdir=export_spec.out, path=eval_json) -> None:
+            texts = load_texts(fp16, None, spec.eval_prompts)
+            write_json_atomic(path,
+                              run_eval(EvalSpec(fp16, qdir, texts, spec.eval_tokens)).to_dict())
 
-    stage("eval", eval_json.is_file(), do_eval)
+        stage("eval" + suffix, eval_json.is_file(), do_eval)
+        eval_files[name] = eval_json
     report = out / "report.html"
     stage("report", report.is_file(), lambda: build_report(ReportSpec(
-        fp16, (qdir,), report, spec.eval_prompts, max_prompts=spec.report_prompts,
-        max_new_tokens=spec.max_new_tokens, speed=spec.speed, evals=(eval_json,))))
-    return RunResult(out, report, json.loads(eval_json.read_text()), stages)
+        fp16, tuple(qdirs), report, spec.eval_prompts, max_prompts=spec.report_prompts,
+        max_new_tokens=spec.max_new_tokens, speed=spec.speed,
+        evals=tuple(eval_files.values()))))
+    evals = {name: json.loads(path.read_text()) for name, path in eval_files.items()}
+    return RunResult(out, report, next(iter(evals.values())), stages, evals)

@@ -31,10 +31,10 @@ def _as_library_value(command: click.Command, param: click.Parameter):
     value = param.get_default(ctx)
     if param.callback is not None:
         value = param.callback(ctx, param, value)
-    if param.name == "bits":
-        value = int(value)
     if param.multiple:  # no default: click passes an empty tuple
         value = tuple(value) if isinstance(value, (list, tuple)) else ()
+    if param.name == "bits":  # a choice of "4" / "8" (repeatable for run)
+        value = tuple(int(v) for v in value) if param.multiple else int(value)
     return value
 
 

@@ -99,6 +99,7 @@ def test_run_with_budget_measures_sensitivity(tiny_llama_dir, tmp_path):
                                   "--eval-tokens", "512"])
     assert r.exit_code == 0, r.output
     assert (out / "calib" / "sensitivity.json").is_file()
+    assert not (out / "int4").exists()  # --budget-bits alone: the mixed candidate only
     plan = json.loads((out / "mixed-6.0" / "quantpipe.json").read_text())["plan"]
     assert 4.5 < plan["effective_bits_per_weight"] <= 6.0
     assert plan["counts"]["int8"] + plan["counts"]["fp16"] > 0
@@ -153,3 +154,29 @@ def test_a_rerun_reuses_the_source_hash_while_the_files_are_untouched(tiny_llama
     cfg.write_text(cfg.read_text().replace("}", ', "x": 1}', 1))  # other bytes: another hash
     changed, _ = run_mod.run_settings(spec, {"settings": settings, "source_keys": new_keys})
     assert changed["source_sha256"] != settings["source_sha256"]
+
+
+def test_run_with_several_candidates_reports_them_together(tiny_llama_dir, tmp_path):
+    """--bits 4 --bits 8: two exports of one calibration, each evaluated, one report of both
+    with its recommendation; the printed lines name each candidate."""
+    from quantpipe.stages.run import RunSpec
+
+    out = tmp_path / "work"
+    r = CliRunner().invoke(main, ["run", str(tiny_llama_dir), "--out", str(out), "--samples", "4",
+                                  "--seq-len", "64", "--bits", "4", "--bits", "8",
+                                  "--eval-tokens", "512"])
+    assert r.exit_code == 0, r.output
+    assert "stages: export-fp16" in r.output and "export int8" in r.output
+    assert "int4: KLD mean" in r.output and "int8: KLD mean" in r.output
+    assert "verdict int4: " in r.output and "verdict int8: " in r.output
+    doc = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in doc["candidates"]] == ["int4", "int8"]
+    assert doc["recommendation"] in r.output
+    e4, e8 = (json.loads((out / f"eval-int{b}.json").read_text()) for b in (4, 8))
+    assert e8["kld"]["mean"] < e4["kld"]["mean"]  # the same calibration, more bits
+    assert doc["candidates"][1]["distribution"]["kld"]["mean"] == e8["kld"]["mean"]
+    assert json.loads((out / "run.json").read_text())["settings"]["bits"] == "[4, 8]"
+    assert RunSpec("s", out, bits=8).bits == (8,) and RunSpec("s", out).bits == (4,)
+    assert RunSpec("s", out, budget_bits=4.5).candidates() == (("mixed-4.5", 4, 4.5),)
+    with pytest.raises(ValueError, match="repeats a precision"):
+        RunSpec("s", out, bits=(4, 4))
