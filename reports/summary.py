@@ -27,7 +27,9 @@ from quantpipe.reports.textmetrics import (
 )
 from quantpipe.reports.verdict import QualityNumbers, Verdict, judge
 
-REPORT_JSON_VERSION = 1
+# 2: verdict status "inconclusive", reasons' interval / could_be, advice, recommendation,
+# constraint, weight_bytes, the metrics' intervals
+REPORT_JSON_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,8 @@ _ADVICE_MORE = ("measure more before deciding: more held-out tokens (`quantpipe 
 
 
 def judge(n: QualityNumbers, th: VerdictThresholds | None = None) -> Verdict:
-    """The verdict of one candidate; reasons ordered fail, inconclusive, warn, pass, info."""
+    """The verdict of one candidate; the reasons at its status first, then fail, warn,
+    inconclusive, pass, info."""
     th = th or VerdictThresholds()
     excess = None
     if n.garbage_rate is not None:
@@ -237,8 +238,6 @@ def judge(n: QualityNumbers, th: VerdictThresholds | None = None) -> Verdict:
         reasons[i] = Reason("info", "json_agreement", None,
                             f"JSON agreement: not measured (FP16's own answer was not valid "
                             f"JSON on any of the {n.json_expected} JSON prompts)")
-    order = {"fail": 0, "inconclusive": 1, "warn": 2, "pass": 3, "info": 4}
-    reasons.sort(key=lambda r: order[r.level])
     decided = [r.level for r in reasons if r.level in _RANK]
     undecided = [r.could_be[1] for r in reasons if r.level == "inconclusive"]
     if not decided and not undecided:
@@ -251,6 +250,9 @@ def judge(n: QualityNumbers, th: VerdictThresholds | None = None) -> Verdict:
         status = "inconclusive"
     else:
         status = floor
+    # the reasons that decided the status first, then the undecided ones, then the rest
+    order = {"fail": 0, "warn": 2, "inconclusive": 3, "pass": 4, "info": 5, status: -1}
+    reasons.sort(key=lambda r: order[r.level])
     advice = []
     if status in ("warn", "fail") or (status == "inconclusive" and floor != "pass"):
         advice.append(_ADVICE_QUALITY)

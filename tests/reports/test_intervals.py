@@ -90,6 +90,7 @@ def test_an_undecided_rule_only_matters_if_it_could_be_worse_than_the_decided_on
     across_warn = {"rouge_l": Interval(0.40, 0.60, 16, "prompt")}  # pass or warn
     warned = QualityNumbers(**dict(GOOD, kld_mean=0.2, rouge_l_mean=0.5), intervals=across_warn)
     assert judge(warned).status == "warn"  # KLD warns on its value: the rest cannot be worse
+    assert [r.level for r in judge(warned).reasons][:2] == ["warn", "inconclusive"]
     failed = QualityNumbers(**dict(GOOD, kld_mean=0.9, rouge_l_mean=0.5), intervals=across_warn)
     assert judge(failed).status == "fail"
     across_fail = {"rouge_l": Interval(0.15, 0.45, 16, "prompt")}  # warn or fail
