@@ -712,7 +712,8 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
               help="A uniform candidate at this precision (repeatable: --bits 4 --bits 8) "
                    "[default: 4, none with --budget-bits alone].")
 @click.option("--budget-bits", type=float, default=None,
-              help="Mixed precision: average bits per weight (measures sensitivity first).")
+              help="A mixed-precision candidate at this average bits per weight (measures "
+                   "sensitivity first).")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--algo", type=click.Choice(calib_config.ALGOS), default=CALIB.algo,
               show_default=True, help="As calibrate's --algo.")

@@ -436,23 +436,24 @@ def check_candidate(reference: str | os.PathLike, candidate: str | os.PathLike,
 def format_result(r: EvalResult) -> str:
     k, d, iv = r.kld, r.top_prob_delta, r.intervals
 
-    def ci(key: str, scale: float, spec: str, lead: str = "  (") -> str:
-        """``key``'s 95% interval by window, or nothing below two windows."""
+    def ci(key: str, scale: float, spec: str, lead: str) -> str:
+        """``lead`` and ``key``'s 95% interval by window; nothing below two windows."""
         if key not in iv:
-            return ")" if lead == ", " else ""
+            return ""
         low, high = iv[key]
-        return f"{lead}95% {scale * low:{spec}} - {scale * high:{spec}})"
+        return f"{lead}95% {scale * low:{spec}} - {scale * high:{spec}}"
 
     lines = [
         f"tokens scored        {r.tokens} in {r.windows} windows ({r.seconds:.1f}s)",
         f"PPL reference        {r.ppl_reference:.4f}",
         f"PPL candidate        {r.ppl_candidate:.4f}  (ratio {r.ppl_ratio:.4f}"
-        f"{ci('ppl_ratio', 1, '.4f', ', ')}",
-        f"KLD mean             {k['mean']:.6f}{ci('kld_mean', 1, '.6f')}",
+        f"{ci('ppl_ratio', 1, '.4f', ', ')})",
+        f"KLD mean             {k['mean']:.6f}{ci('kld_mean', 1, '.6f', '  ')}",
         f"KLD median           {k['median']:.6f}",
         f"KLD p90 / p99        {k['p90']:.6f} / {k['p99']:.6f}",
         f"KLD p99.9 / max      {k['p999']:.6f} / {k['max']:.6f}",
-        f"same top token       {100 * r.same_top_rate:.2f}%{ci('same_top_rate', 100, '.2f')}",
+        f"same top token       {100 * r.same_top_rate:.2f}%"
+        f"{ci('same_top_rate', 100, '.2f', '  ')}",
         f"RMS dp (next token)  {100 * d['rms']:.3f}%",
         f"dp p1/p50/p99        {100 * d['p1']:.3f}% / {100 * d['p50']:.3f}% / "
         f"{100 * d['p99']:.3f}%",

@@ -20,8 +20,7 @@ from dataclasses import asdict, dataclass, field
 from quantpipe.reports.intervals import Interval
 
 LEVELS = ("pass", "warn", "fail")
-STATUSES = (*LEVELS, "inconclusive")
-_RANK = {"pass": 0, "warn": 1, "fail": 2}
+_RANK = {level: i for i, level in enumerate(LEVELS)}
 
 
 @dataclass(frozen=True)
@@ -158,17 +157,19 @@ def _rule(rule: Rule, value: float | None, th: VerdictThresholds, label: str,
         return Reason("info", rule.name, value, f"{label} {value:{fmt}} (rule off)")
     if interval is not None:
         return _rule_with_interval(rule, value, warn, fail, label, interval, tokens_per_window)
-    op = ">" if rule.higher_is_worse else "<"
-    ok_op = "<=" if rule.higher_is_worse else ">="
     level = _level(rule, value, warn, fail)
-    if level == "fail":
-        return Reason("fail", rule.name, value,
-                      f"{label} {value:{fmt}} {op} fail level {fail:{fmt}}")
-    if level == "warn":
-        return Reason("warn", rule.name, value,
-                      f"{label} {value:{fmt}} {op} warn level {warn:{fmt}}")
-    limit = warn if warn is not None else fail
-    return Reason("pass", rule.name, value, f"{label} {value:{fmt}} {ok_op} {limit:{fmt}}")
+    return Reason(level, rule.name, value,
+                  f"{label} {value:{fmt}} {_against(rule, level, warn, fail)}")
+
+
+def _against(rule: Rule, level: str, warn: float | None, fail: float | None) -> str:
+    """The comparison that puts a value at ``level``: "> fail level 0.50", "<= 0.10"."""
+    fmt = rule.fmt
+    if level == "pass":
+        limit = warn if warn is not None else fail
+        return f"{'<=' if rule.higher_is_worse else '>='} {limit:{fmt}}"
+    limit = fail if level == "fail" else warn
+    return f"{'>' if rule.higher_is_worse else '<'} {level} level {limit:{fmt}}"
 
 
 def _rule_with_interval(rule: Rule, value: float, warn: float | None, fail: float | None,
@@ -180,14 +181,7 @@ def _rule_with_interval(rule: Rule, value: float, warn: float | None, fail: floa
     bounds = (iv.low, iv.high)
     if could_be[0] == could_be[1]:
         level = could_be[0]
-        op = ">" if rule.higher_is_worse else "<"
-        ok_op = "<=" if rule.higher_is_worse else ">="
-        if level == "pass":
-            limit = warn if warn is not None else fail
-            text = f"{shown}: all {ok_op} {limit:{fmt}}"
-        else:
-            limit = fail if level == "fail" else warn
-            text = f"{shown}: all {op} {level} level {limit:{fmt}}"
+        text = f"{shown}: all {_against(rule, level, warn, fail)}"
         return Reason(level, rule.name, value, text, bounds, could_be)
     straddled = [t for t in (warn, fail) if t is not None and iv.low <= t <= iv.high]
     t = min(straddled, key=lambda x: abs(x - value))
