@@ -71,7 +71,7 @@ class CalibrationDefaults:
     run_samples: int = 32  # calibration sequences (calibrate's 128 gives the best quality)
     eval_prompts: str = "business-eval"  # held-out prompts, never used for calibration
     eval_tokens: int = 8192  # held-out tokens scored for KLD (0: all, ~25k)
-    report_prompts: int = 16  # side-by-side generations in the report
+    report_prompts: int = 0  # held-out prompts answered in the report (0: all 80)
     report_new_tokens: int = 64  # tokens generated per report prompt
 
     def __post_init__(self) -> None:

@@ -672,14 +672,18 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, force):
               help="Held-out prompts for side-by-side generations (and KLD unless --text).")
 @click.option("--text", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Score KL divergence on this UTF-8 text instead of the prompts.")
-@click.option("--max-prompts", default=24, show_default=True, help="Prompts generated.")
+@click.option("--max-prompts", default=0, show_default=True,
+              help="Prompts answered, spread over the categories (0: all).")
 @click.option("--max-new-tokens", default=96, show_default=True, help="Greedy tokens each.")
+@click.option("--json-new-tokens", default=256, show_default=True,
+              help="Greedy tokens for a prompt that expects a JSON object.")
 @click.option("--eval-max-tokens", default=0, show_default=True, help="KLD token limit.")
 @click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Speed JSON from bench/decode.py, bench/kernel_speed.py or bench-serve "
                    "(repeatable).")
-@click.option("--speed-bench", is_flag=True,
-              help="Also time greedy decode of FP16 and each candidate (short).")
+@click.option("--memory-budget", default=None,
+              help="Memory for the speed table's 'KV tokens that fit' (e.g. 16GB) "
+                   "[default: this host's RAM].")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="reports/NAME.html (NAME.json is written beside it).")
 @click.option("--allow-other-source", is_flag=True,
@@ -690,16 +694,19 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, force):
 @click.option("--max-size", default=None,
               help="Recommend only a candidate whose weights take at most this (e.g. 4GB).")
 def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
-               eval_max_tokens, speed, speed_bench, out, allow_other_source, max_kld, max_size):
+               json_new_tokens, eval_max_tokens, speed, memory_budget, out, allow_other_source,
+               max_kld, max_size):
     """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
     from quantpipe.core.io import parse_size
     from quantpipe.reports.build import ReportSpec, build_report
     from quantpipe.reports.data import Constraint
 
     limit = Constraint(max_kld, None if max_size is None else parse_size(max_size, "--max-size"))
+    budget = None if memory_budget is None else parse_size(memory_budget, "--memory-budget")
     html, js = build_report(ReportSpec(reference, tuple(candidates), out, prompts, text,
                                        max_prompts, max_new_tokens, eval_max_tokens,
-                                       tuple(speed), speed_bench=speed_bench,
+                                       tuple(speed), memory_budget=budget,
+                                       json_new_tokens=json_new_tokens,
                                        allow_other_source=allow_other_source,
                                        constraint=limit))
     click.echo(f"wrote {html} and {js}")
@@ -756,6 +763,17 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, sa
         click.echo(f"verdict{' ' + cand['name'] if len(res.evals) > 1 else ''}: "
                    f"{verdict['status']}"
                    + "".join(f"\n  next step: {a}" for a in verdict.get("advice", [])))
+    speeds = doc.get("model_speed") or []
+    if speeds:
+        def rate(m: dict) -> float:
+            by_c = m["by_concurrency"]
+            return by_c[max(by_c, key=int)]["output_tokens_per_s"]
+
+        ref = speeds[0]
+        click.echo(f"speed (output tokens/s at concurrency "
+                   f"{max(ref['by_concurrency'], key=int)}, this host): FP16 {rate(ref):.1f}"
+                   + "".join(f", {m['name']} {rate(m):.1f} ({rate(m) / rate(ref):.2f}x)"
+                             for m in speeds[1:]))
     if len(res.evals) > 1:
         click.echo(doc["recommendation"])
     click.echo(f"report: {res.report}")

@@ -1,8 +1,9 @@
 """`quantpipe report`: measure reference and candidates, then write the HTML + JSON report.
 
-Orchestration only: distribution metrics come from ``reports.eval``, text metrics and the page
-from ``reports.textmetrics`` / ``reports.html``; this module loads models, runs greedy
-generation on the held-out prompts and assembles ``reports.data.ReportData``.
+Orchestration only: distribution metrics come from ``reports.eval`` (or earlier eval results),
+the answers to the held-out prompts with their speed and memory from ``reports.answers`` (one
+model resident at a time, through the serving engine), text metrics and the page from
+``reports.textmetrics`` / ``reports.html``; this module assembles ``reports.data.ReportData``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from quantpipe.core.io import check_output_file
 from quantpipe.prompts.sets import SHIPPED_SETS, PromptRecord, load_prompt_records
+from quantpipe.reports.answers import answer_prompts, weight_bytes
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
@@ -30,13 +31,12 @@ from quantpipe.reports.data import (
 from quantpipe.reports.eval import (
     EvalSpec,
     check_candidate,
-    evaluate_models,
-    load_eval_model,
     load_texts,
     read_json_file,
+    run_eval,
 )
 from quantpipe.reports.html import write_report
-from quantpipe.reports.speed import measure_decode, read_speed_file
+from quantpipe.reports.speed import read_speed_file
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,13 @@ class ReportSpec:
     out: Path  # report .html path (the .json lands beside it)
     prompts: str = "business-eval"  # held-out prompts: generations (and KLD unless text)
     text: Path | None = None  # score KLD on this text file instead of the prompts
-    max_prompts: int = 24  # prompts generated side by side (spread over categories)
+    max_prompts: int = 0  # prompts answered side by side (spread over categories; 0: all)
     max_new_tokens: int = 96  # greedy tokens per generation
     eval_max_tokens: int = 0  # KLD token limit (0 = all)
     speed: tuple[Path, ...] = field(default_factory=tuple)  # speed-record JSON files
     evals: tuple[Path, ...] = field(default_factory=tuple)  # `eval --json` results to reuse
-    speed_bench: bool = False  # measure decode speed of FP16 and the candidates briefly
+    memory_budget: int | None = None  # bytes for "KV tokens that fit" (None: this host's RAM)
+    json_new_tokens: int = 256  # greedy tokens for a prompt expecting JSON (room to close it)
     title: str = ""
     allow_other_source: bool = False  # report candidates made from other FP16 weights too
     constraint: Constraint = field(default_factory=Constraint)  # for the recommendation
@@ -64,8 +65,11 @@ class ReportSpec:
         if self.out.suffix != ".html":
             raise ValueError(f"--out {self.out} must end in .html: the report writes NAME.html "
                              "and NAME.json beside it")
-        if self.max_prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError("--max-prompts and --max-new-tokens must be >= 1")
+        if self.max_prompts < 0 or self.max_new_tokens < 1 or self.json_new_tokens < 1:
+            raise ValueError("--max-prompts must be >= 0 (0: all), --max-new-tokens and "
+                             "--json-new-tokens >= 1")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"--memory-budget {self.memory_budget} bytes must be positive")
         if self.eval_max_tokens < 0:
             raise ValueError(f"--eval-max-tokens {self.eval_max_tokens} must be >= 0 (0: all)")
         names = [c.name for c in self.candidates]
@@ -74,38 +78,11 @@ class ReportSpec:
 
 
 def spread(records: list[PromptRecord], k: int) -> list[PromptRecord]:
-    """k records spread evenly over the list (which is grouped by category)."""
-    if k >= len(records):
+    """k records spread evenly over the list (which is grouped by category); 0: all."""
+    if k == 0 or k >= len(records):
         return list(records)
     step = len(records) / k
     return [records[int(i * step)] for i in range(k)]
-
-
-@torch.no_grad()
-def generate_greedy(model, tokenizer, records: list[PromptRecord], max_new_tokens: int,
-                    batch_size: int = 8, desc: str = "generate") -> list[str]:
-    """Greedy answers, chat template applied, batched with left padding; a progress bar
-    ``desc`` counts the answers."""
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    texts = [
-        tokenizer.apply_chat_template(r.chat(), add_generation_prompt=True, tokenize=False)
-        if tokenizer.chat_template else (r.prompt or "")
-        for r in records
-    ]
-    outs: list[str] = []
-    bar = tqdm(total=len(texts), desc=desc, unit="answer")
-    for start in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
-                          add_special_tokens=False)
-        gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        new = gen[:, batch["input_ids"].shape[1]:]  # [b, new]
-        outs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
-        bar.update(new.shape[0])
-    bar.close()
-    return outs
 
 
 def calibration_facts(qdir: Path) -> CalibrationFacts | None:
@@ -232,51 +209,67 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
     return _Inputs(records, speed, reuse, facts, title)
 
 
-def build_report(spec: ReportSpec) -> tuple[Path, Path]:
-    from quantpipe.core.sources import load_folder_tokenizer
+def answer_dtype(reference: Path) -> tuple[torch.dtype, str]:
+    """(activation dtype of the answering models, why): fp32 where the reference in fp32
+    (twice its fp16 shards) takes at most ``ANSWER_MEMORY_FRACTION`` of the available memory,
+    else bf16 (a 7B model: 13.5 GB instead of 27), said on the page."""
+    import psutil
 
+    need = 2 * weight_bytes(reference)
+    have = psutil.virtual_memory().available
+    if need <= ANSWER_MEMORY_FRACTION * have:
+        return torch.float32, ""
+    return torch.bfloat16, (
+        f"Answers were generated with bf16 activations: the FP16 reference in fp32 needs "
+        f"{need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB were available.")
+
+
+# the answering model (one at a time) in fp32 may take at most this fraction of free memory
+ANSWER_MEMORY_FRACTION = 0.6
+
+
+def build_report(spec: ReportSpec) -> tuple[Path, Path]:
     t0 = time.perf_counter()
     inputs = check_report_inputs(spec)
-    tokenizer = load_folder_tokenizer(spec.reference)
     measure = [q for q in spec.candidates if str(Path(q).resolve()) not in inputs.reuse]
     texts = (load_texts(spec.reference, spec.text, None if spec.text else spec.prompts,
                         spec.eval_max_tokens) if measure else ())
+    evals = dict(inputs.reuse)
+    for qdir in measure:  # block by block where two whole models would not fit (run_eval)
+        ev = run_eval(EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens,
+                               allow_other_source=spec.allow_other_source)).to_dict()
+        log.info("%s: KLD mean %.5f", qdir, ev["kld"]["mean"])
+        evals[str(Path(qdir).resolve())] = ev
     chosen = spread(inputs.records, spec.max_prompts)
-    ref = load_eval_model(spec.reference)
-    log.info("generating %d reference answers", len(chosen))
-    ref_outputs = generate_greedy(ref, tokenizer, chosen, spec.max_new_tokens,
-                                  desc="report: FP16 answers")
-    candidates = []
+    dtype, dtype_note = answer_dtype(spec.reference)
+    # one model resident at a time: the reference answers, is released, then each candidate
+    ref = answer_prompts(spec.reference, "FP16", chosen, spec.max_new_tokens, dtype,
+                         spec.json_new_tokens)
+    candidates, speeds = [], [ref.speed]
     for qdir in spec.candidates:
-        cand = load_eval_model(qdir)
-        ev = inputs.reuse.get(str(Path(qdir).resolve()))
-        if ev is None:
-            ev = evaluate_models(ref, cand, tokenizer,
-                                 EvalSpec(spec.reference, qdir, texts, spec.eval_max_tokens))
-            log.info("%s: KLD mean %.5f", qdir, ev.kld["mean"])
-        outputs = generate_greedy(cand, tokenizer, chosen, spec.max_new_tokens,
-                                  desc=f"report: {Path(qdir).name} answers")
+        ans = answer_prompts(qdir, Path(qdir).name, chosen, spec.max_new_tokens, dtype,
+                             spec.json_new_tokens)
+        speeds.append(ans.speed)
         candidates.append(CandidateData(
             name=Path(qdir).name, path=str(qdir),
-            distribution=DistributionMetrics.from_eval(ev), outputs=tuple(outputs),
-            calibration=inputs.facts[qdir],
-            weight_bytes=sum(f.stat().st_size for f in Path(qdir).glob("*.safetensors")),
-        ))
-        del cand
-    speed = inputs.speed
-    if spec.speed_bench:
-        texts_for_speed = [r.chat()[-1]["content"] for r in chosen[:3]]
-        speed += measure_decode(spec.reference, spec.candidates, texts_for_speed)
+            distribution=DistributionMetrics.from_eval(evals[str(Path(qdir).resolve())]),
+            outputs=ans.texts, calibration=inputs.facts[qdir],
+            weight_bytes=weight_bytes(qdir)))
+    machine = detect_machine()
     data = ReportData(
         title=inputs.title,
         reference=str(spec.reference),
+        reference_bytes=weight_bytes(spec.reference),
         prompts=tuple(chosen),
-        reference_outputs=tuple(ref_outputs),
+        reference_outputs=ref.texts,
         candidates=tuple(candidates),
-        speed=speed,
-        machine=detect_machine(),
+        speed=inputs.speed,
+        model_speed=tuple(s for s in speeds if s is not None),
+        memory_budget=spec.memory_budget or machine.memory_bytes,
+        machine=machine,
         created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        notes=reference_notes(spec.reference),
+        notes=reference_notes(spec.reference) + tuple(
+            n for n in (dtype_note, ref.note) if n),
         constraint=spec.constraint,
     )
     paths = write_report(data, spec.out)

@@ -126,6 +126,36 @@ def layer_error_chart(layer_errors: dict[str, float], title: str) -> str:
         return figure_to_svg(fig, title)
 
 
+def size_quality_chart(points: dict[str, tuple[float, float, float | None, float | None]],
+                       reference_gb: float | None) -> str:
+    """Weight size (GB) against mean KLD (log axis), one point per candidate, its 95% interval
+    as an error bar; FP16's size as a dashed line (its KLD is 0, off a log axis)."""
+    with matplotlib.rc_context(RC):
+        fig = _new_figure(7.0, 2.8)
+        ax = fig.add_subplot()
+        for i, (name, (gb, kld, low, high)) in enumerate(points.items()):
+            colour = PALETTE[i % len(PALETTE)]
+            y = max(kld, 1e-6)  # log axis: an exact zero still shows
+            err = None
+            if low is not None and high is not None:
+                err = [[max(y - max(low, 1e-6), 0.0)], [max(high - y, 0.0)]]
+            ax.errorbar([gb], [y], yerr=err, fmt="o", color=colour, capsize=4, markersize=6)
+            ax.annotate(name, (gb, y), textcoords="offset points", xytext=(7, 4), fontsize=8,
+                        color=colour)
+        if reference_gb:
+            ax.axvline(reference_gb, color=FP16_COLOUR, linestyle="--", linewidth=1)
+            ax.annotate("FP16", (reference_gb, 1), xycoords=("data", "axes fraction"),
+                        textcoords="offset points", xytext=(-4, -12), ha="right", fontsize=8,
+                        color=FP16_COLOUR)
+        ax.set_xlim(left=0)
+        ax.set_yscale("log")
+        ax.set_xlabel("weights on disk (GB)")
+        ax.set_ylabel("mean KLD vs FP16 (nats)")
+        ax.set_title("Size against quality (95% intervals): lower left is better")
+        ax.margins(x=0.12, y=0.2)
+        return figure_to_svg(fig, "Weight size against mean KL divergence per candidate")
+
+
 def speed_chart(values: dict[str, float], metric: str, unit: str) -> str:
     """Horizontal bars, one per measured configuration, for one speed metric."""
     names = list(values)

@@ -276,6 +276,34 @@ def load_speed_records(path: str | os.PathLike) -> tuple[SpeedRecord, ...]:
 
 
 @dataclass(frozen=True)
+class ModelSpeed:
+    """Speed and memory of one model (FP16 or a candidate) measured by the report itself while
+    it answered the held-out prompts (``reports.answers``)."""
+
+    name: str  # "FP16" or the candidate's name
+    weight_bytes: int  # bytes of the folder's *.safetensors
+    peak_rss_bytes: int | None  # process high-water mark while this model loaded and answered
+    peak_rss_reset: bool  # False: the mark could not be reset (it covers the whole process)
+    kv_bytes_per_token: int  # the engine's KV cache bytes per token (every layer's K and V)
+    load_s: float  # seconds to load (and verify) the folder
+    # concurrency -> {"requests", "output_tokens_per_s", "ttft_ms": {mean, p50, p95, p99},
+    # "tpot_ms": {...}} (reports.answers.closed_loop)
+    by_concurrency: dict[int, dict[str, Any]]
+    activation_dtype: str = "float32"
+    head_dtype: str = "fp16"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelSpeed:
+        d = dict(d)
+        d["by_concurrency"] = {int(k): v for k, v in d["by_concurrency"].items()}
+        return cls(**d)
+
+    def kv_tokens(self, budget_bytes: int) -> int:
+        """KV cache tokens that fit in ``budget_bytes`` beside the weights (0 if none)."""
+        return max(0, budget_bytes - self.weight_bytes) // max(1, self.kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
 class MachineInfo:
     """The machine the speed numbers come from."""
 
@@ -283,22 +311,32 @@ class MachineInfo:
     cpu_cores: int | None
     gpu: str | None  # None = no GPU
     system: str  # e.g. "Linux 6.1 x86_64"
+    isa: str = ""  # the CPU's vector extensions that quantpipe's kernels use, e.g. "avx512_vnni"
+    memory_bytes: int | None = None  # total RAM
 
     @classmethod
     def from_dict(cls, d: dict) -> MachineInfo:
         return cls(str(d.get("cpu", "unknown")), d.get("cpu_cores"), d.get("gpu"),
-                   str(d.get("system", "unknown")))
+                   str(d.get("system", "unknown")), str(d.get("isa", "")), d.get("memory_bytes"))
+
+
+# CPU flags (/proc/cpuinfo names) that decide which of quantpipe's CPU kernels run, and how fast
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_int8", "amx_bf16", "avx_vnni")
 
 
 def detect_machine() -> MachineInfo:
     """CPU model from /proc/cpuinfo (platform fallback), GPU name from torch when present."""
     cpu = platform.processor() or platform.machine() or "unknown"
+    flags: set[str] = set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
+        named = False
         for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            if not named and line.lower().startswith(("model name", "hardware", "cpu model")):
+                cpu, named = line.split(":", 1)[1].strip(), True
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     gpu = None
     try:
         import torch
@@ -307,8 +345,15 @@ def detect_machine() -> MachineInfo:
             gpu = torch.cuda.get_device_name(0)
     except ImportError:  # torch is a core dependency; this only guards odd installs
         gpu = None
+    try:
+        import psutil
+
+        memory = int(psutil.virtual_memory().total)
+    except ImportError:
+        memory = None
     return MachineInfo(cpu, os.cpu_count(), gpu,
-                       f"{platform.system()} {platform.release()} {platform.machine()}")
+                       f"{platform.system()} {platform.release()} {platform.machine()}",
+                       " ".join(f for f in ISA_FLAGS if f in flags), memory)
 
 
 @dataclass(frozen=True)
@@ -348,9 +393,13 @@ class ReportData:
     title: str
     reference: str  # FP16 folder
     candidates: tuple[CandidateData, ...]
+    reference_bytes: int | None = None  # bytes of the FP16 folder's *.safetensors
     prompts: tuple[PromptRecord, ...] = ()  # held-out prompts (business-eval)
     reference_outputs: tuple[str, ...] | None = None  # FP16 greedy output per prompt
     speed: tuple[SpeedRecord, ...] = ()
+    # speed and memory measured in this report's own run: FP16 first, then the candidates
+    model_speed: tuple[ModelSpeed, ...] = ()
+    memory_budget: int | None = None  # bytes for the "KV tokens that fit" column (None: none)
     machine: MachineInfo | None = None  # required when speed records are given
     thresholds: VerdictThresholds = field(default_factory=VerdictThresholds)
     constraint: Constraint = field(default_factory=Constraint)  # for the recommendation
@@ -375,5 +424,5 @@ class ReportData:
                 if len(c.outputs) != n:
                     raise ValueError(f"candidate {c.name}: {len(c.outputs)} outputs for {n} "
                                      "prompts; generate one output per prompt")
-        if self.speed and self.machine is None:
+        if (self.speed or self.model_speed) and self.machine is None:
             raise ValueError("speed records need the machine; pass machine=detect_machine()")

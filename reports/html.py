@@ -105,6 +105,57 @@ def _verdicts(summary: ReportSummary) -> str:
             f'<div class="verdicts">{"".join(cards)}</div></section>')
 
 
+def _gb(n: int | None) -> str:
+    return "—" if n is None else f"{n / 1e9:.3f} GB"
+
+
+def _c8(data: ReportData, name: str) -> float | None:
+    """Output tokens/s of model ``name`` at the report's batch concurrency (None: not run)."""
+    for m in data.model_speed:
+        if m.name == name and m.by_concurrency:
+            return m.by_concurrency[max(m.by_concurrency)].get("output_tokens_per_s")
+    return None
+
+
+def _candidates(data: ReportData, summary: ReportSummary) -> str:
+    """One row per candidate (size, the deciding numbers with their intervals, speed, verdict)
+    and the size-against-KLD chart."""
+    ref_bytes = data.reference_bytes
+    ref_rate = _c8(data, "FP16")
+    rows, points = [], {}
+    for c, cd in zip(summary.candidates, data.candidates):
+        d, g = c.distribution, c.generation
+        size = _gb(cd.weight_bytes)
+        if cd.weight_bytes and ref_bytes:
+            size += f'<div class="ci">{cd.weight_bytes / ref_bytes:.2f}x FP16</div>'
+        rate = _c8(data, c.name)
+        speed = "—" if rate is None else fmt(rate, 1)
+        if rate and ref_rate:
+            speed += f'<div class="ci">{rate / ref_rate:.2f}x FP16</div>'
+        rl = g.intervals.get("rouge_l_mean") if g else None
+        rows.append([
+            esc(c.name), size,
+            _with_interval(fmt(d.kld["mean"]), d.intervals.get("kld_mean")) if d else "—",
+            _with_interval(pct(d.same_top_rate), d.intervals.get("same_top_rate"),
+                           percent=True) if d else "—",
+            _with_interval(fmt(g.rouge_l_mean, 3), rl and (rl.low, rl.high), 3) if g else "—",
+            pct(g.json_agreement) if g else "—", speed,
+            f'<span class="badge b-{esc(c.verdict.status)}">{esc(c.verdict.status)}</span>'])
+        if d is not None and cd.weight_bytes:
+            iv = d.intervals.get("kld_mean") or (None, None)
+            points[c.name] = (cd.weight_bytes / 1e9, d.kld["mean"], iv[0], iv[1])
+    headers = ["candidate", "weights", "KLD mean", "same top", "ROUGE-L", "JSON agrees",
+               "output tok/s", "verdict"]
+    table = _table(headers, rows, num_cols=set(range(1, len(headers) - 1)))
+    chart = (_chart(charts.size_quality_chart(points, ref_bytes / 1e9 if ref_bytes else None))
+             if points else "")
+    fp16 = f"FP16 weights: {_gb(ref_bytes)}. " if ref_bytes else ""
+    return ('<section id="candidates"><h2>Candidates side by side</h2>'
+            f'<p class="lead">{fp16}Output tokens/s at the batch concurrency of the speed '
+            "section, on this host.</p>"
+            f'<div class="grid-table-chart">{table}{chart}</div></section>')
+
+
 def _with_interval(text: str, iv, digits: int = 4, percent: bool = False) -> str:
     """``text`` and, where known, its 95% interval (low, high) beneath it, small."""
     if iv is None:
@@ -186,6 +237,7 @@ def _generation(data: ReportData, summary: ReportSummary) -> str:
              "tokenizer (Chinese scored per character). <del>Struck red</del>: FP16 words the "
              "candidate lacks; <ins>green</ins>: words only the candidate wrote.</p>",
              _table(headers, rows, num_cols=set(range(1, len(headers))))]
+    parts += [_groups(c) for c in gens if c.generation.groups]
     refs = data.reference_outputs or ()
     for i, p in enumerate(data.prompts):
         tags = [f'<span class="tag">{esc(p.category)}</span>']
@@ -222,6 +274,23 @@ def _generation(data: ReportData, summary: ReportSummary) -> str:
         parts.append("".join(block))
     parts.append("</section>")
     return "".join(parts)
+
+
+def _groups(c) -> str:
+    """The candidate's generation numbers by prompt category, then by language."""
+    rows = []
+    for g in c.generation.groups:
+        json_cell = (f"{pct(g.json_agreement)} of {g.json_prompts}" if g.json_prompts
+                     else "—")
+        rows.append([esc(g.group), fmt(g.prompts), fmt(g.rouge_l_mean, 3),
+                     pct(g.exact_match_rate), json_cell,
+                     f"{pct(g.garbage_rate)} / {pct(g.reference_garbage_rate)}",
+                     "—" if g.length_ratio is None else f"{g.length_ratio:.2f}x",
+                     f"{g.refusals} / {g.reference_refusals}"])
+    headers = ["category / language", "prompts", "ROUGE-L", "exact match", "JSON agrees",
+               "garbage (cand / FP16)", "length vs FP16", "refusals (cand / FP16)"]
+    return (f"<h3>{esc(c.name)} by category and language</h3>"
+            + _table(headers, rows, num_cols=set(range(1, len(headers)))))
 
 
 def _json_problem(jc) -> str:
@@ -395,15 +464,75 @@ def _pfield(r: SpeedRecord, p: str) -> str:
     return "—"
 
 
+def _ms(stats: dict, key: str, p: str) -> str:
+    v = (stats.get(key) or {}).get(p)
+    return "—" if v is None else fmt(float(v), 1)
+
+
+def _model_speed(data: ReportData) -> str:
+    """The speed and memory measured while the models answered (reports.answers)."""
+    if not data.model_speed:
+        return ""
+    ref = data.model_speed[0] if data.model_speed[0].name == "FP16" else None
+    levels = sorted({c for m in data.model_speed for c in m.by_concurrency})
+    budget = data.memory_budget
+    rows = []
+    for m in data.model_speed:
+        row = [esc(m.name), _gb(m.weight_bytes),
+               "—" if m.peak_rss_bytes is None else _gb(m.peak_rss_bytes),
+               fmt(m.kv_tokens(budget)) if budget else "—"]
+        for c in levels:
+            st = m.by_concurrency.get(c, {})
+            rate = st.get("output_tokens_per_s")
+            cell = "—" if rate is None else fmt(float(rate), 1)
+            ref_rate = ref.by_concurrency.get(c, {}).get("output_tokens_per_s") if ref else None
+            if rate and ref_rate and m is not ref:
+                cell += f'<div class="ci">{rate / ref_rate:.2f}x FP16</div>'
+            row += [f'{_ms(st, "ttft_ms", "p50")}<div class="ci">p95 '
+                    f'{_ms(st, "ttft_ms", "p95")}</div>',
+                    f'{_ms(st, "tpot_ms", "p50")}<div class="ci">p95 '
+                    f'{_ms(st, "tpot_ms", "p95")}</div>', cell]
+        rows.append(row)
+    headers = ["model", "weights", "peak RSS", "KV tokens in budget"]
+    for c in levels:
+        headers += [f"TTFT ms (c={c})", f"TPOT ms (c={c})", f"output tok/s (c={c})"]
+    first = data.model_speed[0]
+    kv = (f"KV tokens in budget: ({_gb(budget)} - weights) / KV bytes per token "
+          f"({fmt(first.kv_bytes_per_token)} B in the engine's {esc(first.activation_dtype)} "
+          "cache). " if budget else "")
+    requests = ", ".join(f"c={c}: {first.by_concurrency[c].get('requests')} requests"
+                         for c in levels if c in first.by_concurrency)
+    reset = all(m.peak_rss_reset for m in data.model_speed)
+    rates = {f"{m.name} (c={c})": float(m.by_concurrency[c]["output_tokens_per_s"])
+             for c in levels for m in data.model_speed if c in m.by_concurrency}
+    return ('<h3>Measured in this report</h3><p class="lead">Every model answered the held-out '
+            "prompts through quantpipe's serving engine on this host, one model loaded at a "
+            "time: a closed loop of c requests in flight (greedy, the prompts' own lengths, at "
+            f"most the report's new tokens each; {esc(requests)}), {esc(first.activation_dtype)} "
+            f"activations, {esc(first.head_dtype)} output head. TTFT = first token - send, "
+            "TPOT = time per output token after the first; medians with p95 beneath. Peak RSS: "
+            "the process's high-water mark while that model loaded and answered"
+            + ("" if reset else " (could not be reset: it covers the whole process)")
+            + f". {kv}</p>"
+            + _table(headers, rows, num_cols=set(range(1, len(headers))))
+            + _chart(charts.speed_chart(rates, "output tokens/s", "tok/s")))
+
+
 def _speed(data: ReportData) -> str:
-    if not data.speed:
+    if not data.speed and not data.model_speed:
         return ""
     m = data.machine
     gpu = m.gpu or "none"
     cores = fmt(m.cpu_cores) if m.cpu_cores else "?"
-    parts = ['<section id="speed"><h2>Speed</h2>',
+    parts = ['<section id="speed"><h2>Speed and memory</h2>',
              f'<dl class="facts"><dt>CPU</dt><dd>{esc(m.cpu)} ({esc(cores)} logical cores)</dd>'
-             f"<dt>GPU</dt><dd>{esc(gpu)}</dd><dt>system</dt><dd>{esc(m.system)}</dd></dl>"]
+             f"<dt>vector ISA</dt><dd>{esc(m.isa or 'not known')}</dd>"
+             f"<dt>memory</dt><dd>{_gb(m.memory_bytes)}</dd>"
+             f"<dt>GPU</dt><dd>{esc(gpu)}</dd><dt>system</dt><dd>{esc(m.system)}</dd></dl>",
+             _model_speed(data)]
+    if not data.speed:
+        return "".join(parts) + "</section>"
+    parts.append("<h3>From benchmark files</h3>")
     for fam in ("TTFT", "TPOT", "throughput"):
         recs = [r for r in data.speed if speed_family(r) == fam]
         if not recs:
@@ -445,13 +574,16 @@ def render_quality_report(data: ReportData, summary: ReportSummary | None = None
         meta.append(f"generated {esc(data.created)}")
     notes = "".join(f'<p class="lead">{esc(n)}</p>' for n in data.notes)
     sections = [
-        _verdicts(summary), _distribution(summary), _generation(data, summary),
+        _verdicts(summary), _candidates(data, summary), _distribution(summary),
+        _generation(data, summary),
         _lengths(data, summary), _garbage(data, summary), _calibration(data), _speed(data),
         _thresholds(data),
     ]
-    toc_ids = [("verdict", "Verdict"), ("distribution", "Distributions"),
+    toc_ids = [("verdict", "Verdict"), ("candidates", "Candidates"),
+               ("distribution", "Distributions"),
                ("generations", "Generations"), ("lengths", "Lengths"), ("garbage", "Garbage"),
-               ("calibration", "Calibration"), ("speed", "Speed"), ("thresholds", "Thresholds")]
+               ("calibration", "Calibration"), ("speed", "Speed and memory"),
+               ("thresholds", "Thresholds")]
     body = "".join(sections)
     toc = "".join(f'<a href="#{i}">{t}</a>' for i, t in toc_ids if f'id="{i}"' in body)
     return (

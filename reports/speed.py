@@ -7,9 +7,8 @@ Readers turn each benchmark's own JSON into ``reports.data.SpeedRecord`` rows:
 - ``bench/kernel_speed.py``: ``{"rows": [{"kernel", "M", "N", "K", "s", ...}]}``;
 - ``quantpipe bench-serve --json``: ``{"spec", "results": {concurrency: {"median": {...}}}}``.
 
-``measure_decode`` is the short benchmark behind ``quantpipe report --speed-bench``: greedy
-decode of a few held-out prompts through the FP16 model and each quantized folder (quantpipe's
-runtime), timed side by side in one process.
+The report's own speed and memory numbers are measured while the models answer
+(``reports.answers``); these files add a benchmark's to them.
 """
 
 from __future__ import annotations
@@ -86,28 +85,3 @@ def read_speed_file(path: str | os.PathLike) -> tuple[SpeedRecord, ...]:
         f"{path}: not a speed result quantpipe knows (bench/decode.py, bench/kernel_speed.py, "
         "bench-serve --json, or a list of {name, metric, value, unit} records)"
     )
-
-
-def measure_decode(reference: Path, candidates: tuple[Path, ...], prompts: list[str],
-                   max_new_tokens: int = 32) -> tuple[SpeedRecord, ...]:
-    """Greedy decode tokens/s and prefill time of FP16 and each candidate, one after another."""
-    from quantpipe.runtime.generate import GenerateSpec, run_generate
-
-    records = []
-    for folder in (reference, *candidates):
-        rates, prefills, paths = [], [], set()
-        for prompt in prompts:
-            r = run_generate(GenerateSpec(folder, prompt, chat=True,
-                                          max_new_tokens=max_new_tokens))
-            rates.append(r.decode_tokens_per_s)
-            prefills.append(r.prefill_s)
-            paths.add(r.path)
-        # both run the same way (`quantpipe generate`: engine, fp16 head, fp32 elsewhere on CPU)
-        label = "FP16 reference" if folder == reference else Path(folder).name
-        extra = {"source": "report --speed-bench (quantpipe generate)", "prompts": len(prompts),
-                 "max_new_tokens": max_new_tokens, "path": sorted(paths)}
-        records.append(SpeedRecord(f"{label} decode", "decode tokens_per_s",
-                                   sorted(rates)[len(rates) // 2], "tok/s", extra))
-        records.append(SpeedRecord(f"{label} prefill", "prefill_ms",
-                                   1e3 * sorted(prefills)[len(prefills) // 2], "ms", extra))
-    return tuple(records)

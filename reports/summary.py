@@ -21,6 +21,7 @@ from quantpipe.reports.textmetrics import (
     exact_match,
     extract_json,
     garbage_score,
+    is_refusal,
     json_check,
     length_stats,
     rouge_l,
@@ -28,8 +29,9 @@ from quantpipe.reports.textmetrics import (
 from quantpipe.reports.verdict import QualityNumbers, Verdict, judge
 
 # 2: verdict status "inconclusive", reasons' interval / could_be, advice, recommendation,
-# constraint, weight_bytes, the metrics' intervals
-REPORT_JSON_VERSION = 2
+# constraint, weight_bytes, the metrics' intervals; 3: model_speed, memory_budget,
+# generation groups (by category and language), refusals, machine isa / memory_bytes
+REPORT_JSON_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,24 @@ class PromptResult:
     exact_match: bool
     json: JsonCheck | None  # only for expect_json prompts
     garbage: GarbageScore
+    refusal: bool = False  # the candidate declined (textmetrics.is_refusal)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One category or language of the held-out prompts: the candidate against FP16."""
+
+    group: str  # "email", or "language: zh"
+    prompts: int
+    rouge_l_mean: float
+    exact_match_rate: float
+    json_prompts: int  # expect_json prompts where FP16's output parsed
+    json_agreement: float | None
+    garbage_rate: float
+    reference_garbage_rate: float | None
+    length_ratio: float | None  # candidate's mean answer length / FP16's (None: FP16's is 0)
+    refusals: int
+    reference_refusals: int
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,7 @@ class GenerationSummary:
     json_expected: int = 0  # expect_json prompts (FP16's output parsed or not)
     # 95% intervals by prompt (reports.intervals): rouge_l_mean, json_agreement
     intervals: dict[str, Interval] = dataclasses.field(default_factory=dict)
+    groups: tuple[GroupStats, ...] = ()  # by category, then by language (when known)
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,7 @@ class ReferenceSummary:
     garbage: tuple[GarbageScore, ...]
     garbage_rate: float | None
     json_parse_rate: float | None
+    refusals: tuple[bool, ...] = ()  # FP16 declined, per prompt
 
 
 @dataclass(frozen=True)
@@ -96,11 +118,44 @@ def summarize_reference(data: ReportData, gth: GarbageThresholds) -> ReferenceSu
     garbage = tuple(garbage_score(t, gth) for t in outs)
     parses = [extract_json(t)[0] for p, t in zip(data.prompts, outs) if p.expect_json]
     return ReferenceSummary(length_stats(list(outs)), garbage,
-                            _rate([g.is_garbage for g in garbage]), _rate(parses))
+                            _rate([g.is_garbage for g in garbage]), _rate(parses),
+                            tuple(map(is_refusal, outs)))
 
 
-def summarize_generations(data: ReportData, cand: CandidateData,
-                          gth: GarbageThresholds) -> GenerationSummary | None:
+def group_stats(data: ReportData, ref: ReferenceSummary, results: list[PromptResult],
+                lengths: tuple[int, ...]) -> tuple[GroupStats, ...]:
+    """The candidate's per-prompt results summed by category, then by language (the latter
+    only when the prompts carry more than one)."""
+    members: dict[str, list[int]] = {}
+    for i, p in enumerate(data.prompts):
+        members.setdefault(p.category, []).append(i)
+    if len({p.lang for p in data.prompts}) > 1:
+        for i, p in enumerate(data.prompts):
+            members.setdefault(f"language: {p.lang or 'unknown'}", []).append(i)
+    ref_len = ref.lengths.lengths if ref.lengths else ()
+    out = []
+    for group, idx in members.items():
+        rs = [results[i] for i in idx]
+        comparable = [r.json for r in rs if r.json is not None and r.json.reference_parses]
+        ref_mean = statistics.fmean(ref_len[i] for i in idx) if ref_len else 0.0
+        ref_garbage = [ref.garbage[i].is_garbage for i in idx] if ref.garbage else []
+        out.append(GroupStats(
+            group=group, prompts=len(idx),
+            rouge_l_mean=statistics.fmean(r.rouge_l for r in rs),
+            exact_match_rate=_rate([r.exact_match for r in rs]),
+            json_prompts=len(comparable),
+            json_agreement=_rate([c.agrees for c in comparable]),
+            garbage_rate=_rate([r.garbage.is_garbage for r in rs]),
+            reference_garbage_rate=_rate(ref_garbage),
+            length_ratio=(statistics.fmean(lengths[i] for i in idx) / ref_mean
+                          if ref_mean > 0 else None),
+            refusals=sum(r.refusal for r in rs),
+            reference_refusals=sum(ref.refusals[i] for i in idx) if ref.refusals else 0))
+    return tuple(out)
+
+
+def summarize_generations(data: ReportData, cand: CandidateData, gth: GarbageThresholds,
+                          reference: ReferenceSummary) -> GenerationSummary | None:
     if cand.outputs is None or data.reference_outputs is None or not data.prompts:
         return None
     refs = list(data.reference_outputs)
@@ -110,12 +165,13 @@ def summarize_generations(data: ReportData, cand: CandidateData,
     results = []
     for p, ref, out, r, e in zip(data.prompts, refs, outs, rl, em):
         jc = json_check(ref, out, p.json_keys) if p.expect_json else None
-        results.append(PromptResult(p.id, r, e, jc, garbage_score(out, gth)))
+        results.append(PromptResult(p.id, r, e, jc, garbage_score(out, gth), is_refusal(out)))
     checks = [x.json for x in results if x.json is not None]
     comparable = [c for c in checks if c.reference_parses]
     intervals = {"rouge_l_mean": bootstrap_mean(rl, "prompt"),
                  "json_agreement": wilson(sum(c.agrees for c in comparable), len(comparable),
                                           "prompt")}
+    lengths = length_stats(outs)
     return GenerationSummary(
         rouge_l_mean=statistics.fmean(rl),
         rouge_l_median=statistics.median(rl),
@@ -124,10 +180,11 @@ def summarize_generations(data: ReportData, cand: CandidateData,
         json_parse_rate=_rate([c.candidate_parses for c in checks]),
         json_agreement=_rate([c.agrees for c in comparable]),
         garbage_rate=sum(x.garbage.is_garbage for x in results) / len(results),
-        lengths=length_stats(outs),
+        lengths=lengths,
         per_prompt=tuple(results),
         json_expected=len(checks),
         intervals={k: v for k, v in intervals.items() if v is not None},
+        groups=group_stats(data, reference, results, lengths.lengths),
     )
 
 
@@ -158,7 +215,7 @@ def summarize(data: ReportData, gth: GarbageThresholds = GarbageThresholds()) ->
     ref = summarize_reference(data, gth)
     cands = []
     for c in data.candidates:
-        gen = summarize_generations(data, c, gth)
+        gen = summarize_generations(data, c, gth, ref)
         d = c.distribution
         numbers = QualityNumbers(
             kld_mean=d.kld["mean"] if d else None,
@@ -242,6 +299,7 @@ def report_json(data: ReportData, summary: ReportSummary) -> dict:
         "title": data.title,
         "created": data.created,
         "reference": data.reference,
+        "reference_bytes": data.reference_bytes,
         "thresholds": data.thresholds.to_dict(),
         "constraint": _jsonable(data.constraint),
         "recommendation": summary.recommendation,
@@ -271,5 +329,11 @@ def report_json(data: ReportData, summary: ReportSummary) -> dict:
             {"name": r.name, "metric": r.metric, "value": r.value, "unit": r.unit, **r.extra}
             for r in data.speed
         ],
+        "model_speed": [
+            _jsonable(m) | ({"kv_tokens_in_budget": m.kv_tokens(data.memory_budget)}
+                            if data.memory_budget else {})
+            for m in data.model_speed
+        ],
+        "memory_budget": data.memory_budget,
         "machine": _jsonable(data.machine),
     }

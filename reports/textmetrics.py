@@ -289,3 +289,22 @@ def garbage_score(text: str, th: GarbageThresholds = GarbageThresholds()) -> Gar
         reasons.append(f"a word repeated {word_run} times in a row > {th.max_word_run}")
     return GarbageScore(rep, nonp, char_run, word_run, bool(reasons), tuple(reasons))
 
+
+
+# ---------------------------------------------------------------------------- refusals
+
+# How instruct models decline, English and Chinese, matched at the start of an answer (after
+# whitespace and markdown emphasis): a refusal in the middle of a long answer is quoted text
+# more often than a refusal. Lower case; Chinese as written.
+REFUSAL_OPENINGS = (
+    "i'm sorry", "i am sorry", "sorry, i", "i apologize", "i apologise", "i can't", "i cannot",
+    "i can not", "i won't", "i will not", "i'm not able", "i am not able", "i'm unable",
+    "i am unable", "as an ai", "as a language model", "unfortunately, i",
+    "抱歉", "对不起", "很抱歉", "我无法", "我不能", "作为一个ai", "作为ai", "作为一个人工智能",
+)
+
+
+def is_refusal(text: str) -> bool:
+    """Whether the answer opens by declining the task (``REFUSAL_OPENINGS``)."""
+    head = text.lstrip().lstrip("*_#> ").lower().replace("\u2019", "'")
+    return head.startswith(REFUSAL_OPENINGS)

@@ -203,7 +203,8 @@ _ADVICE_QUALITY = ("keep more precision where it matters: `quantpipe sensitivity
                    "`--bits 8` for every layer")
 _ADVICE_MORE = ("measure more before deciding: more held-out tokens (`quantpipe run "
                 "--eval-tokens 0` or `quantpipe report --eval-max-tokens 0`: every token) and "
-                "more prompts (`quantpipe report --max-prompts`); the inconclusive rules say how "
+                "more prompts (`quantpipe report --max-prompts 0` answers every prompt of the "
+                "set, `--prompts FILE` a larger set of your own); the inconclusive rules say how "
                 "many")
 
 

@@ -37,7 +37,8 @@ def no_model_load(monkeypatch):
     import quantpipe.reports.build  # noqa: F401
 
     monkeypatch.setattr("quantpipe.reports.eval.load_eval_model", refuse)
-    monkeypatch.setattr("quantpipe.reports.build.load_eval_model", refuse)
+    # the report's answers load each model through the serving engine's loader
+    monkeypatch.setattr("quantpipe.reports.build.answer_prompts", refuse)
 
 
 def leftovers(folder: Path) -> list[str]:

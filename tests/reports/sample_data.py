@@ -12,6 +12,7 @@ from quantpipe.reports.data import (
     DistributionMetrics,
     Fallback,
     MachineInfo,
+    ModelSpeed,
     PlanRow,
     ReportData,
     SpeedRecord,
@@ -101,11 +102,28 @@ def _calibration(algorithm: str, seed: int, int8_down: bool) -> CalibrationFacts
                             fallbacks=fallbacks)
 
 
+def _loop(requests: int, concurrency: int, tok_s: float, ttft: float, tpot: float) -> dict:
+    def stats(v: float) -> dict[str, float]:
+        return {"mean": v * 1.1, "p50": v, "p95": v * 1.8, "p99": v * 2.5}
+
+    return {"requests": requests, "concurrency": concurrency, "output_tokens_per_s": tok_s,
+            "ttft_ms": stats(ttft), "tpot_ms": stats(tpot)}
+
+
+def model_speed(name: str, weight_bytes: int, scale: float) -> ModelSpeed:
+    """A model's speed numbers as reports.answers measures them (synthetic)."""
+    return ModelSpeed(name, weight_bytes, 600_000_000 + 2 * weight_bytes, True, 46_080, 1.5,
+                      {1: _loop(3, 1, 35.0 * scale, 110 / scale, 27 / scale),
+                       8: _loop(5, 8, 69.0 * scale, 340 / scale, 80 / scale)})
+
+
 def sample_report(with_speed: bool = True) -> ReportData:
     good = CandidateData("int4-gptq-g128", "/runs/smollm2/int4-gptq", _dist(0.031, 0.955, 1.021),
-                         GOOD_OUTPUTS, _calibration("gptq", 1, int8_down=True))
+                         GOOD_OUTPUTS, _calibration("gptq", 1, int8_down=True),
+                         weight_bytes=112_733_208)
     bad = CandidateData("int4-rtn-pc", "/runs/smollm2/int4-rtn", _dist(0.62, 0.71, 1.83),
-                        BAD_OUTPUTS, _calibration("rtn", 2, int8_down=False))
+                        BAD_OUTPUTS, _calibration("rtn", 2, int8_down=False),
+                        weight_bytes=101_000_000)
     speed = ()
     if with_speed:
         speed = (
@@ -124,8 +142,14 @@ def sample_report(with_speed: bool = True) -> ReportData:
         prompts=PROMPTS,
         reference_outputs=FP16_OUTPUTS,
         speed=speed,
+        reference_bytes=269_060_272,
+        model_speed=((model_speed("FP16", 269_060_272, 1.0),
+                      model_speed("int4-gptq-g128", 112_733_208, 3.0),
+                      model_speed("int4-rtn-pc", 101_000_000, 3.2)) if with_speed else ()),
+        memory_budget=16 * 10**9 if with_speed else None,
         machine=(MachineInfo("Intel(R) Xeon(R) Platinum 8480+", 16, "NVIDIA H200",
-                             "Linux 6.1 x86_64") if with_speed else None),
+                             "Linux 6.1 x86_64", "avx2 fma avx512f avx512_vnni amx_int8",
+                             64 * 2**30) if with_speed else None),
         created="2026-11-30 12:00 UTC",
         notes=("Synthetic sample data: <b>not</b> a measurement.",),
     )

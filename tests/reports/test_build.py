@@ -26,7 +26,7 @@ def test_report_cli(tiny_llama_dir, tmp_path):
     r = CliRunner().invoke(main, [
         "report", "--reference", str(fp16), "--candidate", str(tmp_path / "int4"),
         "--prompts", str(prompts), "--max-prompts", "4", "--max-new-tokens", "8",
-        "--speed-bench", "--out", str(out)])
+        "--memory-budget", "1GB", "--out", str(out)])
     assert r.exit_code == 0, r.output
     for who in ("FP16", "int4"):  # progress of the answers (the slow part of a report)
         assert f"report: {who} answers: 100%" in r.stderr and "4/4" in r.stderr
@@ -38,9 +38,19 @@ def test_report_cli(tiny_llama_dir, tmp_path):
     assert cand["calibration"]["algorithm"] == "rtn"
     assert len(data["outputs"]["reference"]) == 4
     assert "<script>alert" not in page and "&lt;script&gt;alert" in page
-    speed = {r["name"]: r for r in data["speed"]}
-    assert speed["int4 decode"]["value"] > 0 and "FP16 reference decode" in speed
-    assert data["machine"]["cpu"]
+    # speed and memory measured by default, each model alone, through the engine
+    speed = {m["name"]: m for m in data["model_speed"]}
+    assert list(speed) == ["FP16", "int4"]
+    for m in speed.values():
+        assert set(m["by_concurrency"]) == {"1", "8"}
+        batch = m["by_concurrency"]["8"]
+        assert batch["requests"] == 4 and batch["output_tokens_per_s"] > 0
+        assert 0 < batch["ttft_ms"]["p50"] <= batch["ttft_ms"]["p99"]
+        assert m["peak_rss_bytes"] > m["weight_bytes"] > 0
+        assert m["kv_tokens_in_budget"] == (10**9 - m["weight_bytes"]) // m["kv_bytes_per_token"]
+    assert speed["int4"]["weight_bytes"] < speed["FP16"]["weight_bytes"]
+    assert data["memory_budget"] == 10**9 and data["machine"]["cpu"]
+    assert 'id="speed"' in page and 'id="candidates"' in page
 
 
 # ---- checks before any model loads ---------------------------------------------------------
@@ -60,7 +70,9 @@ def no_model_load(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded
 
-    monkeypatch.setattr("quantpipe.reports.build.load_eval_model", refuse)
+    # every model load of a report: the evaluation and the answers
+    monkeypatch.setattr("quantpipe.reports.build.run_eval", refuse)
+    monkeypatch.setattr("quantpipe.reports.build.answer_prompts", refuse)
 
 
 def _report(dirs, out, *extra):

@@ -108,7 +108,7 @@ def test_json_beside_holds_the_numbers(written):
     html_path, json_path, page = written
     assert json_path == html_path.with_suffix(".json")
     doc = json.loads(json_path.read_text(encoding="utf-8"))
-    assert doc["format"] == "quantpipe-report" and doc["version"] == 2
+    assert doc["format"] == "quantpipe-report" and doc["version"] == 3
     good, bad = doc["candidates"]
     assert good["verdict"]["status"] == "inconclusive" and bad["verdict"]["status"] == "fail"
     json_reason = next(r for r in good["verdict"]["reasons"] if r["rule"] == "json_agreement")

@@ -1,0 +1,262 @@
+"""Greedy answers to the held-out prompts through quantpipe's serving engine, with speed and memory.
+
+The report needs every model's answers to the same prompts. Hugging Face ``generate`` on both
+whole models costs a padded batch per step and holds the reference and a candidate at once;
+here each model is loaded alone (:func:`runtime.engine.load_model_for_serving`: the FP16 folder,
+or a quantized folder on quantpipe's kernels), answers every prompt through the engine's
+continuous batching, and is released before the next one loads.
+
+The answers are timed as a serving benchmark would time them (``vllm bench serve``'s
+definitions, as :mod:`runtime.loadgen`): a closed loop of ``concurrency`` requests in flight
+(a request is sent when one finishes), TTFT = first token - send, TPOT = (last token - first
+token) / (tokens - 1), output tokens/s = all output tokens / wall time. The answers come from
+the loop at ``BATCH_CONCURRENCY``; a few of the prompts run again one at a time for the
+single-user latencies. Peak RSS is the process's high-water mark (``VmHWM``, reset before each
+model loads where Linux allows it) while that model loaded and answered.
+
+Families the engine does not run are answered by Hugging Face ``generate`` (greedy, batched,
+left-padded) and get no speed numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from quantpipe.core.heap import release_freed_memory
+from quantpipe.prompts.sets import PromptRecord
+from quantpipe.reports.data import ModelSpeed
+
+log = logging.getLogger(__name__)
+
+BATCH_CONCURRENCY = 8  # requests in flight while answering every prompt
+SINGLE_PROMPTS = 3  # prompts answered again one at a time (concurrency 1)
+# the output head: fp16 holds an FP16 export's table exactly (the int8 head `serve` uses by
+# default would round the reference itself); both the reference and the candidates use it
+HEAD_DTYPE = "fp16"
+
+
+@dataclass(frozen=True)
+class Answers:
+    texts: tuple[str, ...]  # one per prompt, special tokens removed
+    tokens: tuple[int, ...]  # output tokens per prompt
+    speed: ModelSpeed | None  # None where Hugging Face generate answered (no engine)
+    note: str = ""  # prompts cut to fit the model's context, if any
+
+
+def render_prompts(tokenizer, records: list[PromptRecord]) -> list[list[int]]:
+    """Each record as token ids: the chat template with the generation prompt where the
+    tokenizer has one, else the record's text as it is."""
+    out = []
+    for r in records:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(r.chat(), add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(r.prompt or "\n".join(c for _, c in r.messages or ()),
+                            add_special_tokens=True).input_ids
+        out.append([int(t) for t in ids])
+    return out
+
+
+def fit_context(prompt: list[int], budget: int, limit: int) -> tuple[list[int], int]:
+    """(prompt, new-token budget) within the model's ``limit`` tokens: the budget is lowered
+    to what the context leaves, but to no less than half the context (or the budget, if
+    smaller) for an answer; a prompt still too long keeps its end (the question and the chat
+    template's generation prompt), as every model of the report gets it."""
+    if len(prompt) + budget <= limit:
+        return prompt, budget
+    budget = min(budget, max(limit - len(prompt), limit // 2))
+    return prompt[max(0, len(prompt) + budget - limit):], budget
+
+
+# ------------------------------------------------------------------------------ peak RSS
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark (Linux ``clear_refs`` 5); False where not
+    possible (then :func:`peak_rss` is the peak since the process started)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int | None:
+    """The process's RSS high-water mark in bytes (``VmHWM``), None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+@dataclass
+class _Timing:
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+
+    def q(p: float) -> float:  # nearest rank
+        return v[min(len(v) - 1, max(0, math.ceil(p * len(v)) - 1))]
+
+    return {"mean": statistics.fmean(v), "p50": q(0.5), "p95": q(0.95), "p99": q(0.99)}
+
+
+def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], concurrency: int,
+                desc: str | None = None) -> tuple[list[list[int]], dict]:
+    """Answer ``prompts`` greedily (at most ``max_new_tokens[i]`` tokens for prompt ``i``) with
+    at most ``concurrency`` in flight (the next prompt is sent when one finishes); returns
+    (each prompt's output token ids, the loop's timings: ``ttft_ms`` / ``tpot_ms``
+    percentiles, ``output_tokens_per_s``, ``requests``)."""
+    from quantpipe.runtime.engine import SamplingParams
+
+    waiting = collections.deque(enumerate(prompts))
+    ids: dict[str, int] = {}
+    toks: list[list[int]] = [[] for _ in prompts]
+    timing: dict[int, _Timing] = {}
+    bar = tqdm(total=len(prompts), desc=desc, unit="answer", disable=desc is None)
+    t0 = time.perf_counter()
+    while waiting or ids:
+        while waiting and len(ids) < concurrency:
+            i, p = waiting.popleft()
+            ids[engine.add_request(p, SamplingParams(max_tokens=max_new_tokens[i]))] = i
+            timing[i] = _Timing(time.perf_counter())
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            i = ids[out.request_id]
+            t = timing[i]
+            if out.new_token_ids:
+                toks[i] += out.new_token_ids
+                t.first = now if t.first is None else t.first
+                t.last = now
+                t.tokens += len(out.new_token_ids)
+            if out.finished:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"the engine failed on prompt {i}: {out.error}")
+                del ids[out.request_id]
+                bar.update(1)
+    wall = time.perf_counter() - t0
+    bar.close()
+    done = [t for t in timing.values() if t.first is not None]
+    tpots = [1e3 * (t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1]
+    stats = {"requests": len(prompts), "concurrency": concurrency,
+             "output_tokens_per_s": sum(t.tokens for t in done) / wall if wall > 0 else 0.0,
+             "ttft_ms": _percentiles([1e3 * (t.first - t.sent) for t in done]) if done else {},
+             "tpot_ms": _percentiles(tpots) if tpots else {}}
+    return toks, stats
+
+
+# ------------------------------------------------------------------------------ one model
+
+
+def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list[int]):
+    """An engine whose KV pool holds ``BATCH_CONCURRENCY`` of the longest request, prefix
+    caching off (each prompt is timed as a fresh one)."""
+    from quantpipe.runtime.config import DEFAULTS
+    from quantpipe.runtime.engine import EngineConfig, LLMEngine
+
+    bs = DEFAULTS.block_size
+    longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
+    blocks = BATCH_CONCURRENCY * -(-longest // bs) + 1
+    return LLMEngine(model, tokenizer, EngineConfig(
+        block_size=bs, max_num_seqs=BATCH_CONCURRENCY, num_kv_blocks=blocks,
+        enable_prefix_caching=False, max_model_len=None))
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new_tokens: int,
+                   dtype: torch.dtype = torch.float32, json_new_tokens: int | None = None
+                   ) -> Answers:
+    """Load ``folder`` alone, answer every record greedily (at most ``max_new_tokens`` each,
+    ``json_new_tokens`` for a record that expects a JSON object: an object cut off cannot be
+    compared), time it, release it."""
+    from quantpipe.runtime.engine import load_model_for_serving
+    from quantpipe.runtime.engine.model_runner import FAMILIES
+
+    reset = reset_peak_rss()
+    t0 = time.perf_counter()
+    model, tokenizer = load_model_for_serving(folder, "cpu", dtype=dtype, head_dtype=HEAD_DTYPE)
+    load_s = time.perf_counter() - t0
+    limit = getattr(model.config, "max_position_embeddings", None) or 2048  # as the engine's
+    rendered = render_prompts(tokenizer, records)
+    fitted = [fit_context(p, json_new_tokens or max_new_tokens if r.expect_json
+                          else max_new_tokens, limit) for p, r in zip(rendered, records)]
+    prompts, budget = [p for p, _ in fitted], [b for _, b in fitted]
+    clipped = sum(len(p) < len(q) for p, q in zip(prompts, rendered))
+    note = (f"{clipped} of {len(prompts)} prompts do not fit the model's {limit}-token context "
+            "with their answer: they keep their last tokens." if clipped else "")
+    if note:
+        log.info("%s: %s", name, note)  # and on the page (Answers.note)
+    try:
+        if model.config.model_type not in FAMILIES:
+            texts = _hf_answers(model, tokenizer, prompts, budget, name)
+            return Answers(tuple(t for t, _ in texts), tuple(n for _, n in texts), None, note)
+        engine = _engine_for(model, tokenizer, prompts, budget)
+        closed_loop(engine, prompts[:1], [4], 1)  # warm-up: first-call costs stay out
+        toks, batch = closed_loop(engine, prompts, budget, BATCH_CONCURRENCY,
+                                  desc=f"report: {name} answers")
+        single_idx = [int(i * len(prompts) / SINGLE_PROMPTS)
+                      for i in range(min(SINGLE_PROMPTS, len(prompts)))]
+        _, single = closed_loop(engine, [prompts[i] for i in single_idx],
+                                [budget[i] for i in single_idx], 1)
+        speed = ModelSpeed(
+            name=name, weight_bytes=weight_bytes(folder), peak_rss_bytes=peak_rss(),
+            peak_rss_reset=reset, kv_bytes_per_token=engine.runner.kv_spec.bytes_per_token,
+            load_s=load_s,
+            by_concurrency={1: single, BATCH_CONCURRENCY: batch},
+            activation_dtype=str(dtype).removeprefix("torch."), head_dtype=HEAD_DTYPE)
+        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in toks]
+        return Answers(tuple(texts), tuple(len(t) for t in toks), speed, note)
+    finally:
+        del model
+        release_freed_memory()
+
+
+@torch.no_grad()
+def _hf_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: list[int],
+                name: str, batch_size: int = 8) -> list[tuple[str, int]]:
+    """(text, output tokens) per prompt by Hugging Face generate, greedy, left-padded; a batch
+    runs to its longest budget and each answer is cut to its own."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    out = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc=f"report: {name} answers",
+                      unit="batch", leave=False):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        limits = max_new_tokens[start : start + batch_size]
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(limits),
+                             do_sample=False, pad_token_id=pad)[:, width:]
+        for row, limit in zip(gen.tolist(), limits):
+            row = row[:limit]
+            n = next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
+            out.append((tokenizer.decode(row[:n], skip_special_tokens=True), n))
+    return out
