@@ -14,8 +14,9 @@ the loop at ``BATCH_CONCURRENCY``; a few of the prompts run again one at a time 
 single-user latencies. Peak RSS is the process's high-water mark (``VmHWM``, reset before each
 model loads where Linux allows it) while that model loaded and answered.
 
-Families the engine does not run are answered by Hugging Face ``generate`` (greedy, batched,
-left-padded) and get no speed numbers.
+A GPTQ or compressed-tensors candidate is verified and dequantized (quantpipe's runtime serves
+its native format) and answers through the engine untimed; families the engine does not run
+are answered by Hugging Face ``generate`` (greedy, batched, left-padded), untimed too.
 """
 
 from __future__ import annotations
@@ -190,18 +191,35 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
+def load_answering_model(folder: Path, dtype: torch.dtype):
+    """(model, tokenizer, timed): an FP16 folder or a quantpipe-native one as ``serve`` loads
+    it (quantpipe's kernels: its speed is what a deployment gets, ``timed``); a GPTQ or
+    compressed-tensors folder verified and dequantized (its answers are its weights', its speed
+    would be fp32's, so it is not timed: quantpipe's runtime serves the native format)."""
+    from quantpipe.core.formats.loader import load_dequantized_model
+    from quantpipe.core.sources import load_folder_tokenizer
+    from quantpipe.reports.eval import model_config
+    from quantpipe.runtime.engine import load_model_for_serving
+
+    method = (model_config(folder).get("quantization_config") or {}).get("quant_method")
+    if method in (None, "quantpipe"):
+        return (*load_model_for_serving(folder, "cpu", dtype=dtype, head_dtype=HEAD_DTYPE),
+                True)
+    log.info("%s: %s checkpoint answered dequantized (not timed)", folder, method)
+    return load_dequantized_model(folder, dtype), load_folder_tokenizer(folder), False
+
+
 def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new_tokens: int,
                    dtype: torch.dtype = torch.float32, json_new_tokens: int | None = None
                    ) -> Answers:
     """Load ``folder`` alone, answer every record greedily (at most ``max_new_tokens`` each,
     ``json_new_tokens`` for a record that expects a JSON object: an object cut off cannot be
     compared), time it, release it."""
-    from quantpipe.runtime.engine import load_model_for_serving
     from quantpipe.runtime.engine.model_runner import FAMILIES
 
     reset = reset_peak_rss()
     t0 = time.perf_counter()
-    model, tokenizer = load_model_for_serving(folder, "cpu", dtype=dtype, head_dtype=HEAD_DTYPE)
+    model, tokenizer, timed = load_answering_model(Path(folder), dtype)
     load_s = time.perf_counter() - t0
     limit = getattr(model.config, "max_position_embeddings", None) or 2048  # as the engine's
     rendered = render_prompts(tokenizer, records)
@@ -232,7 +250,7 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
             by_concurrency={1: single, BATCH_CONCURRENCY: batch},
             activation_dtype=str(dtype).removeprefix("torch."), head_dtype=HEAD_DTYPE)
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in toks]
-        return Answers(tuple(texts), tuple(len(t) for t in toks), speed, note)
+        return Answers(tuple(texts), tuple(len(t) for t in toks), speed if timed else None, note)
     finally:
         del model
         release_freed_memory()

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 
 from quantpipe.reports.data import CandidateData, Constraint, DistributionMetrics, ReportData
-from quantpipe.reports.intervals import Interval, bootstrap_mean, wilson
+from quantpipe.reports.intervals import Interval, bootstrap_mean, paired_difference, wilson
 from quantpipe.reports.textmetrics import (
     GarbageScore,
     GarbageThresholds,
@@ -204,8 +204,8 @@ def quality_intervals(ref: ReferenceSummary, d: DistributionMetrics | None,
             if key in gen.intervals:
                 out[rule] = gen.intervals[key]
         if len(ref.garbage) == len(gen.per_prompt):
-            excess = bootstrap_mean([float(x.garbage.is_garbage) - float(g.is_garbage)
-                                     for x, g in zip(gen.per_prompt, ref.garbage)], "prompt")
+            excess = paired_difference([x.garbage.is_garbage for x in gen.per_prompt],
+                                       [g.is_garbage for g in ref.garbage], "prompt")
             if excess is not None:
                 out["garbage_excess"] = excess
     return out

@@ -188,3 +188,24 @@ def test_size_quality_chart_marks_every_candidate():
     svg = charts.size_quality_chart({"int4": (0.11, 0.09, 0.08, 0.1),
                                      "int8": (0.15, 0.002, None, None)}, 0.27)
     assert svg.startswith("<svg") and 'aria-label="Weight size against mean KL' in svg
+
+
+def test_a_gptq_candidate_is_answered_dequantized_and_not_timed(tmp_path_factory):
+    """quantpipe's runtime serves its native format; a GPTQ (or compressed-tensors) folder is
+    verified and dequantized: its answers are its weights', and no speed is claimed for it."""
+    from quantpipe.core.formats.loader import load_dequantized_model
+    from quantpipe.core.sources import load_folder_tokenizer
+    from quantpipe.stages.export import ExportSpec, export_quantized
+    from tests.quantpipe.test_cli_errors import make_folders
+
+    dirs = make_folders(tmp_path_factory.mktemp("answers-gptq"))
+    gptq = dirs["calib"].parent / "gptq"
+    export_quantized(ExportSpec(dirs["calib"], gptq, bits=4, fmt="gptq"))
+    ans = answer_prompts(gptq, "gptq", RECORDS, 5, json_new_tokens=7)
+    assert ans.speed is None
+    model, tok = load_dequantized_model(gptq), load_folder_tokenizer(gptq)
+    want = [_hf_greedy(model, tok, p, 7 if r.expect_json else 5)
+            for p, r in zip(render_prompts(tok, RECORDS), RECORDS)]
+    assert list(ans.texts) == [tok.decode(w, skip_special_tokens=True) for w in want]
+    native = answer_prompts(dirs["int4"], "int4", RECORDS, 5, json_new_tokens=7)
+    assert native.speed is not None and native.speed.weight_bytes > 0

@@ -130,3 +130,35 @@ def test_identical_answers_score_rouge_one_even_when_empty():
     from quantpipe.reports.textmetrics import rouge_l
 
     assert rouge_l(["", "  ", "same words"], ["", "", "same words "]) == [1.0, 1.0, 1.0]
+
+
+def test_paired_difference_is_honest_at_zero_events():
+    from quantpipe.reports.intervals import paired_difference, wilson
+
+    none = [False] * 80
+    iv = paired_difference(none, none, "prompt")
+    u = wilson(0, 80, "prompt").high  # z^2 / (n + z^2) = 0.0458
+    assert iv.low == pytest.approx(-u) and iv.high == pytest.approx(u)
+    assert 0.045 < u < 0.047  # below the 5% warn level at 80 prompts ...
+    short = paired_difference(none[:16], none[:16], "prompt")
+    assert short.high > 0.15  # ... far from it at 16: no decision from silence
+    # one candidate-only flag in 16 and the interval holds both 0 and the 5% level
+    one = paired_difference([True] + [False] * 15, [False] * 16, "prompt")
+    assert one.low < 0 < 1 / 16 < one.high and one.contains(0.05)
+
+
+def test_paired_difference_covers_95_percent():
+    """Monte Carlo coverage of Newcombe's interval for correlated pairs (FP16 and the
+    candidate often fail together): within [0.93, 0.985] of 2,000 trials of 80 prompts."""
+    from quantpipe.reports.intervals import paired_difference
+
+    rng = np.random.default_rng(7)
+    # joint law of (candidate flagged, FP16 flagged): both, candidate only, FP16 only, neither
+    probs = np.array([0.04, 0.06, 0.02, 0.88])
+    truth = (probs[0] + probs[1]) - (probs[0] + probs[2])
+    hits = 0
+    for _ in range(2000):
+        cells = rng.choice(4, size=80, p=probs)
+        cand, ref = np.isin(cells, (0, 1)), np.isin(cells, (0, 2))
+        hits += paired_difference(cand.tolist(), ref.tolist(), "prompt").contains(truth)
+    assert 0.93 <= hits / 2000 <= 0.985
