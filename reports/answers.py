@@ -215,15 +215,13 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
     """Load ``folder`` alone, answer every record greedily (at most ``max_new_tokens`` each,
     ``json_new_tokens`` for a record that expects a JSON object: an object cut off cannot be
     compared), time it, release it."""
-    from quantpipe.runtime.engine.model_runner import FAMILIES
-
     reset = reset_peak_rss()
     t0 = time.perf_counter()
     model, tokenizer, timed = load_answering_model(Path(folder), dtype)
     load_s = time.perf_counter() - t0
     limit = getattr(model.config, "max_position_embeddings", None) or 2048  # as the engine's
     rendered = render_prompts(tokenizer, records)
-    fitted = [fit_context(p, json_new_tokens or max_new_tokens if r.expect_json
+    fitted = [fit_context(p, (json_new_tokens or max_new_tokens) if r.expect_json
                           else max_new_tokens, limit) for p, r in zip(rendered, records)]
     prompts, budget = [p for p, _ in fitted], [b for _, b in fitted]
     clipped = sum(len(p) < len(q) for p, q in zip(prompts, rendered))
@@ -231,29 +229,39 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
             "with their answer: they keep their last tokens." if clipped else "")
     if note:
         log.info("%s: %s", name, note)  # and on the page (Answers.note)
-    try:
-        if model.config.model_type not in FAMILIES:
-            texts = _hf_answers(model, tokenizer, prompts, budget, name)
-            return Answers(tuple(t for t, _ in texts), tuple(n for _, n in texts), None, note)
-        engine = _engine_for(model, tokenizer, prompts, budget)
-        closed_loop(engine, prompts[:1], [4], 1)  # warm-up: first-call costs stay out
-        toks, batch = closed_loop(engine, prompts, budget, BATCH_CONCURRENCY,
-                                  desc=f"report: {name} answers")
-        single_idx = [int(i * len(prompts) / SINGLE_PROMPTS)
-                      for i in range(min(SINGLE_PROMPTS, len(prompts)))]
-        _, single = closed_loop(engine, [prompts[i] for i in single_idx],
-                                [budget[i] for i in single_idx], 1)
+    texts, tokens, runs, kv_bytes = _answer(model, tokenizer, prompts, budget, name)
+    speed = None
+    if runs and timed:
         speed = ModelSpeed(
             name=name, weight_bytes=weight_bytes(folder), peak_rss_bytes=peak_rss(),
-            peak_rss_reset=reset, kv_bytes_per_token=engine.runner.kv_spec.bytes_per_token,
-            load_s=load_s,
-            by_concurrency={1: single, BATCH_CONCURRENCY: batch},
+            peak_rss_reset=reset, kv_bytes_per_token=kv_bytes, load_s=load_s,
+            by_concurrency=runs,
             activation_dtype=str(dtype).removeprefix("torch."), head_dtype=HEAD_DTYPE)
-        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in toks]
-        return Answers(tuple(texts), tuple(len(t) for t in toks), speed if timed else None, note)
-    finally:
-        del model
-        release_freed_memory()
+    del model, tokenizer
+    release_freed_memory()  # the next model loads into the memory this one held
+    return Answers(texts, tokens, speed, note)
+
+
+def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name: str
+            ) -> tuple[tuple[str, ...], tuple[int, ...], dict[int, dict], int]:
+    """(texts, output tokens, the engine loops' timings by concurrency, the engine's KV bytes
+    per token); no timings where Hugging Face generate answered."""
+    from quantpipe.runtime.engine.model_runner import FAMILIES
+
+    if model.config.model_type not in FAMILIES:
+        answers = _hf_answers(model, tokenizer, prompts, budget, name)
+        return tuple(t for t, _ in answers), tuple(n for _, n in answers), {}, 0
+    engine = _engine_for(model, tokenizer, prompts, budget)
+    closed_loop(engine, prompts[:1], [4], 1)  # warm-up: first-call costs stay out
+    toks, batch = closed_loop(engine, prompts, budget, BATCH_CONCURRENCY,
+                              desc=f"report: {name} answers")
+    single_idx = [int(i * len(prompts) / SINGLE_PROMPTS)
+                  for i in range(min(SINGLE_PROMPTS, len(prompts)))]
+    _, single = closed_loop(engine, [prompts[i] for i in single_idx],
+                            [budget[i] for i in single_idx], 1)
+    texts = tuple(tokenizer.decode(t, skip_special_tokens=True) for t in toks)
+    return (texts, tuple(len(t) for t in toks), {1: single, BATCH_CONCURRENCY: batch},
+            engine.runner.kv_spec.bytes_per_token)
 
 
 @torch.no_grad()
