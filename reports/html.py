@@ -153,7 +153,7 @@ def _candidates(data: ReportData, summary: ReportSummary) -> str:
     return ('<section id="candidates"><h2>Candidates side by side</h2>'
             f'<p class="lead">{fp16}Output tokens/s at the batch concurrency of the speed '
             "section, on this host.</p>"
-            f'<div class="grid-table-chart">{table}{chart}</div></section>')
+            f"{table}{chart}</section>")
 
 
 def _with_interval(text: str, iv, digits: int = 4, percent: bool = False) -> str:
@@ -470,51 +470,52 @@ def _ms(stats: dict, key: str, p: str) -> str:
 
 
 def _model_speed(data: ReportData) -> str:
-    """The speed and memory measured while the models answered (reports.answers)."""
+    """The speed and memory measured while the models answered (reports.answers): a memory
+    table (one row per model) and a latency table (one row per model and concurrency)."""
     if not data.model_speed:
         return ""
     ref = data.model_speed[0] if data.model_speed[0].name == "FP16" else None
     levels = sorted({c for m in data.model_speed for c in m.by_concurrency})
     budget = data.memory_budget
-    rows = []
-    for m in data.model_speed:
-        row = [esc(m.name), _gb(m.weight_bytes),
+    memory = [[esc(m.name), _gb(m.weight_bytes),
                "—" if m.peak_rss_bytes is None else _gb(m.peak_rss_bytes),
-               fmt(m.kv_tokens(budget)) if budget else "—"]
-        for c in levels:
-            st = m.by_concurrency.get(c, {})
-            rate = st.get("output_tokens_per_s")
-            cell = "—" if rate is None else fmt(float(rate), 1)
-            ref_rate = ref.by_concurrency.get(c, {}).get("output_tokens_per_s") if ref else None
-            if rate and ref_rate and m is not ref:
-                cell += f'<div class="ci">{rate / ref_rate:.2f}x FP16</div>'
-            row += [f'{_ms(st, "ttft_ms", "p50")}<div class="ci">p95 '
-                    f'{_ms(st, "ttft_ms", "p95")}</div>',
-                    f'{_ms(st, "tpot_ms", "p50")}<div class="ci">p95 '
-                    f'{_ms(st, "tpot_ms", "p95")}</div>', cell]
-        rows.append(row)
-    headers = ["model", "weights", "peak RSS", "KV tokens in budget"]
+               fmt(m.kv_tokens(budget)) if budget else "—", fmt(m.load_s, 1)]
+              for m in data.model_speed]
+    latency = []
     for c in levels:
-        headers += [f"TTFT ms (c={c})", f"TPOT ms (c={c})", f"output tok/s (c={c})"]
+        ref_rate = ref.by_concurrency.get(c, {}).get("output_tokens_per_s") if ref else None
+        for m in data.model_speed:
+            st = m.by_concurrency.get(c)
+            if st is None:
+                continue
+            rate = st.get("output_tokens_per_s")
+            ratio = (f"{rate / ref_rate:.2f}x" if rate and ref_rate and m is not ref
+                     else "—")
+            latency.append([esc(m.name), fmt(c), fmt(st.get("requests")),
+                            _ms(st, "ttft_ms", "p50"), _ms(st, "ttft_ms", "p95"),
+                            _ms(st, "tpot_ms", "p50"), _ms(st, "tpot_ms", "p95"),
+                            "—" if rate is None else fmt(float(rate), 1), ratio])
     first = data.model_speed[0]
     kv = (f"KV tokens in budget: ({_gb(budget)} - weights) / KV bytes per token "
           f"({fmt(first.kv_bytes_per_token)} B in the engine's {esc(first.activation_dtype)} "
           "cache). " if budget else "")
-    requests = ", ".join(f"c={c}: {first.by_concurrency[c].get('requests')} requests"
-                         for c in levels if c in first.by_concurrency)
     reset = all(m.peak_rss_reset for m in data.model_speed)
     rates = {f"{m.name} (c={c})": float(m.by_concurrency[c]["output_tokens_per_s"])
              for c in levels for m in data.model_speed if c in m.by_concurrency}
     return ('<h3>Measured in this report</h3><p class="lead">Every model answered the held-out '
             "prompts through quantpipe's serving engine on this host, one model loaded at a "
             "time: a closed loop of c requests in flight (greedy, the prompts' own lengths, at "
-            f"most the report's new tokens each; {esc(requests)}), {esc(first.activation_dtype)} "
-            f"activations, {esc(first.head_dtype)} output head. TTFT = first token - send, "
-            "TPOT = time per output token after the first; medians with p95 beneath. Peak RSS: "
-            "the process's high-water mark while that model loaded and answered"
+            f"most the report's new tokens each), {esc(first.activation_dtype)} activations, "
+            f"{esc(first.head_dtype)} output head. TTFT = first token - send; TPOT = time per "
+            "output token after the first. Peak RSS: the process's high-water mark while that "
+            "model loaded and answered"
             + ("" if reset else " (could not be reset: it covers the whole process)")
             + f". {kv}</p>"
-            + _table(headers, rows, num_cols=set(range(1, len(headers))))
+            + _table(["model", "weights", "peak RSS", "KV tokens in budget", "load s"], memory,
+                     num_cols={1, 2, 3, 4})
+            + _table(["model", "concurrency", "requests", "TTFT p50 ms", "TTFT p95 ms",
+                      "TPOT p50 ms", "TPOT p95 ms", "output tok/s", "vs FP16"], latency,
+                     num_cols=set(range(1, 9)))
             + _chart(charts.speed_chart(rates, "output tokens/s", "tok/s")))
 
 

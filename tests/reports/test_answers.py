@@ -174,7 +174,8 @@ def test_page_compares_candidates_and_shows_speed_and_memory():
     assert "3.00x FP16" in section  # int4-gptq output tok/s over FP16's at c=8
     assert section.count("<svg") == 1  # size against KLD
     speed = page[page.index('id="speed"'):page.index('id="thresholds"')]
-    assert "avx512_vnni" in speed and "TPOT ms (c=8)" in speed and "KV tokens in budget" in speed
+    assert "avx512_vnni" in speed and "TPOT p95 ms" in speed and "KV tokens in budget" in speed
+    assert speed.count("3.00x") == 2 and speed.count("3.20x") == 2  # c=1 and c=8 rows
     # (16 GB - 269,060,272 B) / 46,080 B per token
     assert f"{(16 * 10**9 - 269_060_272) // 46_080:,}" in speed
     assert "by category and language" in page
