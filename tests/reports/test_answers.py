@@ -210,3 +210,33 @@ def test_a_gptq_candidate_is_answered_dequantized_and_not_timed(tmp_path_factory
     assert list(ans.texts) == [tok.decode(w, skip_special_tokens=True) for w in want]
     native = answer_prompts(dirs["int4"], "int4", RECORDS, 5, json_new_tokens=7)
     assert native.speed is not None and native.speed.weight_bytes > 0
+
+
+def test_bf16_answers_when_the_reference_in_fp32_would_not_fit(tiny_llama_dir, monkeypatch):
+    """The 7B case on a 24 GB host: the reference in fp32 would take 27 GB, so every model
+    answers with bf16 activations, and the page says why."""
+    import psutil
+
+    from quantpipe.reports.build import answer_dtype
+
+    fp32 = 2 * sum(f.stat().st_size for f in tiny_llama_dir.glob("*.safetensors"))
+    real = psutil.virtual_memory
+
+    def available(n):
+        monkeypatch.setattr(psutil, "virtual_memory",
+                            lambda: real()._replace(available=n))
+
+    available(2 * fp32)
+    assert answer_dtype(tiny_llama_dir) == (torch.float32, "")
+    available(fp32)
+    dtype, note = answer_dtype(tiny_llama_dir)
+    assert dtype == torch.bfloat16 and "bf16 activations" in note
+    monkeypatch.undo()
+    ans = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4, torch.bfloat16)
+    assert len(ans.texts) == 2 and all(0 < n <= 4 for n in ans.tokens)
+    assert ans.speed.activation_dtype == "bfloat16"
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    # K and V of every layer in bf16: half of the fp32 cache's bytes
+    assert ans.speed.kv_bytes_per_token == 2 * cfg["num_hidden_layers"] * \
+        cfg["num_key_value_heads"] * head_dim * 2
