@@ -140,8 +140,9 @@ def size_quality_chart(points: dict[str, tuple[float, float, float | None, float
             if low is not None and high is not None:
                 err = [[max(y - max(low, 1e-6), 0.0)], [max(high - y, 0.0)]]
             ax.errorbar([gb], [y], yerr=err, fmt="o", color=colour, capsize=4, markersize=6)
-            ax.annotate(name, (gb, y), textcoords="offset points", xytext=(7, 4), fontsize=8,
-                        color=colour)
+            # labels alternate above and below their points: close candidates stay legible
+            ax.annotate(name, (gb, y), textcoords="offset points",
+                        xytext=(7, 4 if i % 2 == 0 else -12), fontsize=8, color=colour)
         if reference_gb:
             ax.axvline(reference_gb, color=FP16_COLOUR, linestyle="--", linewidth=1)
             ax.annotate("FP16", (reference_gb, 1), xycoords=("data", "axes fraction"),

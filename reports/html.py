@@ -139,7 +139,8 @@ def _candidates(data: ReportData, summary: ReportSummary) -> str:
             _with_interval(pct(d.same_top_rate), d.intervals.get("same_top_rate"),
                            percent=True) if d else "—",
             _with_interval(fmt(g.rouge_l_mean, 3), rl and (rl.low, rl.high), 3) if g else "—",
-            pct(g.json_agreement) if g else "—", speed,
+            (f"{pct(g.json_agreement)} of {g.json_prompts}" if g and g.json_prompts else "—"),
+            speed,
             f'<span class="badge b-{esc(c.verdict.status)}">{esc(c.verdict.status)}</span>'])
         if d is not None and cd.weight_bytes:
             iv = d.intervals.get("kld_mean") or (None, None)
@@ -199,7 +200,14 @@ def _distribution(summary: ReportSummary) -> str:
             '<p class="lead">KL(P<sub>FP16</sub> ‖ P<sub>candidate</sub>) per scored token in '
             "nats; <em>same top</em>: tokens whose most likely next token matches FP16's; "
             "Δp: candidate minus FP16 probability of the text's next token (llama.cpp's Δp).</p>"
-            f'<div class="grid-table-chart">{table}{_chart(chart)}</div></section>')
+            f"{_side_by_side(table, _chart(chart), len(measured))}</section>")
+
+
+def _side_by_side(table: str, chart: str, columns: int) -> str:
+    """A table of one or two candidate columns beside its chart; a wider one above it (side
+    by side, the chart covered the third column)."""
+    return (f'<div class="grid-table-chart">{table}{chart}</div>' if columns <= 2
+            else f"{table}{chart}")
 
 
 def _prompt_text(p) -> str:
