@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -82,19 +83,27 @@ class EvalResult:
         return asdict(self)
 
 
+class _Window(NamedTuple):
+    """One scored window's sums (the units the intervals resample)."""
+
+    kld: float  # sum of the tokens' KLDs
+    same_top: int  # tokens whose most likely next token is FP16's
+    nll_ref: float  # negative log-likelihood of the text's tokens, FP16
+    nll_cand: float  # ... and candidate
+    tokens: int
+
+
 @dataclass
 class _Accumulator:
-    """Per-token values gathered window by window (O(tokens) floats)."""
+    """Per-token values gathered window by window (O(tokens) floats), and each window's sums;
+    the totals are the windows' sums."""
 
     kld: list[torch.Tensor] = field(default_factory=list)
     dp: list[torch.Tensor] = field(default_factory=list)
-    same_top: int = 0
-    nll_ref: float = 0.0
-    nll_cand: float = 0.0
-    tokens: int = 0
-    # per window (one add() call), for the intervals: sum of KLDs, same-top count,
-    # sum of nll_cand - nll_ref, tokens
-    windows: list[tuple[float, int, float, int]] = field(default_factory=list)
+    windows: list[_Window] = field(default_factory=list)
+
+    def total(self, name: str) -> float:
+        return sum(getattr(w, name) for w in self.windows)
 
     def add(self, logits_ref: torch.Tensor, logits_cand: torch.Tensor, targets: torch.Tensor):
         """logits_*: [T, V] for positions predicting ``targets`` [T].
@@ -110,13 +119,8 @@ class _Accumulator:
         self.kld.append(kld)
         self.dp.append((lp_cand_t.exp() - lp_ref_t.exp()).float())
         same = int((logp_ref.argmax(-1) == logp_cand.argmax(-1)).sum())
-        nll_ref, nll_cand = -float(lp_ref_t.sum()), -float(lp_cand_t.sum())
-        self.same_top += same
-        self.nll_ref += nll_ref
-        self.nll_cand += nll_cand
-        self.tokens += int(targets.numel())
-        self.windows.append((float(kld.double().sum()), same, nll_cand - nll_ref,
-                             int(targets.numel())))
+        self.windows.append(_Window(float(kld.double().sum()), same, -float(lp_ref_t.sum()),
+                                    -float(lp_cand_t.sum()), int(targets.numel())))
 
 
 def _quantiles(values: torch.Tensor, qs: dict[str, float]) -> dict[str, float]:
@@ -139,12 +143,13 @@ def summarize(acc: _Accumulator) -> dict:
     dp_stats.update(
         _quantiles(dp, {"p1": 0.01, "p5": 0.05, "p50": 0.5, "p95": 0.95, "p99": 0.99})
     )
-    ppl_ref = math.exp(acc.nll_ref / acc.tokens)
-    ppl_cand = math.exp(acc.nll_cand / acc.tokens)
+    tokens = int(acc.total("tokens"))
+    ppl_ref = math.exp(acc.total("nll_ref") / tokens)
+    ppl_cand = math.exp(acc.total("nll_cand") / tokens)
     return {
-        "tokens": acc.tokens,
+        "tokens": tokens,
         "kld": kld_stats,
-        "same_top_rate": acc.same_top / acc.tokens,
+        "same_top_rate": acc.total("same_top") / tokens,
         "top_prob_delta": dp_stats,
         "ppl_reference": ppl_ref,
         "ppl_candidate": ppl_cand,
@@ -153,16 +158,17 @@ def summarize(acc: _Accumulator) -> dict:
     }
 
 
-def window_intervals(wins: list[tuple[float, int, float, int]]) -> dict[str, list[float]]:
+def window_intervals(wins: list[_Window]) -> dict[str, list[float]]:
     """95% intervals of the mean KLD, the same-top rate and the perplexity ratio, resampling
     windows (``_Accumulator.windows``); empty below two windows."""
     if len(wins) < 2:
         return {}
-    kld, same, dnll, tokens = (list(col) for col in zip(*wins))
+    tokens = [w.tokens for w in wins]
     out = {
-        "kld_mean": bootstrap_ratio(kld, tokens, "window"),
-        "same_top_rate": bootstrap_ratio(same, tokens, "window"),
-        "ppl_ratio": bootstrap_ratio(dnll, tokens, "window", transform=np.exp),
+        "kld_mean": bootstrap_ratio([w.kld for w in wins], tokens, "window"),
+        "same_top_rate": bootstrap_ratio([w.same_top for w in wins], tokens, "window"),
+        "ppl_ratio": bootstrap_ratio([w.nll_cand - w.nll_ref for w in wins], tokens, "window",
+                                     transform=np.exp),
     }
     return {k: [iv.low, iv.high] for k, iv in out.items()}
 
