@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from quantpipe.core.heap import release_freed_memory
+from quantpipe.core.io import weights_bytes
 from quantpipe.prompts.sets import PromptRecord
 from quantpipe.reports.data import ModelSpeed
 
@@ -116,15 +115,6 @@ class _Timing:
     tokens: int = 0
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-
-    def q(p: float) -> float:  # nearest rank
-        return v[min(len(v) - 1, max(0, math.ceil(p * len(v)) - 1))]
-
-    return {"mean": statistics.fmean(v), "p50": q(0.5), "p95": q(0.95), "p99": q(0.99)}
-
-
 def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], concurrency: int,
                 desc: str | None = None) -> tuple[list[list[int]], dict]:
     """Answer ``prompts`` greedily (at most ``max_new_tokens[i]`` tokens for prompt ``i``) with
@@ -132,6 +122,7 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     (each prompt's output token ids, the loop's timings: ``ttft_ms`` / ``tpot_ms``
     percentiles, ``output_tokens_per_s``, ``requests``)."""
     from quantpipe.runtime.engine import SamplingParams
+    from quantpipe.runtime.loadgen import latency_stats
 
     waiting = collections.deque(enumerate(prompts))
     ids: dict[str, int] = {}
@@ -162,11 +153,13 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     wall = time.perf_counter() - t0
     bar.close()
     done = [t for t in timing.values() if t.first is not None]
-    tpots = [1e3 * (t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1]
+    ttfts = [t.first - t.sent for t in done]
+    tpots = [(t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1]
     stats = {"requests": len(prompts), "concurrency": concurrency,
              "output_tokens_per_s": sum(t.tokens for t in done) / wall if wall > 0 else 0.0,
-             "ttft_ms": _percentiles([1e3 * (t.first - t.sent) for t in done]) if done else {},
-             "tpot_ms": _percentiles(tpots) if tpots else {}}
+             # milliseconds: mean and percentiles as `bench-serve` (and vLLM) compute them
+             "ttft_ms": asdict(latency_stats(ttfts)) if ttfts else {},
+             "tpot_ms": asdict(latency_stats(tpots)) if tpots else {}}
     return toks, stats
 
 
@@ -185,10 +178,6 @@ def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list
     return LLMEngine(model, tokenizer, EngineConfig(
         block_size=bs, max_num_seqs=BATCH_CONCURRENCY, num_kv_blocks=blocks,
         enable_prefix_caching=False, max_model_len=None))
-
-
-def weight_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
 def load_answering_model(folder: Path, dtype: torch.dtype):
@@ -257,7 +246,7 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
     speed = None
     if runs and timed:
         speed = ModelSpeed(
-            name=name, weight_bytes=weight_bytes(folder), peak_rss_bytes=peak_rss(),
+            name=name, weight_bytes=weights_bytes(folder), peak_rss_bytes=peak_rss(),
             peak_rss_reset=reset, kv_bytes_per_token=kv_bytes, load_s=load_s,
             by_concurrency=runs,
             activation_dtype=str(dtype).removeprefix("torch."), head_dtype=HEAD_DTYPE)

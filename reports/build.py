@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from quantpipe.core.io import check_output_file
+from quantpipe.core.io import check_output_file, weights_bytes
 from quantpipe.prompts.sets import SHIPPED_SETS, PromptRecord, load_prompt_records
-from quantpipe.reports.answers import answer_prompts, weight_bytes
+from quantpipe.reports.answers import answer_prompts
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
@@ -31,6 +31,7 @@ from quantpipe.reports.data import (
 from quantpipe.reports.eval import (
     EvalSpec,
     check_candidate,
+    fits_in_memory,
     load_texts,
     read_json_file,
     run_eval,
@@ -211,21 +212,15 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
 
 def answer_dtype(reference: Path) -> tuple[torch.dtype, str]:
     """(activation dtype of the answering models, why): fp32 where the reference in fp32
-    (twice its fp16 shards) takes at most ``ANSWER_MEMORY_FRACTION`` of the available memory,
-    else bf16 (a 7B model: 13.5 GB instead of 27), said on the page."""
-    import psutil
-
-    need = 2 * weight_bytes(reference)
-    have = psutil.virtual_memory().available
-    if need <= ANSWER_MEMORY_FRACTION * have:
+    (twice its fp16 shards) fits (``reports.eval.fits_in_memory``), else bf16 (a 7B model:
+    13.5 GB instead of 27), said on the page."""
+    need = 2 * weights_bytes(reference)
+    fits, have = fits_in_memory(need)
+    if fits:
         return torch.float32, ""
     return torch.bfloat16, (
         f"Answers were generated with bf16 activations: the FP16 reference in fp32 needs "
         f"{need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB were available.")
-
-
-# the answering model (one at a time) in fp32 may take at most this fraction of free memory
-ANSWER_MEMORY_FRACTION = 0.6
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:
@@ -254,12 +249,12 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
             name=Path(qdir).name, path=str(qdir),
             distribution=DistributionMetrics.from_eval(evals[str(Path(qdir).resolve())]),
             outputs=ans.texts, calibration=inputs.facts[qdir],
-            weight_bytes=weight_bytes(qdir)))
+            weight_bytes=weights_bytes(qdir)))
     machine = detect_machine()
     data = ReportData(
         title=inputs.title,
         reference=str(spec.reference),
-        reference_bytes=weight_bytes(spec.reference),
+        reference_bytes=weights_bytes(spec.reference),
         prompts=tuple(chosen),
         reference_outputs=ref.texts,
         candidates=tuple(candidates),

@@ -29,7 +29,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.core.io import MANIFEST_NAME, check_output_file  # noqa: F401 (re-exported)
+from quantpipe.core.io import (  # noqa: F401 (MANIFEST_NAME, check_output_file re-exported)
+    MANIFEST_NAME,
+    check_output_file,
+    weights_bytes,
+)
 from quantpipe.core.metrics import mean_kld, token_kld
 from quantpipe.reports.intervals import bootstrap_ratio
 
@@ -252,21 +256,28 @@ def evaluate_models(ref_model, cand_model, tokenizer, spec: EvalSpec) -> EvalRes
     return evaluate_many(ref_model, [cand_model], tokenizer, spec)[0]
 
 
-# the two whole fp32 models may take at most this fraction of the available memory
+# whole models held at once (eval's pair, report's answering model) may take at most this
+# fraction of the available memory
 WHOLE_MODELS_MEMORY_FRACTION = 0.6
+
+
+def fits_in_memory(need: int) -> tuple[bool, int]:
+    """(whether ``need`` bytes of whole models fit in ``WHOLE_MODELS_MEMORY_FRACTION`` of the
+    memory available now, the bytes available)."""
+    import psutil
+
+    have = psutil.virtual_memory().available
+    return need <= WHOLE_MODELS_MEMORY_FRACTION * have, have
 
 
 def use_streaming(spec: EvalSpec) -> tuple[bool, str]:
     """(run block by block, why): as asked, else when the reference and the candidate in fp32
-    (twice the reference's fp16 shards each) would take more than
-    ``WHOLE_MODELS_MEMORY_FRACTION`` of the available memory."""
+    (twice the reference's fp16 shards each) would not fit (:func:`fits_in_memory`)."""
     if spec.stream is not None:
         return spec.stream, "as asked"
-    import psutil
-
-    need = 4 * sum(p.stat().st_size for p in Path(spec.reference).glob("*.safetensors"))
-    have = psutil.virtual_memory().available
-    if need > WHOLE_MODELS_MEMORY_FRACTION * have:
+    need = 4 * weights_bytes(spec.reference)
+    fits, have = fits_in_memory(need)
+    if not fits:
         return True, (f"both models in fp32 need ~{need / 2**30:.1f} GiB, "
                       f"{have / 2**30:.1f} GiB available")
     return False, "both models fit in memory"

@@ -552,6 +552,11 @@ def safetensors_files(folder: str | os.PathLike) -> list[str]:
     return [p.name for p in sorted(folder.glob("*.safetensors"))]
 
 
+def weights_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of a folder's ``*.safetensors`` files: a checkpoint's size on disk."""
+    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+
+
 class LazyTensors(Mapping):
     """The tensors of a folder's safetensors files, each read from the mmapped file on access.
 

@@ -26,6 +26,7 @@ from quantpipe.core.io import (
     output_lock,
     parse_size,
     tensor_shape,
+    weights_bytes,
 )
 from quantpipe.core.qformat import LazyWeights, QuantizedWeight, QuantSpec, check_bits
 from quantpipe.core.vocab import VOCAB_SPEC_VERSION, VocabSpec, VocabTables, vocab_tables
@@ -80,8 +81,7 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
                                          spec.damage, spec.fmt, sensitivity=spec.sensitivity))
         weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
         _write(spec, calib, plan, weights, vocab)
-    size = sum(p.stat().st_size for p in Path(spec.out).glob("*.safetensors"))
-    return ExportResult(Path(spec.out), plan, size, time.perf_counter() - t0)
+    return ExportResult(Path(spec.out), plan, weights_bytes(spec.out), time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
