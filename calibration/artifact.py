@@ -12,7 +12,8 @@ it is complete (an existing CALIB_DIR is replaced only then). Layout::
       state/hidden-N.f32 + input_ids.safetensors   the same when the activations exceed
                                     --max-memory: raw fp32 [samples, seq_len, hidden] files
                                     (quantpipe.blocks.activations; GPTAQ adds hidden_fp-N.f32)
-      blocks/block-0000.safetensors per linear P and tag T in {w4, w8}:
+      blocks/block-0000.safetensors per linear P and tag T (w4, w8, menu entries such as
+                                    w4g32; calibration.menu):
                                       P.T.qweight int32 [out, in*bits/32], P.T.scales fp16
                                       [out, G], P.T.qzeros uint8 [out, G], P.T.g_idx int32
                                       [in] (act-order only); fp.NAME: FP tensors that
@@ -20,8 +21,8 @@ it is complete (an existing CALIB_DIR is replaced only then). Layout::
       blocks/block-0000.json        per-layer specs and losses, fallbacks, timings
       quantpipe.json                manifest (stage "calibration"), written last
 
-One calibration holds both the INT4 and the INT8 result of every linear, so `export --bits 4`,
-`--bits 8` and mixed plans never read the prompts again.
+One calibration holds both the INT4 and the INT8 result of every linear (and every entry of
+``--menu``), so `export --bits 4`, `--bits 8` and mixed plans never read the prompts again.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quantpipe.calibration.menu import Entry, tag_of
 from quantpipe.calibration.result import QuantResult
 from quantpipe.core.io import LazyTensors, read_manifest, save_safetensors_atomic, write_json_atomic
 from quantpipe.core.qformat import LazyWeights, QuantizedWeight, QuantSpec, pack_int32, unpack_int32
-
-TAGS = {4: "w4", 8: "w8"}
 
 
 def work_dir(calib_dir: str | Path) -> Path:
@@ -69,18 +69,18 @@ def block_file(calib_dir: Path, index: int, ext: str) -> Path:
 def save_block(
     calib_dir: Path,
     index: int,
-    results: dict[str, dict[int, QuantResult]],
+    results: dict[str, dict[str, QuantResult]],
     fp_tensors: dict[str, torch.Tensor],
     info: dict,
 ) -> None:
     """Write one block's results (tensors first, then the JSON that marks it complete)."""
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, dict] = {}
-    for name, by_bits in results.items():
+    for name, by_tag in results.items():
         layers[name] = {}
-        for bits, res in by_bits.items():
-            tag, w = TAGS[bits], res.weight
-            tensors[f"{name}.{tag}.qweight"] = pack_int32(w.q, bits)  # [out, in*bits/32] int32
+        for tag, res in by_tag.items():
+            w = res.weight
+            tensors[f"{name}.{tag}.qweight"] = pack_int32(w.q, w.spec.bits)  # [out, in*b/32]
             tensors[f"{name}.{tag}.scales"] = w.scales  # [out, G] fp16
             tensors[f"{name}.{tag}.qzeros"] = w.zeros  # [out, G] uint8
             if w.g_idx is not None:
@@ -118,26 +118,33 @@ class Calibration:
         return json.loads(block_file(self.folder, index, "json").read_text())
 
     def layer_infos(self) -> dict[str, dict]:
-        """Every calibrated linear -> {"w4": {...}, "w8": {...}} (specs, losses)."""
+        """Every calibrated linear -> {"w4": {...}, "w8": {...}, menu tag: {...}} (specs,
+        losses)."""
         out: dict[str, dict] = {}
         for i in range(self.num_blocks):
             out.update(self.block_info(i)["layers"])
         return out
 
-    def weights(self, choice: dict[str, int]) -> LazyWeights:
-        """The quantized weights for ``choice`` (linear name -> bits, 4 or 8), each read from
-        its block file when it is used: an export holds one layer, not the model."""
+    def weights(self, choice: dict[str, Entry]) -> LazyWeights:
+        """The quantized weights for ``choice`` (linear name -> entry key: 4, 8 or a menu
+        tag; calibration.menu), each read from its block file when it is used: an export
+        holds one layer, not the model."""
         infos = self.layer_infos()
         unknown = set(choice) - set(infos)
         if unknown:
             raise ValueError(f"layers not in this calibration: {sorted(unknown)[:5]}")
+        missing = [n for n, e in choice.items() if tag_of(e) not in infos[n]]
+        if missing:
+            raise ValueError(f"{missing[0]} has no {tag_of(choice[missing[0]])} result in this "
+                             "calibration (calibrate --menu computes extra entries); re-plan "
+                             "from this calibration")
         block_of = {n: i for i in range(self.num_blocks) for n in self.block_info(i)["layers"]}
         names = [n for n in infos if n in choice]  # model order
-        specs = {n: QuantSpec.from_dict(infos[n][TAGS[choice[n]]]["spec"]) for n in names}
-        shapes = {n: tuple(infos[n][TAGS[choice[n]]]["shape"]) for n in names}
+        specs = {n: QuantSpec.from_dict(infos[n][tag_of(choice[n])]["spec"]) for n in names}
+        shapes = {n: tuple(infos[n][tag_of(choice[n])]["shape"]) for n in names}
 
         def load(name: str) -> QuantizedWeight:
-            tag, spec = TAGS[choice[name]], specs[name]
+            tag, spec = tag_of(choice[name]), specs[name]
             path = block_file(self.folder, block_of[name], "safetensors")
             with safe_open(str(path), framework="pt") as f:
                 g_key = f"{name}.{tag}.g_idx"

@@ -181,9 +181,9 @@ def set_quantized_weights(block, name: str, results: dict[str, dict[int, QuantRe
     block does not hold all its linears in fp32 while GPTQ factors the largest Hessian.
     The results are on the CPU already (4c): each weight is dequantized there and moved to
     the block's device (the emptied weight kept its device)."""
-    for full, by_bits in results.items():
+    for full, by_tag in results.items():
         lin = block.get_submodule(full[len(name) + 1:])
-        lin.weight.data = to_device(by_bits[4].weight.dequantize(lin.weight.dtype),
+        lin.weight.data = to_device(by_tag["w4"].weight.dequantize(lin.weight.dtype),
                                     lin.weight.device)
 
 
@@ -217,7 +217,7 @@ def quantize_block(spec: CalibrateSpec, algo: Algorithm, work: BlockWork):
     threads = torch.get_num_threads()
     if algo.one_thread and is_cpu(spec.device):  # OpenMP threads: a CPU matter only
         torch.set_num_threads(1)
-    results: dict[str, dict[int, QuantResult]] = {}
+    results: dict[str, dict[str, QuantResult]] = {}  # linear -> tag (w4, w8, menu) -> result
     raises = 0
     tokens: dict[str, int] = {}  # expert linear -> rows routed to it
     fallbacks: dict[str, int] = {}  # the same, for experts below spec.min_expert_tokens
@@ -240,13 +240,17 @@ def quantize_block(spec: CalibrateSpec, algo: Algorithm, work: BlockWork):
                 q4 = spec.layer_spec(full, lin.in_features)
                 r4 = quantize(spec, full, W, H, q4, x, **extra)
                 r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x, **extra)
-                raises += r4.damp_raises + r8.damp_raises
+                menu = {tag: quantize(spec, full, W, H, qs, x, **extra)
+                        for tag, qs in spec.layer_menu(q4, lin.in_features).items()}
+                raises += r4.damp_raises + r8.damp_raises + sum(
+                    r.damp_raises for r in menu.values())
                 del W
                 if algo.asymmetric:  # GPTAQ's next groups run the block with it quantized
                     lin.weight.data = r4.weight.dequantize(lin.weight.dtype)
                 elif algo.quantized_forward:  # not needed again until the quantized forward
                     lin.weight.data = lin.weight.data.new_empty(0)  # (4d): its fp32 freed
-                results[full] = {4: result_to_host(r4), 8: result_to_host(r8)}
+                results[full] = {"w4": result_to_host(r4), "w8": result_to_host(r8),
+                                 **{t: result_to_host(r) for t, r in menu.items()}}
     finally:
         torch.set_num_threads(threads)
     if fallbacks:

@@ -68,6 +68,7 @@ def finish(run: Run, inputs: CalibInputs, data_summary: dict, seconds: float,
     fallbacks, total_raises, expert_fallbacks, group_sizes = {}, 0, {}, {}
     devices: dict[str, int] = {}  # device -> blocks calibrated there (a resume may switch)
     batch_sizes: dict[int, int] = {}  # batch size -> blocks (a resume may switch)
+    menu: dict[str, int] = {}  # menu entry -> linears that have it (calibration.menu)
     for j in range(inputs.num_blocks):
         info = json.loads(block_file(run.work, j, "json").read_text())
         total_raises += int(info.get("damp_raises", 0))
@@ -77,6 +78,9 @@ def finish(run: Run, inputs: CalibInputs, data_summary: dict, seconds: float,
         batch_sizes[size] = batch_sizes.get(size, 0) + 1
         expert_fallbacks.update(info.get("expert_fallbacks", {}))
         for name, layer in info["layers"].items():
+            for tag in layer:
+                if tag not in ("w4", "w8"):
+                    menu[tag] = menu.get(tag, 0) + 1
             gs = group_sizes[name] = layer["w4"]["spec"]["group_size"]
             if spec.group_size is not None and gs != spec.group_size:
                 fallbacks[name] = gs
@@ -97,6 +101,7 @@ def finish(run: Run, inputs: CalibInputs, data_summary: dict, seconds: float,
         clip_search=clip_search_settings(),
         data=data_summary,
         int4_group_sizes=group_sizes,  # per layer, as planned (and fallen back)
+        menu={t: menu.get(t, 0) for t in spec.resolved().menu},  # entry -> linears with it
         group_size_fallbacks=fallbacks,  # only where an explicit --group-size did not divide
         damp_raises=total_raises,
         devices=devices,

@@ -23,8 +23,9 @@ from quantpipe.calibration.config import (
     DEFAULTS,
     GROUP_SIZES,
 )
+from quantpipe.calibration.menu import layer_menu, parse_menu
 from quantpipe.core.families import family_for
-from quantpipe.core.qformat import QuantSpec, resolve_group_size
+from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantSpec, resolve_group_size
 from quantpipe.prompts.sets import SHIPPED_SETS
 
 
@@ -89,8 +90,12 @@ class CalibrateSpec:
     # devices by float rounding only, so a run may resume on another device; each block's
     # JSON records the device it ran on, the manifest every device used.
     device: str = DEFAULTS.device
+    # extra formats computed for every linear from the same Hessians (calibration.menu), so
+    # the precision planner can choose among them at any budget: tags such as "w4g32"
+    menu: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        parse_menu(self.menu)  # ValueError naming a malformed entry
         if self.algo != AUTO and self.algo not in ALGO_OPTIONS:  # (bench scripts may add rows)
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
         check_group_size(self.group_size)
@@ -128,7 +133,8 @@ class CalibrateSpec:
         if prompts not in SHIPPED_SETS and Path(prompts).expanduser().exists():
             prompts = str(Path(prompts).expanduser().resolve())
         return replace(self, fp16_dir=Path(self.fp16_dir).expanduser().resolve(),
-                       prompts=prompts, act_order=act_order, static_groups=static, mse_clip=mse)
+                       prompts=prompts, act_order=act_order, static_groups=static, mse_clip=mse,
+                       menu=parse_menu(self.menu))
 
     @property
     def int4(self) -> QuantSpec:
@@ -138,7 +144,8 @@ class CalibrateSpec:
     def resume_settings(self) -> dict[str, str]:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
-                if k not in ("out", "force", "max_memory", "device", "batch_size")}
+                if k not in ("out", "force", "max_memory", "device", "batch_size")
+                and not (k == "menu" and not v)}  # (runs before --menu existed resume)
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
@@ -174,6 +181,12 @@ class CalibrateSpec:
         """The INT4 spec of one linear (its group size after any fallback; the block files record
         it, and finish counts the fallbacks from them)."""
         return self.int4.with_group_size(self.layer_group_size(name, in_features))
+
+    def layer_menu(self, spec4: QuantSpec, in_features: int) -> dict[str, QuantSpec]:
+        """tag -> spec of the menu entries one linear gets besides its INT4 ``spec4`` and
+        INT8 per-channel results (calibration.menu.layer_menu)."""
+        return layer_menu(parse_menu(self.menu), in_features, spec4.act_order,
+                          (spec4, INT8_PER_CHANNEL))
 
 
 def auto_algo(fp16_dir: Path) -> str:

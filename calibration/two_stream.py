@@ -57,7 +57,7 @@ def asymmetric_block(spec: CalibrateSpec, algo: Algorithm, block, name: str, mod
         recorder.remove()
     hidden = hiddens["hidden"]  # the quantized model's block inputs [n, L, d]
     device = module_device(block)
-    results: dict[str, dict[int, QuantResult]] = {}
+    results: dict[str, dict[str, QuantResult]] = {}
     raises = 0
 
     def quantize_group(group: InputGroup, passes: Callable[[], None], keep: bool = False

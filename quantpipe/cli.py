@@ -281,12 +281,17 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--device", default=CALIB.device, show_default=True,
               help="Where each block is calibrated: cpu, cuda or cuda:N (the activations stay "
                    "in RAM or spill to disk as on the CPU).")
+@click.option("--menu", "menu", multiple=True,
+              help="Extra formats for the precision planner, from the same Hessians: "
+                   "comma-separated entries like w4g32, w4g128-asym, w4pc, w8g128, or "
+                   "'default' (docs/mixed-precision.md). Repeatable.")
 @click.option("--force", is_flag=True,
               help="Replace a finished CALIB_DIR (only once the new one is complete) and "
                    "discard an unfinished run with other settings.")
 def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
                   static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
-                  min_tokens, seed, batch_size, min_expert_tokens, max_memory, device, force):
+                  min_tokens, seed, batch_size, min_expert_tokens, max_memory, device, menu,
+                  force):
     """Calibrate INT4 and INT8 scales of FP16_DIR on business prompts (resumable)."""
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
     from quantpipe.core.io import parse_size
@@ -299,7 +304,7 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
         force=force, per_channel_if_larger=per_channel_if_larger,
         min_expert_tokens=min_expert_tokens,
         max_memory=None if max_memory is None else parse_size(max_memory, "--max-memory"),
-        device=device))
+        device=device, menu=tuple(menu)))
     fell_back = len(res.group_size_fallbacks)
     click.echo(f"wrote {res.out} in {res.seconds:.1f}s (peak RSS {res.peak_rss_mb:.0f} MB, "
                + (f"--group-size {group_size} did not divide {fell_back} layers, "
@@ -313,6 +318,9 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
 
 _OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeatable; "
                   "the first matching rule wins.")
+_PLAN_MENU_HELP = ("Entries --budget-bits may choose, comma-separated: w4, w8, fp16 and the "
+                   "calibration's menu entries (w4g32, ...) [default: all]. E.g. vLLM's CPU "
+                   "build loads no 8-bit layer: --menu w4,w4g32,w4g64,w4g128,fp16.")
 _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensitivity --out`), "
                      "measured on this calibration [default: CALIB_DIR/sensitivity.json].")
 
@@ -333,6 +341,7 @@ _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensiti
 @click.option("--sensitivity", "sensitivity", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help=_SENSITIVITY_HELP)
+@click.option("--menu", "menu", multiple=True, help=_PLAN_MENU_HELP)
 @click.option("--max-shard-size", default="2GB", show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
 # quantpipe.core.vocab.VOCAB_WEIGHTS, written here so --help does not import torch
@@ -344,7 +353,7 @@ _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensiti
 @click.option("--vocab-group-size", type=int, default=None,
               help="Columns per scale of the quantized tables (-1: one per row) "
                    "[default: int8 -1, int4 32].")
-def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensitivity,
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensitivity, menu,
                max_shard_size, force, vocab_weights, vocab_group_size):
     """Write a quantized checkpoint from CALIB_DIR."""
     from quantpipe.core.vocab import VocabSpec
@@ -352,7 +361,8 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensit
 
     spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
                       max_shard_size, force, damage,
-                      VocabSpec(vocab_weights, vocab_group_size), sensitivity=sensitivity)
+                      VocabSpec(vocab_weights, vocab_group_size), sensitivity=sensitivity,
+                      menu=tuple(menu))
     res = export_quantized(spec)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
@@ -374,8 +384,9 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensit
 @click.option("--sensitivity", "sensitivity", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help=_SENSITIVITY_HELP)
+@click.option("--menu", "menu", multiple=True, help=_PLAN_MENU_HELP)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
-def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, sensitivity, json_out):
+def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, sensitivity, menu, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
@@ -385,7 +396,7 @@ def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, sensitivity, 
         check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
     plan = make_plan(read_calibration(calib_dir),
                      PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt,
-                              sensitivity=sensitivity))
+                              sensitivity=sensitivity, menu=tuple(menu)))
     click.echo(plan.table())
     if json_out:
         write_json_atomic(json_out, plan.to_dict())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpipe.calibration.menu import tag_of
 from quantpipe.prompts.sets import PromptRecord
 from quantpipe.reports.verdict import VerdictThresholds
 
@@ -184,10 +185,10 @@ class CalibrationFacts:
             if bits is None:
                 rows.append(PlanRow(name, None, None, None))
                 continue
-            info = layer_infos.get(name, {}).get(f"w{bits}")
+            info = layer_infos.get(name, {}).get(tag_of(bits))
             if info is None:
-                raise ValueError(f"plan chooses INT{bits} for {name} but the calibration has no "
-                                 f"w{bits} result for it; re-plan from this calibration")
+                raise ValueError(f"plan chooses {tag_of(bits)} for {name} but the calibration "
+                                 "has no such result for it; re-plan from this calibration")
             spec = info["spec"]
             # act order is how GPTQ walked the columns: static groups with act-order store
             # no g_idx (their layer spec says False), so the calibration's setting decides
@@ -196,9 +197,10 @@ class CalibrationFacts:
                                 bool(spec["sym"]), act_order))
             errors[name] = float(info["loss"])
             if info.get("damp_raises"):
+                what = f"INT{bits}" if isinstance(bits, int) else bits
                 fallbacks.append(Fallback(
                     name, "gptq_damping",
-                    f"INT{bits}: damping raised {info['damp_raises']} times to {info['damp']}"))
+                    f"{what}: damping raised {info['damp_raises']} times to {info['damp']}"))
         requested = settings.get("group_size")
         for name, gs in (manifest.get("group_size_fallbacks") or {}).items():
             if name in chosen and chosen[name] == 4:

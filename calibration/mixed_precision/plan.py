@@ -1,13 +1,17 @@
-"""The per-layer precision plan: INT4, INT8 or FP16 for every calibrated linear.
+"""The per-layer precision plan: INT4, INT8, FP16 or a menu entry of the calibration
+(``calibrate --menu``: INT4 at other group sizes, asymmetric, grouped INT8; calibration.menu)
+for every calibrated linear.
 
 Precedence (highest first):
 1. ``--override PATTERN=VALUE`` rules, in the order given; the first rule whose pattern matches
    a layer decides it (PATTERN is an exact layer name or ``re:REGEX`` matched with fullmatch;
-   VALUE is 4, 8 or fp16). Overridden layers are fixed before anything else is decided, and
-   their bits count against the budget.
-2. ``--budget-bits B``: the remaining layers start at INT4 and are upgraded (INT4 -> INT8 ->
-   FP16) where that buys the most predicted damage reduction per extra bit, while the average
-   bits per weight over all calibrated linears stays <= B (see :func:`greedy_budget_plan`).
+   VALUE is 4, 8, fp16 or a menu tag such as w4g32). Overridden layers are fixed before
+   anything else is decided, and their bits count against the budget.
+2. ``--budget-bits B``: the remaining layers start at their cheapest entry (INT4 unless the
+   menu has a cheaper one) and are upgraded along their entries where that buys the most
+   predicted damage reduction per extra bit, while the average bits per weight over all
+   calibrated linears stays <= B (see :func:`greedy_budget_plan`). In vLLM's formats the
+   linears vLLM fuses move together and only entries the format stores are offered.
 3. Otherwise every remaining layer gets ``--bits``.
 
 Damage the budget planner minimises (``--damage``):
@@ -44,10 +48,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantpipe.calibration.menu import Entry, MenuEntry, entry_of
 from quantpipe.calibration.mixed_precision.budget import (
     DEFAULT_FORMAT,
     bits_per_weight,
     greedy_budget_plan,
+    layer_specs,
+    menu_damage,
+    start_state,
     upgrade_path,
 )
 from quantpipe.calibration.mixed_precision.sensitivity import (
@@ -66,7 +74,7 @@ PROXY_MIN_SPEARMAN = 0.8  # the proxy may drive a plan only if it ranks layers a
 @dataclass(frozen=True)
 class Override:
     pattern: str  # exact name, or "re:" + regex (fullmatch)
-    bits: int | None  # 4, 8, or None for FP16
+    bits: Entry  # 4, 8, a menu entry's tag (calibrate --menu), or None for FP16
 
     @classmethod
     def parse(cls, text: str) -> "Override":
@@ -76,13 +84,18 @@ class Override:
         pattern, _, value = text.rpartition("=")
         value = value.strip().lower()
         if value not in ("4", "8", "fp16", "16"):
-            raise ValueError(f"override {text!r}: value must be 4, 8 or fp16")
+            try:
+                value = MenuEntry.parse(value).tag
+            except ValueError:
+                raise ValueError(f"override {text!r}: value must be 4, 8, fp16 or a menu "
+                                 "entry of the calibration such as w4g32") from None
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as exc:
                 raise ValueError(f"override {text!r}: bad regex ({exc})") from None
-        return cls(pattern, None if value in ("fp16", "16") else int(value))
+        return cls(pattern, None if value in ("fp16", "16") else
+                   int(value) if value in ("4", "8") else value)
 
     def matches(self, name: str) -> bool:
         if self.pattern.startswith("re:"):
@@ -115,6 +128,10 @@ class PlanSpec:
     # the measurement the budget planner reads (``quantpipe sensitivity --out``); None:
     # CALIB_DIR/sensitivity.json. It must have been measured on the calibration planned.
     sensitivity: Path | None = None
+    # the entries the budget planner may give a layer (tags: w4, w8, fp16 and menu tags such
+    # as w4g32); (): every entry the calibration holds. E.g. vLLM's CPU build loads no 8-bit
+    # layer: ("w4", "w4g32", "w4g64", "fp16").
+    menu: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         registry.format_named(self.fmt)  # ValueError listing the formats
@@ -125,11 +142,12 @@ class PlanSpec:
             raise ValueError("damage must be auto, kld or proxy")
         for o in self.overrides:
             Override.parse(o)
+        allowed_entries(self.menu)  # ValueError naming a malformed entry
 
 
 @dataclass
 class Plan:
-    bits: dict[str, int | None]  # layer -> 4, 8 or None (FP16)
+    bits: dict[str, Entry]  # layer -> 4, 8, a menu tag or None (FP16): calibration.menu
     specs: dict[str, QuantSpec | None]  # layer -> spec actually used (group-size fallbacks)
     shapes: dict[str, tuple[int, int]]
     reasons: dict[str, str]  # layer -> "override re:...", "budget", "default"
@@ -150,9 +168,17 @@ class Plan:
 
     def counts(self) -> dict[str, int]:
         out = {"int4": 0, "int8": 0, "fp16": 0}
-        for b in self.bits.values():
-            out["fp16" if b is None else f"int{b}"] += 1
+        for spec in self.specs.values():
+            out["fp16" if spec is None else f"int{spec.bits}"] += 1
         return out
+
+    def entries(self) -> dict[str, int]:
+        """Layers per stored format (spec label, or fp16), most used first."""
+        out: dict[str, int] = {}
+        for spec in self.specs.values():
+            label = "fp16" if spec is None else spec.label()
+            out[label] = out.get(label, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def to_dict(self) -> dict:
         return {
@@ -164,6 +190,7 @@ class Plan:
             "validated_damage": self.validated_damage,
             "validation": self.validation,
             "counts": self.counts(),
+            "entries": self.entries(),
             "layers": {
                 n: {"bits": self.bits[n], "spec": None if self.specs[n] is None
                     else self.specs[n].to_dict(), "shape": list(self.shapes[n]),
@@ -184,6 +211,8 @@ class Plan:
         c = self.counts()
         rows.append(f"effective bits per weight ({self.fmt} layout): {self.effective_bits():.4f} "
                     f"(int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
+        if len(self.entries()) > 1:
+            rows.append("formats: " + ", ".join(f"{k} {v}" for k, v in self.entries().items()))
         if self.budget_bits is not None:
             rows.append(f"budget {self.budget_bits} bits per weight; minimised "
                         f"{self.damage_source}: predicted sum {self.predicted_damage:.4g}")
@@ -193,6 +222,22 @@ class Plan:
             if self.validation:
                 rows.append(f"validation: {self.validation}")
         return "\n".join(rows)
+
+
+def allowed_entries(menu: tuple[str, ...]) -> set[Entry] | None:
+    """``PlanSpec.menu`` -> the entry keys the budget planner may use (None: all)."""
+    if not menu:
+        return None
+    out: set[Entry] = set()
+    for item in menu:
+        for part in (p.strip().lower() for p in item.split(",")):
+            if part in ("fp16", "16"):
+                out.add(None)
+            elif part in ("w4", "w8"):
+                out.add(entry_of(part))
+            elif part:
+                out.add(MenuEntry.parse(part).tag)
+    return out
 
 
 def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
@@ -216,9 +261,12 @@ def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
         if lacking:
             raise ValueError(f"{path} lacks INT4/INT8 KLD for {len(lacking)} layers (e.g. "
                              f"{lacking[0]}); re-run `quantpipe sensitivity --bits 4,8 --force`")
-        table = {n: {4: layers[n]["kld_w4"], 8: layers[n]["kld_w8"], None: 0.0}
-                 for n in layer_infos}
-        return table, f"measured KL divergence ({path.name})"
+        table = {n: menu_damage(layer_infos[n], layers[n]["kld_w4"], layers[n]["kld_w8"],
+                                layers[n]) for n in layer_infos}
+        menu = any(len(t) > 4 for t in table.values())
+        return table, (f"measured KL divergence ({path.name})"
+                       + ("; menu entries: INT4's scaled by their calibration loss" if menu
+                          else ""))
     if source == "proxy":
         if sens is None:
             log.warning("planning on the proxy loss without a measurement of how well it ranks "
@@ -231,7 +279,7 @@ def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
                     f"{rho:.3f}, needs >= {PROXY_MIN_SPEARMAN}); use --damage kld (the "
                     f"measurement in {path})"
                 )
-        return ({n: {4: v["w4"]["loss"], 8: v["w8"]["loss"], None: 0.0}
+        return ({n: {**{entry_of(t): float(r["loss"]) for t, r in v.items()}, None: 0.0}
                  for n, v in layer_infos.items()}, "proxy loss tr(dW H dW^T)")
     raise ValueError(f"damage {source!r}: use auto, kld or proxy")
 
@@ -264,10 +312,9 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
     infos = calib.layer_infos()
     names = list(infos)
     shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
-    specs_of = {n: {4: QuantSpec.from_dict(infos[n]["w4"]["spec"]),
-                    8: QuantSpec.from_dict(infos[n]["w8"]["spec"]), None: None} for n in names}
+    specs_of = layer_specs(infos)
     overrides = [Override.parse(o) for o in spec.overrides]
-    bits: dict[str, int | None] = {}
+    bits: dict[str, Entry] = {}
     reasons: dict[str, str] = {}
     for o in overrides:
         hit = [n for n in names if o.matches(n) and n not in bits]
@@ -275,9 +322,21 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
             raise ValueError(f"override {o.pattern!r} matches no calibrated layer "
                              f"(layers look like {names[0]})")
         for n in hit:
+            if o.bits not in specs_of[n]:
+                raise ValueError(f"override {o.pattern}={o.bits}: {n} has no {o.bits} result "
+                                 "(its group size does not divide the layer, or the "
+                                 "calibration was made without it in --menu)")
             bits[n] = o.bits
             reasons[n] = f"override {o.pattern}"
     free = [n for n in names if n not in bits]
+    allowed = allowed_entries(spec.menu)
+    if allowed is not None and spec.budget_bits is not None:
+        specs_of = {n: ({e: s for e, s in v.items() if e in allowed} if n in free else v)
+                    for n, v in specs_of.items()}
+        bare = [n for n in free if not specs_of[n]]
+        if bare:
+            raise ValueError(f"--menu {','.join(spec.menu)} leaves {bare[0]} no entry the "
+                             "calibration holds for it; add w4 or fp16")
     damage_source = "none"
     predicted = 0.0
     validated, note = None, ""
@@ -306,14 +365,14 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
 
 def apply_validation(
     validation: dict | None,
-    chosen: dict[str, int | None],
+    chosen: dict[str, Entry],
     shapes: dict[str, tuple[int, int]],
-    specs_of: dict[str, dict[int | None, QuantSpec | None]],
-    damage: dict[str, dict[int | None, float]],
-    fixed: dict[str, int | None],
+    specs_of: dict[str, dict[Entry, QuantSpec | None]],
+    damage: dict[str, dict[Entry, float]],
+    fixed: dict[str, Entry],
     budget: float,
     fmt: str = DEFAULT_FORMAT,
-) -> tuple[dict[str, int | None], float | None, str]:
+) -> tuple[dict[str, Entry], float | None, str]:
     """Stop the greedy plan where the held-out validation KLD stops improving.
 
     ``validation`` is sensitivity.json's section: ``path`` (the upgrade moves it validated,
@@ -336,7 +395,8 @@ def apply_validation(
     if now[: len(stored)] != stored:
         return chosen, None, ("not validated (the measured damages give another upgrade path "
                               "than the one validated; measure sensitivity again)")
-    start = registry.average_bits({n: specs_of[n][4] for n in chosen}, shapes, fmt)
+    first = start_state(list(chosen), shapes, specs_of, damage, fmt)
+    start = registry.average_bits({n: specs_of[n][first[n]] for n in chosen}, shapes, fmt)
     bits_at = [start] + [b for _, _, b in path]  # after k moves, in fmt's layout
     checkpoints = [dict(c, bits=bits_at[c["moves"]]) for c in validation["checkpoints"]]
     within = [c for c in checkpoints if c["bits"] <= budget * (1 + 1e-12)]
@@ -347,7 +407,7 @@ def apply_validation(
     if best is within[-1]:
         beyond = " (the last checkpoint; the plan adds the moves after it)"
         return chosen, best["validated"], f"validated at {at}{beyond}"
-    state = {n: 4 for n in chosen}
+    state = dict(first)
     for n, b in stored[: best["moves"]]:
         state[n] = b
     return state, best["validated"], (f"validation KLD stopped improving at {at}: stopped "

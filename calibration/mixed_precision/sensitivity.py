@@ -51,11 +51,16 @@ from tqdm.auto import tqdm
 
 from quantpipe.blocks.execute import BlockContext, embed_inputs, run_block
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.mixed_precision.budget import bits_per_weight, upgrade_path
+from quantpipe.calibration.mixed_precision.budget import (
+    bits_per_weight,
+    layer_specs,
+    menu_damage,
+    start_state,
+    upgrade_path,
+)
 from quantpipe.core.families import attn_implementation, family_for, get_blocks
 from quantpipe.core.io import MANIFEST_NAME, output_lock, write_json_atomic
 from quantpipe.core.metrics import mean_kld, token_kld
-from quantpipe.core.qformat import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -477,13 +482,14 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
     model, ids = model_ids
     names = [n for group in by_block for n in group]
     shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
-    specs_of = {n: {4: QuantSpec.from_dict(infos[n]["w4"]["spec"]),
-                    8: QuantSpec.from_dict(infos[n]["w8"]["spec"]), None: None} for n in names}
-    damage = {n: {4: layers[n]["kld_w4"], 8: layers[n]["kld_w8"], None: 0.0} for n in names}
+    specs_of = layer_specs({n: infos[n] for n in names})
+    damage = {n: menu_damage(infos[n], layers[n]["kld_w4"], layers[n]["kld_w8"], layers[n])
+              for n in names}
     path = upgrade_path(names, shapes, specs_of, damage)
+    first = start_state(names, shapes, specs_of, damage)
     total = sum(o * i for o, i in shapes.values())
-    start_bits = sum(bits_per_weight(specs_of[n][4], shapes[n]) * shapes[n][0] * shapes[n][1]
-                     for n in names) / total
+    start_bits = sum(bits_per_weight(specs_of[n][first[n]], shapes[n]) * shapes[n][0]
+                     * shapes[n][1] for n in names) / total
     ks = _checkpoints(path, start_bits, spec.validate_step, spec.validate_max_bits)
     block_of = {n: i for i, group in enumerate(by_block) for n in group}
 
@@ -494,11 +500,11 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
     scorer = _Scorer(model, _run_from(blocks, 0, hidden0, ctx, spec.batch_size),
                      spec.chunk_rows)
     originals = {n: linear(n).weight.data for n in names}
-    state = {n: 4 for n in names}
+    state = dict(first)
     checkpoints = []
     try:
-        for group in by_block:  # all INT4 first, one block's weights read at a time
-            for n, w in calib.weights(dict.fromkeys(group, 4)).items():
+        for group in by_block:  # the start (all INT4) first, one block's weights at a time
+            for n, w in calib.weights({n: first[n] for n in group}).items():
                 linear(n).weight.data = w.dequantize(originals[n].dtype)
         done = 0
         for k in tqdm(ks, desc="sensitivity: validate plan", unit="checkpoint"):

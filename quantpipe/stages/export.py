@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.mixed_precision.plan import Plan, PlanSpec, check_budget_bits, make_plan
+from quantpipe.calibration.mixed_precision.plan import (
+    Plan,
+    PlanSpec,
+    allowed_entries,
+    check_budget_bits,
+    make_plan,
+)
 from quantpipe.calibration.vocab import quantize_table
 from quantpipe.core.formats.registry import FORMAT_NAMES, format_named, layer_bits
 from quantpipe.core.formats.writers import write_checkpoint
@@ -49,9 +55,12 @@ class ExportSpec:
     vocab: VocabSpec = field(default_factory=VocabSpec)
     # the measurement --budget-bits plans on; None: CALIB_DIR/sensitivity.json (PlanSpec)
     sensitivity: Path | None = None
+    # the entries --budget-bits may choose (PlanSpec.menu); (): every entry calibrated
+    menu: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
+        allowed_entries(self.menu)  # before CALIB_DIR is read
         check_budget_bits(self.budget_bits)  # before CALIB_DIR is read
         if self.fmt not in FORMAT_NAMES:
             raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
@@ -78,7 +87,8 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
     check_output_dir(spec.out, spec.force)  # fail before reading the weights
     with output_lock(spec.out):
         plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides,
-                                         spec.damage, spec.fmt, sensitivity=spec.sensitivity))
+                                         spec.damage, spec.fmt, sensitivity=spec.sensitivity,
+                                         menu=spec.menu))
         weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
         _write(spec, calib, plan, weights, vocab)
     return ExportResult(Path(spec.out), plan, weights_bytes(spec.out), time.perf_counter() - t0)

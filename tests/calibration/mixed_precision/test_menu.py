@@ -1,0 +1,251 @@
+"""The menu of formats: parsing, what each layer gets, the planner over many entries per layer
+(greedy vs the exact knapsack, vLLM's fused modules and refused specs), and a calibration
+with --menu end to end (entries equal to their own calibration, plans exported and read)."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from quantpipe.calibration.artifact import read_calibration
+from quantpipe.calibration.menu import DEFAULT_MENU, entry_of, layer_menu, parse_menu, tag_of
+from quantpipe.calibration.mixed_precision.budget import (
+    greedy_budget_plan,
+    layer_specs,
+    menu_damage,
+    start_state,
+    units_for,
+    upgrade_path,
+)
+from quantpipe.calibration.mixed_precision.plan import Override, PlanSpec, make_plan
+from quantpipe.calibration.mixed_precision.sensitivity import (
+    SENSITIVITY_FILE,
+    SensitivitySpec,
+    measure_sensitivity,
+)
+from quantpipe.calibration.pipeline import calibrate
+from quantpipe.core.formats.loader import load_quantized
+from quantpipe.core.formats.registry import bits_per_weight
+from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantSpec
+from quantpipe.stages.export import ExportSpec, export_quantized
+from tests.calibration.test_pipeline import _spec, fp16_dir, prompt_file  # noqa: F401 (fixtures)
+
+# --- parsing and per-layer entries --------------------------------------------------------
+
+
+def test_parse_menu_expands_default_and_keeps_one_canonical_tag_each():
+    assert parse_menu(("default",)) == DEFAULT_MENU
+    assert parse_menu(("w4g32, w4g32", "none", "w4pc-asym,w8g128")) == (
+        "w4g32", "w4pc-asym", "w8g128")
+    assert parse_menu(()) == ()
+    for bad in ("w3g32", "w4g12", "int4", "w4g32-sym", "w4"):
+        with pytest.raises(ValueError, match="menu entry"):
+            parse_menu((bad,))
+
+
+def test_layer_menu_offers_what_divides_and_differs_from_w4_and_w8():
+    primary = (QuantSpec(4, 64, True, True), INT8_PER_CHANNEL)
+    menu = ("w4g32", "w4g64", "w4g128", "w8pc", "w8g128", "w4g64-asym", "w4pc")
+    got = layer_menu(menu, 576, True, primary)  # 576 = 4.5 x 128: no g128 entry
+    assert got == {"w4g32": QuantSpec(4, 32, True, True),
+                   "w4g64-asym": QuantSpec(4, 64, False, True),
+                   "w4pc": QuantSpec(4, -1, True, True)}
+    assert set(layer_menu(menu, 1536, False, primary)) == {
+        "w4g32", "w4g128", "w8g128", "w4g64-asym", "w4pc"}
+    assert tag_of(4) == "w4" and tag_of(8) == "w8" and tag_of("w4g32") == "w4g32"
+    assert [entry_of(t) for t in ("w4", "w8", "w4g32")] == [4, 8, "w4g32"]
+    assert Override.parse("re:.*down_proj=W4G32").bits == "w4g32"
+    with pytest.raises(ValueError, match="menu entry"):
+        Override.parse("x=w4g33")
+
+
+def test_unmeasured_entries_scale_int4_kld_by_the_loss_ratio():
+    info = {"w4": {"loss": 2.0}, "w8": {"loss": 0.01}, "w4g32": {"loss": 1.0},
+            "w4g16": {"loss": 0.5}}
+    d = menu_damage(info, 0.4, 0.001, {"kld_w4g16": 0.05})
+    assert d == {4: 0.4, "w4g32": pytest.approx(0.2), "w4g16": 0.05, 8: 0.001, None: 0.0}
+
+
+# --- the planner over a menu --------------------------------------------------------------
+
+G16, G64, PC = QuantSpec(4, 16, True), QuantSpec(4, 64, True), QuantSpec(4, -1, True)
+A32 = QuantSpec(4, 32, False)
+INT4 = QuantSpec(4, 32, True)
+
+
+def _menu_instance(rng: random.Random, n: int):
+    sizes = [(64, 64), (32, 64), (128, 64), (64, 128)]
+    shapes = {f"l{k}": rng.choice(sizes) for k in range(n)}
+    specs_of, damage = {}, {}
+    for k in shapes:
+        specs_of[k] = {4: INT4, "w4g16": G16, "w4g64": G64, "w4pc": PC, "w4g32-asym": A32,
+                       8: INT8_PER_CHANNEL, None: None}
+        d4 = rng.lognormvariate(0, 1.5)
+        damage[k] = {4: d4, "w4g16": d4 * rng.uniform(0.3, 1.1),  # sometimes no better
+                     "w4g64": d4 * rng.uniform(0.9, 2.0), "w4pc": d4 * rng.uniform(1.0, 6.0),
+                     "w4g32-asym": d4 * rng.uniform(0.5, 1.2),
+                     8: d4 * rng.uniform(0.001, 0.5), None: 0.0}
+    return shapes, specs_of, damage
+
+
+def _exact(free, shapes, specs_of, damage, budget):
+    total = sum(o * i for o, i in shapes.values())
+    best = float("inf")
+    for choice in itertools.product(*(list(specs_of[n]) for n in free)):
+        bits = sum(bits_per_weight(specs_of[n][e], shapes[n], "native") * shapes[n][0]
+                   * shapes[n][1] for n, e in zip(free, choice))
+        if bits <= budget * total * (1 + 1e-12):
+            best = min(best, sum(damage[n][e] for n, e in zip(free, choice)))
+    return best
+
+
+def test_greedy_over_a_menu_within_bound_of_exact():
+    """greedy <= exact + the largest single hull move's gain, on random menus with dominated
+    and non-convex entries; exactly optimal on most instances."""
+    rng = random.Random(3)
+    equal = 0
+    for trial in range(40):
+        shapes, specs_of, damage = _menu_instance(rng, rng.randint(2, 4))
+        free, total = list(shapes), sum(o * i for o, i in shapes.values())
+        start = start_state(free, shapes, specs_of, damage)
+        lo = sum(bits_per_weight(specs_of[n][start[n]], shapes[n], "native") * o * i
+                 for n, (o, i) in shapes.items()) / total
+        budget = rng.uniform(lo, 9.0)
+        chosen = greedy_budget_plan(free, shapes, specs_of, damage, {}, budget)
+        used = sum(bits_per_weight(specs_of[n][e], shapes[n], "native") * shapes[n][0]
+                   * shapes[n][1] for n, e in chosen.items()) / total
+        assert used <= budget + 1e-9
+        g = sum(damage[n][e] for n, e in chosen.items())
+        opt = _exact(free, shapes, specs_of, damage, budget)
+        max_gain = max(max(damage[n].values()) for n in free)
+        assert opt - 1e-12 <= g <= opt + max_gain + 1e-12, (trial, g, opt)
+        equal += abs(g - opt) <= 1e-12 * max(1.0, opt)
+    assert equal >= 20
+
+
+def test_start_is_the_cheapest_entry_and_the_path_is_monotone():
+    rng = random.Random(4)
+    shapes, specs_of, damage = _menu_instance(rng, 5)
+    free = list(shapes)
+    start = start_state(free, shapes, specs_of, damage)
+    for n, e in start.items():  # the fewest bits (one scale per row), then the least damage
+        cost = {f: bits_per_weight(specs_of[n][f], shapes[n], "native") for f in specs_of[n]}
+        assert cost[e] == min(cost.values()) == cost["w4pc"]
+        assert damage[n][e] == min(damage[n][f] for f in cost if cost[f] == cost[e])
+    path = upgrade_path(free, shapes, specs_of, damage)
+    assert [b for _, _, b in path] == sorted(b for _, _, b in path)
+    # no move goes to an entry that is dominated (more bits, no less damage) on its layer
+    for n, e, _ in path:
+        cost = bits_per_weight(specs_of[n][e], shapes[n], "native")
+        assert not any(bits_per_weight(specs_of[n][f], shapes[n], "native") <= cost
+                       and damage[n][f] < damage[n][e] for f in specs_of[n] if f != e)
+
+
+def test_vllm_formats_plan_fused_modules_together_without_refused_entries():
+    names = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                             "self_attn.v_proj", "self_attn.o_proj",
+                                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert units_for(names, "native") == [(n,) for n in names]
+    assert [len(u) for u in units_for(names, "gptq")] == [3, 1, 2, 1]
+    rng = random.Random(5)
+    shapes = dict.fromkeys(names, (64, 64))
+    specs_of, damage = {}, {}
+    for n in names:
+        specs_of[n] = {4: INT4, "w4g16": G16, "w4g32-asym": A32, 8: INT8_PER_CHANNEL,
+                       None: None}
+        d4 = rng.uniform(0.5, 2.0)
+        damage[n] = {4: d4, "w4g16": 0.8 * d4, "w4g32-asym": 0.1 * d4, 8: 0.01 * d4,
+                     None: 0.0}
+    for extra in (0.5, 1.5, 3.0, 6.0):  # bits per weight above each format's cheapest plan
+        lo = bits_per_weight(INT4, (64, 64), "native")
+        native = greedy_budget_plan(names, shapes, specs_of, damage, {}, lo + extra)
+        if extra == 0.5:  # cheap and good: native takes it first
+            assert set(native.values()) == {"w4g32-asym"}
+        for fmt in ("gptq", "compressed-tensors"):
+            lo = bits_per_weight(INT4, (64, 64), fmt)
+            plan = greedy_budget_plan(names, shapes, specs_of, damage, {}, lo + extra, fmt)
+            for unit in units_for(names, fmt):
+                assert len({plan[n] for n in unit}) == 1, (fmt, extra, plan)
+            if fmt == "gptq":  # vLLM's GPTQ has no zero points
+                assert "w4g32-asym" not in plan.values()
+
+
+# --- a calibration with a menu, end to end ------------------------------------------------
+
+MENU = ("w4g64", "w4g16-asym", "w8g32")
+
+
+@pytest.fixture(scope="module")
+def menu_calib(fp16_dir, prompt_file, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("menu") / "calib"
+    calibrate(_spec(fp16_dir, prompt_file, out, algo="gptq", group_size=32, menu=MENU))
+    measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, validate_tokens=64))
+    return read_calibration(out)
+
+
+def test_menu_entries_are_what_a_calibration_at_that_spec_gives(
+        menu_calib, fp16_dir, prompt_file, tmp_path):  # noqa: F811
+    infos = menu_calib.layer_infos()
+    assert all(set(v) == {"w4", "w8", *MENU} for v in infos.values())
+    assert menu_calib.manifest["settings"]["menu"] == list(MENU)
+    plain = read_calibration(calibrate(
+        _spec(fp16_dir, prompt_file, tmp_path / "g64", algo="gptq", group_size=64)).out)
+    # block 0's attention projections see the FP16 inputs in both runs: the menu entry, made
+    # from the same Hessian after w4 and w8, equals that calibration's INT4 exactly
+    first = [n for n in infos if ".0.self_attn." in n and n.rsplit(".", 1)[1] != "o_proj"]
+    got = menu_calib.weights(dict.fromkeys(first, "w4g64"))
+    want = plain.weights(dict.fromkeys(first, 4))
+    for n in first:
+        a, b = got[n], want[n]
+        assert a.spec == b.spec and (a.spec.bits, a.spec.group_size, a.spec.sym) == (4, 64, True)
+        assert torch.equal(a.q, b.q) and torch.equal(a.scales, b.scales)
+        assert infos[n]["w4g64"]["loss"] == plain.layer_infos()[n]["w4"]["loss"]
+
+
+def test_menu_plans_export_and_load_in_every_format(menu_calib, tmp_path):
+    sens = json.loads((menu_calib.folder / SENSITIVITY_FILE).read_text())
+    path = sens["validation"]["path"]
+    assert any(isinstance(to, str) for _, to in path)  # the walk used menu entries
+    plan = make_plan(menu_calib, PlanSpec(budget_bits=5.0))
+    assert plan.effective_bits() <= 5.0 and plan.validation
+    # an override to a menu entry, and a plan over the menu in each format
+    # (compressed-tensors refuses w4g16-asym: vLLM's kernels with zero points lack group 16)
+    rule = {"native": "w4g16-asym", "gptq": None, "compressed-tensors": "w4g64"}
+    with pytest.raises(ValueError, match="asymmetric with group size 16"):
+        export_quantized(ExportSpec(menu_calib.folder, tmp_path / "refused",
+                                    fmt="compressed-tensors",
+                                    overrides=("re:.*mlp\\.down_proj=w4g16-asym",)))
+    assert not (tmp_path / "refused" / "quantpipe.json").exists()
+    for fmt, entry in rule.items():
+        out = tmp_path / fmt
+        res = export_quantized(ExportSpec(menu_calib.folder, out, fmt=fmt, budget_bits=6.0,
+                                          overrides=(f"re:.*mlp\\.down_proj={entry}",)
+                                          if entry else ()))
+        specs = load_quantized(out).plan
+        quantized = {n: s for n, s in res.plan.specs.items() if s is not None}
+        assert {n: (s.bits, s.group_size, s.sym) for n, s in specs.items()} == {
+            n: (s.bits, s.group_size, s.sym) for n, s in quantized.items()}
+        manifest = json.loads((out / "quantpipe.json").read_text())
+        assert manifest["plan"]["entries"] == res.plan.entries()
+        if entry:
+            assert all(res.plan.bits[n] == entry for n in res.plan.bits
+                       if n.endswith("down_proj"))
+    specs_of = layer_specs(menu_calib.layer_infos())
+    assert all(e in specs_of[n] for n, e in plan.bits.items())
+
+
+def test_plan_menu_restricts_the_entries_a_budget_may_choose(menu_calib):
+    specs_of = layer_specs(menu_calib.layer_infos())
+    for menu, allowed in ((("w4,w4g64", "fp16"), {4, "w4g64", None}),
+                          (("w4g16-asym,w8",), {"w4g16-asym", 8})):
+        for budget in (6.0, 9.0):
+            plan = make_plan(menu_calib, PlanSpec(budget_bits=budget, menu=menu))
+            assert set(plan.bits.values()) <= allowed, (menu, budget, plan.entries())
+            assert plan.effective_bits() <= budget
+    with pytest.raises(ValueError, match="menu entry"):
+        PlanSpec(budget_bits=5.0, menu=("w4g33",))
+    with pytest.raises(ValueError, match="no entry the calibration holds"):
+        make_plan(menu_calib, PlanSpec(budget_bits=9.0, menu=("w4g128",)))
+    assert all(4 in v and None in v for v in specs_of.values())
