@@ -94,3 +94,23 @@ def parse_corpora(text: str) -> list[str]:
     if bad or not names:
         raise ValueError(f"corpora {text!r}: use a comma list of {', '.join(CORPORA)}")
     return names
+
+
+def score_folders(fp16: Path, tokenizer, folders: dict[str, str], corpora: list[str],
+                  max_tokens: int, ctx: int) -> dict[str, dict[str, object]]:
+    """Every candidate folder against the FP16 reference on each corpus, one reference
+    forward per window (``reports.eval.evaluate_many``); business-eval is cut to its first
+    ``max_tokens`` scored tokens (0: all), the other corpora are scored whole.
+    Returns corpus -> candidate name -> EvalResult."""
+    from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
+
+    ref = load_eval_model(fp16)
+    cands = [load_eval_model(p) for p in folders.values()]
+    out: dict[str, dict[str, object]] = {}
+    for c in corpora:
+        limit = max_tokens if c == "business-eval" else 0
+        evals = evaluate_many(ref, cands, tokenizer,
+                              EvalSpec(fp16, fp16, eval_texts(c, fp16, tokenizer), limit, ctx),
+                              names=list(folders))
+        out[c] = dict(zip(folders, evals))
+    return out

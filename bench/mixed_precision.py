@@ -41,13 +41,12 @@ import time
 from pathlib import Path
 
 import torch
-from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
+from corpora import eval_texts, parse_corpora, score_folders  # bench/corpora.py
 
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
 from quantpipe.calibration.mixed_precision.sensitivity import SensitivitySpec, measure_sensitivity
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 
@@ -185,7 +184,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
-    texts = {c: eval_texts(c, args.fp16, tok) for c in corpora}
     results = {}
     for name, cfg in configs.items():
         qdir = args.work / f"q-{name}"
@@ -207,13 +205,11 @@ def main() -> None:
             "eval": {},
         }
     # every plan scored in one pass per corpus (one reference forward per window)
-    ref = load_eval_model(args.fp16)
-    cands = [load_eval_model(r["path"]) for r in results.values()]
-    for c in corpora:
-        limit = args.max_tokens if c == "business-eval" else 0
-        evals = evaluate_many(ref, cands, tok, EvalSpec(args.fp16, args.fp16, texts[c], limit,
-                                                        args.ctx), names=list(results))
-        for (name, r), ev in zip(results.items(), evals):
+    scored = score_folders(args.fp16, tok, {k: r["path"] for k, r in results.items()},
+                           corpora, args.max_tokens, args.ctx)
+    for c, by_name in scored.items():
+        for name, ev in by_name.items():
+            r = results[name]
             r["eval"][c] = ev.to_dict()
             print(f"{c:13s} {name:16s} {r['effective_bits_per_weight']:.4f} bpw  KLD mean "
                   f"{ev.kld['mean']:.5f}  p99 {ev.kld['p99']:.4f}  same-top "

@@ -2,13 +2,14 @@
 against uniform INT4 at the same size, on text nothing was tuned on (issue #30).
 
 Given a calibration made with ``calibrate --menu`` (e.g. ``--menu default``), this script
-1. measures its sensitivity (``quantpipe sensitivity`` defaults; reused when present): INT4
-   and INT8 per layer on one half of the calibration prompts, the menu-aware upgrade path
+1. measures its sensitivity into WORK/sensitivity.json (reused when present; ``quantpipe
+   sensitivity`` defaults, with ``--sens-entries``: every menu entry measured like INT4 by
+   default): per layer on one half of the calibration prompts, the menu-aware upgrade path
    validated on the other half; ``--oracle`` measures on sotu and validates on sotu-dev
    instead (the text the plans are scored on: the bound no measurement can beat);
 2. checks the rule the planner uses for unmeasured menu entries (a layer's KLD scales with its
-   calibration loss) where both sides are known: INT8's measured KLD against INT4's scaled by
-   loss(INT8) / loss(INT4), per layer;
+   calibration loss) where both sides are known: INT8's and each measured entry's KLD against
+   INT4's scaled by loss(entry) / loss(INT4), per layer;
 3. exports and scores against FP16 on sotu (8 x 511 tokens) and the first ``--max-tokens``
    of business-eval: uniform INT4 (the calibrated spec: g128, or g64 where 128 does not
    divide), uniform INT4 g32, uniform INT8, and plans at ``--budgets`` (``same`` = the bits of
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
+from corpora import parse_corpora, score_folders  # bench/corpora.py (the script's folder)
 from mixed_precision import corpus_ids, oracle_calibration  # bench/mixed_precision.py
 
 from quantpipe.calibration.artifact import read_calibration
@@ -42,7 +43,6 @@ from quantpipe.calibration.mixed_precision.budget import greedy_budget_plan, lay
 from quantpipe.calibration.mixed_precision.plan import PlanSpec, damage_table, make_plan
 from quantpipe.calibration.mixed_precision.sensitivity import SensitivitySpec, measure_sensitivity
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 
@@ -67,6 +67,28 @@ def scaling_check(infos: dict, layers: dict) -> dict:
             "sum_pred_over_sum_measured": sum(pred) / sum(meas)}
 
 
+def entry_check(infos: dict, layers: dict) -> dict[str, dict]:
+    """Per menu entry measured directly: its KLD against the rule's prediction, INT4's KLD
+    scaled by loss(entry) / loss(INT4)."""
+    out = {}
+    tags = sorted({k[4:] for v in layers.values() for k in v
+                   if k.startswith("kld_") and k not in ("kld_w4", "kld_w8")})
+    for tag in tags:
+        meas, pred = [], []
+        for n, v in layers.items():
+            if f"kld_{tag}" in v and float(infos[n]["w4"]["loss"]) > 0:
+                meas.append(v[f"kld_{tag}"])
+                pred.append(v["kld_w4"] * float(infos[n][tag]["loss"])
+                            / float(infos[n]["w4"]["loss"]))
+        logr = sorted(math.log10(max(p, 1e-30) / max(m, 1e-30)) for p, m in zip(pred, meas))
+        out[tag] = {"layers": len(meas), "spearman": spearman(pred, meas),
+                    "log10_pred_over_measured_p50": logr[len(logr) // 2],
+                    "sum_pred_over_sum_measured": sum(pred) / max(sum(meas), 1e-30),
+                    "sum_measured_over_sum_w4": sum(meas) / sum(
+                        layers[n]["kld_w4"] for n, v in layers.items() if f"kld_{tag}" in v)}
+    return out
+
+
 def layer_type(name: str) -> str:
     return re.sub(r"^.*\.\d+\.", "", name)
 
@@ -82,14 +104,14 @@ def allocation(bits: dict, specs_of: dict) -> dict[str, dict[str, int]]:
     return out
 
 
-def legacy_plan(calib, budget: float) -> dict:
+def legacy_plan(calib, budget: float, sens_path: Path) -> dict:
     """The budget plan with INT4 / INT8 / FP16 only (no menu entries), unvalidated."""
     infos = calib.layer_infos()
     names = list(infos)
     shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
     specs = {n: {e: s for e, s in v.items() if e in (4, 8, None)}
              for n, v in layer_specs(infos).items()}
-    damage, _ = damage_table(calib, PlanSpec(budget_bits=budget))
+    damage, _ = damage_table(calib, PlanSpec(budget_bits=budget, sensitivity=sens_path))
     return greedy_budget_plan(names, shapes, specs, damage, {}, budget)
 
 
@@ -101,6 +123,10 @@ def main() -> None:
     ap.add_argument("--budgets", default="same,4.25,4.5,4.75,5.0,5.5,6.0")
     ap.add_argument("--oracle", action="store_true",
                     help="Measure sensitivity on sotu, validate on sotu-dev (an upper bound).")
+    ap.add_argument("--sens-entries", default="all",
+                    help="Menu entries the sensitivity measures directly ('all', a comma "
+                         "list, or 'none': the planner's loss-ratio rule for all of them).")
+    ap.add_argument("--sens-tokens", type=int, default=1024)
     ap.add_argument("--corpora", default="sotu,business-eval")
     ap.add_argument("--max-tokens", type=int, default=4096,
                     help="Scored business-eval tokens (0: all); sotu is always 8 x 511.")
@@ -118,18 +144,25 @@ def main() -> None:
     ids = {}
     if args.oracle:
         args.calib = oracle_calibration(args.calib, args.work)
-        spec = SensitivitySpec(args.calib)
+    entries = {"all": ("all",), "none": ()}.get(args.sens_entries,
+                                                tuple(args.sens_entries.split(",")))
+    sens_path = args.work / f"sensitivity{'-oracle' if args.oracle else ''}.json"
+    spec = SensitivitySpec(args.calib, tokens=args.sens_tokens, entries=entries, out=sens_path)
+    if args.oracle:
         ids = {"input_ids": corpus_ids(tok, args.fp16, "sotu", spec.tokens, spec.seq_len),
                "validate_ids": corpus_ids(tok, args.fp16, "sotu-dev", spec.validate_tokens,
                                           spec.seq_len)}
-    sens = measure_sensitivity(SensitivitySpec(args.calib), **ids)
+    sens = measure_sensitivity(spec, **ids)
     calib = read_calibration(args.calib)
     infos = calib.layer_infos()
     specs_of = layer_specs(infos)
     check = scaling_check(infos, sens.data["layers"])
     print("menu-entry rule on INT8:", json.dumps(check), flush=True)
+    per_entry = entry_check(infos, sens.data["layers"])
+    for tag, row in per_entry.items():
+        print(f"menu-entry rule on {tag}: {json.dumps(row)}", flush=True)
 
-    uniform = make_plan(calib, PlanSpec(bits=4))
+    uniform = make_plan(calib, PlanSpec(bits=4, sensitivity=sens_path))
     configs: dict[str, dict] = {
         "uniform-w4": {"bits": 4},
         "uniform-w4g32": {"overrides": ("re:.*=w4g32",)},
@@ -138,7 +171,7 @@ def main() -> None:
     for b in args.budgets.split(","):
         budget = uniform.effective_bits() + 1e-9 if b == "same" else float(b)
         configs[f"menu-{b}"] = {"budget_bits": budget}
-        legacy = legacy_plan(calib, budget)
+        legacy = legacy_plan(calib, budget, sens_path)
         configs[f"int4-8-16-{b}"] = {"overrides": tuple(
             f"{n}={'fp16' if e is None else e}" for n, e in legacy.items())}
     results = {}
@@ -146,7 +179,8 @@ def main() -> None:
         qdir = args.work / f"q-{name}"
         exp = export_quantized(ExportSpec(args.calib, qdir, bits=cfg.get("bits", 4),
                                           budget_bits=cfg.get("budget_bits"),
-                                          overrides=cfg.get("overrides", ()), force=True))
+                                          overrides=cfg.get("overrides", ()),
+                                          sensitivity=sens_path, force=True))
         results[name] = {
             "budget_bits": cfg.get("budget_bits"),
             "path": str(qdir),
@@ -161,15 +195,11 @@ def main() -> None:
         }
         print(f"{name:18s} {exp.plan.effective_bits():.4f} bpw  {exp.plan.entries()}  "
               f"{exp.plan.validation}", flush=True)
-    texts = {c: eval_texts(c, args.fp16, tok) for c in corpora}
-    ref = load_eval_model(args.fp16)
-    cands = [load_eval_model(r["path"]) for r in results.values()]
-    for c in corpora:
-        limit = args.max_tokens if c == "business-eval" else 0
-        evals = evaluate_many(ref, cands, tok, EvalSpec(args.fp16, args.fp16, texts[c], limit,
-                                                        args.ctx), names=list(results))
-        for (name, r), ev in zip(results.items(), evals):
-            r["eval"][c] = ev.to_dict()
+    scored = score_folders(args.fp16, tok, {k: r["path"] for k, r in results.items()},
+                           corpora, args.max_tokens, args.ctx)
+    for c, by_name in scored.items():
+        for name, ev in by_name.items():
+            results[name]["eval"][c] = ev.to_dict()
     kld = {c: {k: v["eval"][c]["kld"]["mean"] for k, v in results.items()} for c in corpora}
     ratios = {c: {k: v / kld[c]["uniform-w4"] for k, v in kld[c].items()} for c in corpora}
     for name, r in results.items():
@@ -194,6 +224,7 @@ def main() -> None:
         "sensitivity": {k: sens.data.get(k) for k in ("settings", "tokens_scored", "seconds",
                                                       "spearman", "validation")},
         "menu_rule_on_int8": check,
+        "menu_rule_per_entry": per_entry,
         "results": results,
         "kld_mean": kld,
         "kld_ratio_to_uniform_w4": ratios,

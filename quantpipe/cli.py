@@ -653,8 +653,12 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The measurement's file (plan and export read it with --sensitivity) "
                    "[default: CALIB_DIR/sensitivity.json].")
+@click.option("--entries", default="",
+              help="Menu entries (calibrate --menu) to measure as well, comma-separated, or "
+                   "'all' (one more run per entry and layer) [default: none; the planner "
+                   "scales INT4's KLD by each entry's calibration loss].")
 @click.option("--force", is_flag=True, help="Measure again even if the file exists.")
-def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, force):
+def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, force):
     """Measure each linear's KLD when quantized alone; writes CALIB_DIR/sensitivity.json."""
     from quantpipe.calibration.mixed_precision.sensitivity import (
         SensitivitySpec,
@@ -668,8 +672,10 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, force):
         raise ValueError(f"--bits {bits!r}: write 4, 8 or 4,8") from None
     if out is not None:
         check_output_file(out, "--out", {"CALIB_DIR": calib_dir})
+    entries_t = ("all",) if entries.strip() == "all" else tuple(
+        e.strip() for e in entries.split(",") if e.strip())
     res = measure_sensitivity(SensitivitySpec(calib_dir, tokens, seq_len, bits_t, seed,
-                                              force=force, out=out))
+                                              force=force, out=out, entries=entries_t))
     click.echo(res.table())
     click.echo(f"{'reused' if res.reused else 'wrote'} {res.path}")
 
@@ -748,8 +754,11 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
               help="Held-out tokens scored for KL divergence (0: all, ~25k).")
 @click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Speed-record JSON to include in the report (repeatable).")
+@click.option("--menu", "menu", multiple=True,
+              help="calibrate --menu [default: 'default' with --budget-bits, else none; "
+                   "'none': none].")
 def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, samples, seq_len,
-            prompts, eval_tokens, speed):
+            prompts, eval_tokens, speed, menu):
     """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
     from quantpipe.core.io import check_output_path
     from quantpipe.stages.run import RunSpec, run_pipeline
@@ -758,7 +767,8 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, sa
     res = run_pipeline(RunSpec(
         source=source, out=out, bits=tuple(int(b) for b in bits), budget_bits=budget_bits,
         overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym, samples=samples,
-        seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed)))
+        seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed),
+        menu=tuple(menu)))
     for name, ev in res.evals.items():
         k, iv = ev["kld"], ev.get("intervals") or {}
         kld_ci = (f"95% {iv['kld_mean'][0]:.5f}-{iv['kld_mean'][1]:.5f}, "

@@ -170,16 +170,17 @@ class Greedy:
     logprobs: list[float]  # of each chosen token
 
 
-def runtime_greedy(native_dir: Path, prompt_ids: list[list[int]]):
+def runtime_greedy(native_dir: Path, prompt_ids: list[list[int]], kv_cache_memory: int = 2**23):
     """quantpipe's serving engine on the native folder (default CPU kernels, the checkpoint's
-    fp16 head): greedy tokens and their logprobs; returns (outputs, engine)."""
+    fp16 head): greedy tokens and their logprobs; returns (outputs, engine). The default KV
+    cache fits the tiny models' prompts; a real model's longer prompts need more."""
     from quantpipe.runtime.engine import EngineConfig, LLMEngine, SamplingParams
     from quantpipe.runtime.engine.loading import load_model_for_serving
 
     model, tok = load_model_for_serving(native_dir, head_dtype="fp32")
     eng = LLMEngine(model, tok, EngineConfig(block_size=16, max_num_seqs=len(prompt_ids),
                                              max_num_batched_tokens=256,
-                                             kv_cache_memory=2**23))
+                                             kv_cache_memory=kv_cache_memory))
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     rids = [eng.add_request(p, params) for p in prompt_ids]
     outs = {r: Greedy([], []) for r in rids}

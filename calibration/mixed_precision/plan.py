@@ -393,8 +393,10 @@ def apply_validation(
     path = upgrade_path(list(chosen), shapes, specs_of, damage, fmt)
     now = [(n, b) for n, b, _ in path]
     if now[: len(stored)] != stored:
-        return chosen, None, ("not validated (the measured damages give another upgrade path "
-                              "than the one validated; measure sensitivity again)")
+        return chosen, None, ("not validated (this plan's upgrade path is not the one "
+                              "validated, which was walked in the native format over every "
+                              "entry: --menu or --format changed it, or the measurement "
+                              "changed since; measure sensitivity again for the latter)")
     first = start_state(list(chosen), shapes, specs_of, damage, fmt)
     start = registry.average_bits({n: specs_of[n][first[n]] for n in chosen}, shapes, fmt)
     bits_at = [start] + [b for _, _, b in path]  # after k moves, in fmt's layout
@@ -403,6 +405,20 @@ def apply_validation(
     if not within:
         return chosen, None, "not validated (no checkpoint within the budget)"
     best = min(within, key=lambda c: c["validated"])  # min keeps the earliest on ties
+    int4 = validation.get("int4")
+    if int4 is not None:
+        int4_bits = registry.average_bits({n: specs_of[n][4] for n in chosen}, shapes, fmt)
+        if int4_bits <= budget * (1 + 1e-12) and best["validated"] > int4["validated"]:
+            # the path from the cheapest entries never reaches uniform INT4's quality within
+            # the budget on held-out prompts: plan from uniform INT4 instead (INT4 -> INT8 ->
+            # FP16, which can only improve on it as measured per layer)
+            plain = {n: {e: s for e, s in v.items() if e in (4, 8, None)}
+                     for n, v in specs_of.items()}
+            state = greedy_budget_plan(list(chosen), shapes, plain, damage, {}, budget, fmt)
+            return state, None, (
+                f"not validated: the menu's path validated worse than uniform INT4 within the "
+                f"budget (KLD {best['validated']:.4g} against {int4['validated']:.4g} on the "
+                "held-out split), so the plan upgrades uniform INT4 with INT8 / FP16 only")
     at = f"{best['moves']} moves, {best['bits']:.4f} bits per weight"
     if best is within[-1]:
         beyond = " (the last checkpoint; the plan adds the moves after it)"

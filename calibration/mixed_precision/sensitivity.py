@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from quantpipe.blocks.execute import BlockContext, embed_inputs, run_block
 from quantpipe.calibration.artifact import Calibration, read_calibration
+from quantpipe.calibration.menu import parse_menu, tag_of
 from quantpipe.calibration.mixed_precision.budget import (
     bits_per_weight,
     layer_specs,
@@ -86,8 +87,14 @@ class SensitivitySpec:
     validate_step: float = 0.025  # bits per weight between validation checkpoints
     validate_max_bits: float = 5.0  # last checkpoint at most here (plans rarely go beyond)
     out: Path | None = None  # the file written; None: CALIB_DIR/sensitivity.json
+    # menu entries (calibrate --menu) measured as well, each like INT4 (kld_<tag>); ("all",):
+    # every entry of the calibration. (): none; the planner then scales INT4's KLD by the
+    # entry's loss ratio (budget.menu_damage)
+    entries: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.entries != ("all",):
+            parse_menu(self.entries)  # ValueError naming a malformed entry
         if not self.bits or any(b not in (4, 8) for b in self.bits) or len(set(self.bits)) != len(
             self.bits
         ):
@@ -123,6 +130,8 @@ class SensitivitySpec:
         """What makes two measurements comparable (reuse needs equal settings)."""
         out = {"tokens": self.tokens, "seq_len": self.seq_len, "bits": list(self.bits),
                "seed": self.seed, "prompts": PROMPT_SET}
+        if self.entries:  # (files measured before entries existed stay comparable)
+            out["entries"] = list(self.entries)
         if self.validates:
             out["validation"] = {"tokens": self.validate_tokens, "split": SPLIT,
                                  "step_bits": self.validate_step,
@@ -417,19 +426,23 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
     # 2. one run per (layer, bits), from the layer's block onwards; the bar counts runs (a run
     # of an early block's layer costs more: it runs every block after it)
     layers: dict[str, dict] = {}
-    bar = tqdm(total=len(infos) * len(spec.bits), desc="sensitivity", unit="run")
+    menu = _measured_entries(spec, infos)
+    bar = tqdm(total=sum(len(spec.bits) + len(menu[n]) for n in infos), desc="sensitivity",
+               unit="run")
     for i, names in enumerate(by_block):
         if not names:
             continue
-        qweights = {b: calib.weights(dict.fromkeys(names, b)) for b in spec.bits}
+        qweights = {tag_of(b): calib.weights(dict.fromkeys(names, b)) for b in spec.bits}
+        for tag in dict.fromkeys(t for n in names for t in menu[n]):
+            qweights[tag] = calib.weights({n: tag for n in names if tag in menu[n]})
         for name in names:
             lin = blocks[i].get_submodule(name[len(f"{prefix}.{i}.") :])
             entry = _proxies(infos[name], energy[name])
             original = lin.weight.data
-            for b in spec.bits:
-                lin.weight.data = qweights[b][name].dequantize(original.dtype)  # [out, in]
+            for tag in [tag_of(b) for b in spec.bits] + menu[name]:
+                lin.weight.data = qweights[tag][name].dequantize(original.dtype)  # [out, in]
                 try:
-                    entry[f"kld_w{b}"] = scorer.mean_kld(
+                    entry[f"kld_{tag}"] = scorer.mean_kld(
                         _run_from(blocks, i, block_in[i], ctx, spec.batch_size))
                 finally:
                     lin.weight.data = original
@@ -457,6 +470,14 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
     data["seconds"] = time.perf_counter() - t0
     write_json_atomic(path, data)
     return SensitivityResult(path, data, reused=False)
+
+
+def _measured_entries(spec: SensitivitySpec, infos: dict) -> dict[str, list[str]]:
+    """layer -> the menu tags measured on it (``spec.entries`` it has)."""
+    if spec.entries == ("all",):
+        return {n: [t for t in v if t not in ("w4", "w8")] for n, v in infos.items()}
+    wanted = parse_menu(spec.entries)
+    return {n: [t for t in wanted if t in v] for n, v in infos.items()}
 
 
 def _checkpoints(path: list[tuple[str, int | None, float]], start_bits: float, step: float,
@@ -502,7 +523,18 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
     originals = {n: linear(n).weight.data for n in names}
     state = dict(first)
     checkpoints = []
+    int4 = None  # uniform INT4 scored too where the path starts elsewhere (a cheaper entry)
     try:
+        if any(e != 4 for e in first.values()):
+            for group in by_block:
+                for n, w in calib.weights(dict.fromkeys(group, 4)).items():
+                    linear(n).weight.data = w.dequantize(originals[n].dtype)
+            int4 = {"bits": sum(bits_per_weight(specs_of[n][4], shapes[n]) * shapes[n][0]
+                                * shapes[n][1] for n in names) / total,
+                    "validated": scorer.mean_kld(_run_from(blocks, 0, hidden0, ctx,
+                                                           spec.batch_size))}
+            log.info("validation: uniform INT4, %.4f bits per weight, KLD %.4g", int4["bits"],
+                     int4["validated"])
         for group in by_block:  # the start (all INT4) first, one block's weights at a time
             for n, w in calib.weights({n: first[n] for n in group}).items():
                 linear(n).weight.data = w.dequantize(originals[n].dtype)
@@ -522,8 +554,11 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
     finally:
         for n, w in originals.items():
             linear(n).weight.data = w
-    return {"tokens_scored": scorer.tokens, "split": SPLIT,
-            "path": [[n, to] for n, to, _ in path[: ks[-1]]], "checkpoints": checkpoints}
+    out = {"tokens_scored": scorer.tokens, "split": SPLIT,
+           "path": [[n, to] for n, to, _ in path[: ks[-1]]], "checkpoints": checkpoints}
+    if int4 is not None:
+        out["int4"] = int4
+    return out
 
 
 def _run_from(blocks, i: int, hidden: torch.Tensor, ctx: BlockContext,

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.config import DEFAULTS as CALIB
+from quantpipe.calibration.menu import DEFAULT_MENU, parse_menu
 from quantpipe.calibration.mixed_precision.plan import check_budget_bits
 from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
 from quantpipe.core.qformat import check_bits
@@ -56,6 +57,9 @@ class RunSpec:
     report_prompts: int = CALIB.report_prompts  # side-by-side generations in the report
     max_new_tokens: int = CALIB.report_new_tokens
     speed: tuple[Path, ...] = field(default_factory=tuple)
+    # calibrate --menu; (): the default menu when there is a mixed candidate (budget_bits),
+    # else none ("none": none at all)
+    menu: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         bits = (self.bits,) if isinstance(self.bits, int) else tuple(self.bits)
@@ -67,6 +71,13 @@ class RunSpec:
         if len(set(bits)) != len(bits):
             raise ValueError(f"--bits {list(bits)} repeats a precision; give each once")
         check_budget_bits(self.budget_bits)
+        parse_menu(self.menu)  # ValueError naming a malformed entry
+
+    def calibration_menu(self) -> tuple[str, ...]:
+        """The menu the run's calibration computes (see ``menu``)."""
+        if self.menu:
+            return parse_menu(self.menu)
+        return DEFAULT_MENU if self.budget_bits is not None else ()
 
     def candidates(self) -> tuple[tuple[str, int, float | None], ...]:
         """(WORKDIR folder name, bits, budget) of every candidate, uniform ones first."""
@@ -132,7 +143,9 @@ def run_settings(spec: RunSpec, previous: dict | None = None
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
     settings = {k: json.dumps(v, sort_keys=True) for k, v in asdict(spec).items()
-                if k not in ("source", "out", "speed")}
+                if k not in ("source", "out", "speed", "menu")}
+    if spec.calibration_menu():  # (runs without a menu record none, as before it existed)
+        settings["menu"] = json.dumps(list(spec.calibration_menu()))
     # one precision is recorded as the number it was before --bits could repeat (and a
     # budget-only run as the 4 it recorded then), so earlier WORKDIRs are still reused
     bits = spec.bits or (4,)
@@ -216,7 +229,7 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     fp16_spec = Fp16ExportSpec(spec.source, fp16)
     calib_spec = CalibrateSpec(fp16, calib, spec.prompts, algo=spec.algo,
                                group_size=spec.group_size, sym=spec.sym, samples=spec.samples,
-                               seq_len=spec.seq_len)
+                               seq_len=spec.seq_len, menu=spec.calibration_menu())
     exports = {name: ExportSpec(calib, out / name, bits=bits, budget_bits=budget,
                                 overrides=spec.overrides)
                for name, bits, budget in spec.candidates()}

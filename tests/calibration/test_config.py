@@ -46,7 +46,7 @@ def _as_library_value(command: click.Command, param: click.Parameter):
       "force"}),
     (cli.run_cmd, RunSpec,
      {"bits", "budget_bits", "overrides", "algo", "group_size", "sym", "samples", "seq_len",
-      "prompts", "eval_tokens", "speed"}),
+      "prompts", "eval_tokens", "speed", "menu"}),
 ])
 def test_command_defaults_are_the_library_defaults(command, spec_class, shared):
     spec = _spec_defaults(spec_class)

@@ -181,7 +181,8 @@ MENU = ("w4g64", "w4g16-asym", "w8g32")
 def menu_calib(fp16_dir, prompt_file, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("menu") / "calib"
     calibrate(_spec(fp16_dir, prompt_file, out, algo="gptq", group_size=32, menu=MENU))
-    measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, validate_tokens=64))
+    measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, validate_tokens=64,
+                                        entries=("w4g64",)))
     return read_calibration(out)
 
 
@@ -208,6 +209,15 @@ def test_menu_plans_export_and_load_in_every_format(menu_calib, tmp_path):
     sens = json.loads((menu_calib.folder / SENSITIVITY_FILE).read_text())
     path = sens["validation"]["path"]
     assert any(isinstance(to, str) for _, to in path)  # the walk used menu entries
+    # the entry asked for is measured on every layer (and planned on as measured); the others
+    # are not
+    infos = menu_calib.layer_infos()
+    for n, v in sens["layers"].items():
+        assert {k for k in v if k.startswith("kld_")} == {"kld_w4", "kld_w8", "kld_w4g64"}
+        d = menu_damage(infos[n], v["kld_w4"], v["kld_w8"], v)
+        assert d["w4g64"] == v["kld_w4g64"]
+        assert d["w8g32"] == pytest.approx(
+            v["kld_w4"] * infos[n]["w8g32"]["loss"] / infos[n]["w4"]["loss"])
     plan = make_plan(menu_calib, PlanSpec(budget_bits=5.0))
     assert plan.effective_bits() <= 5.0 and plan.validation
     # an override to a menu entry, and a plan over the menu in each format
@@ -249,3 +259,35 @@ def test_plan_menu_restricts_the_entries_a_budget_may_choose(menu_calib):
     with pytest.raises(ValueError, match="no entry the calibration holds"):
         make_plan(menu_calib, PlanSpec(budget_bits=9.0, menu=("w4g128",)))
     assert all(4 in v and None in v for v in specs_of.values())
+
+
+def test_sensitivity_measures_every_entry_with_all(menu_calib, tmp_path):
+    out = tmp_path / "all.json"
+    res = measure_sensitivity(SensitivitySpec(menu_calib.folder, tokens=64, seq_len=32,
+                                              validate_tokens=0, entries=("all",), out=out))
+    assert res.data["settings"]["entries"] == ["all"]
+    for v in res.data["layers"].values():
+        assert {k for k in v if k.startswith("kld_")} == {
+            "kld_w4", "kld_w8", *(f"kld_{t}" for t in MENU)}
+        assert all(v[f"kld_{t}"] >= 0 for t in MENU)
+    with pytest.raises(ValueError, match="menu entry"):
+        SensitivitySpec(menu_calib.folder, entries=("w4g33",))
+
+
+def test_a_menu_path_worse_than_uniform_int4_on_held_out_prompts_is_not_used(menu_calib,
+                                                                             tmp_path):
+    """The validation walk starts at the cheapest entries (here w4g64, cheaper than the
+    calibrated g32), so it also scores uniform INT4; where every checkpoint within the budget
+    validates worse, the plan upgrades uniform INT4 with INT8 / FP16 only."""
+    sens = json.loads((menu_calib.folder / SENSITIVITY_FILE).read_text())
+    int4 = sens["validation"]["int4"]
+    assert int4["validated"] > 0 and int4["bits"] == pytest.approx(
+        make_plan(menu_calib, PlanSpec(bits=4)).effective_bits())
+    normal = make_plan(menu_calib, PlanSpec(budget_bits=5.0))
+    assert "worse than uniform INT4" not in normal.validation
+    sens["validation"]["int4"]["validated"] = -1.0  # better than any checkpoint
+    edited = tmp_path / "sens.json"
+    edited.write_text(json.dumps(sens))
+    plan = make_plan(menu_calib, PlanSpec(budget_bits=5.0, sensitivity=edited))
+    assert "worse than uniform INT4" in plan.validation and plan.validated_damage is None
+    assert set(plan.bits.values()) <= {4, 8, None} and plan.effective_bits() <= 5.0

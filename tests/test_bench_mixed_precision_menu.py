@@ -1,0 +1,45 @@
+"""bench/mixed_precision_menu.py: the check of the menu-entry damage rule and the allocation
+table per layer type."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+mpm = pytest.importorskip("mixed_precision_menu")
+
+from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantSpec  # noqa: E402
+
+
+def _layers(kld8_of):
+    infos, layers = {}, {}
+    for k in range(6):
+        n = f"model.layers.{k // 2}.{'mlp.down_proj' if k % 2 else 'self_attn.q_proj'}"
+        l4, l8, kld4 = 1.0 + k, 0.01 * (1 + k * k), 0.1 * (k + 1)
+        infos[n] = {"w4": {"loss": l4}, "w8": {"loss": l8}}
+        layers[n] = {"kld_w4": kld4, "kld_w8": kld8_of(kld4, l4, l8)}
+    return infos, layers
+
+
+def test_scaling_check_is_exact_where_the_rule_holds_and_measures_where_it_does_not():
+    infos, layers = _layers(lambda kld4, l4, l8: kld4 * l8 / l4)
+    got = mpm.scaling_check(infos, layers)
+    assert got["layers"] == 6 and got["spearman"] == pytest.approx(1.0)
+    assert got["sum_pred_over_sum_measured"] == pytest.approx(1.0)
+    assert all(abs(v) < 1e-12 for v in got["log10_pred_over_measured"].values())
+    infos, layers = _layers(lambda kld4, l4, l8: 2 * kld4 * l8 / l4)  # twice the rule
+    got = mpm.scaling_check(infos, layers)
+    assert got["log10_pred_over_measured"]["p50"] == pytest.approx(-math.log10(2))
+    assert got["sum_pred_over_sum_measured"] == pytest.approx(0.5)
+
+
+def test_allocation_counts_entries_per_layer_type():
+    g32 = QuantSpec(4, 32, True)
+    specs_of = {n: {4: QuantSpec(4, 64, True), "w4g32": g32, 8: INT8_PER_CHANNEL, None: None}
+                for n in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
+                          "model.layers.0.self_attn.k_proj")}
+    bits = dict(zip(specs_of, ("w4g32", None, 8)))
+    assert mpm.allocation(bits, specs_of) == {"mlp.down_proj": {"w4g32": 1, "fp16": 1},
+                                              "self_attn.k_proj": {"w8pc": 1}}
