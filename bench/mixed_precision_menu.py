@@ -39,7 +39,11 @@ from corpora import parse_corpora, score_folders  # bench/corpora.py (the script
 from mixed_precision import corpus_ids, oracle_calibration  # bench/mixed_precision.py
 
 from quantpipe.calibration.artifact import read_calibration
-from quantpipe.calibration.mixed_precision.budget import greedy_budget_plan, layer_specs
+from quantpipe.calibration.mixed_precision.budget import (
+    greedy_budget_plan,
+    layer_specs,
+    primary_entries,
+)
 from quantpipe.calibration.mixed_precision.plan import PlanSpec, damage_table, make_plan
 from quantpipe.calibration.mixed_precision.sensitivity import SensitivitySpec, measure_sensitivity
 from quantpipe.core.io import write_json_atomic
@@ -109,8 +113,7 @@ def legacy_plan(calib, budget: float, sens_path: Path) -> dict:
     infos = calib.layer_infos()
     names = list(infos)
     shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
-    specs = {n: {e: s for e, s in v.items() if e in (4, 8, None)}
-             for n, v in layer_specs(infos).items()}
+    specs = primary_entries(layer_specs(infos))
     damage, _ = damage_table(calib, PlanSpec(budget_bits=budget, sensitivity=sens_path))
     return greedy_budget_plan(names, shapes, specs, damage, {}, budget)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from quantpipe.calibration.artifact import block_file
 from quantpipe.calibration.grid import clip_search_settings
+from quantpipe.calibration.menu import is_menu_tag
 from quantpipe.calibration.resume import CalibInputs, Run
 from quantpipe.core.families import family_for
 from quantpipe.core.io import write_manifest
@@ -78,9 +79,8 @@ def finish(run: Run, inputs: CalibInputs, data_summary: dict, seconds: float,
         batch_sizes[size] = batch_sizes.get(size, 0) + 1
         expert_fallbacks.update(info.get("expert_fallbacks", {}))
         for name, layer in info["layers"].items():
-            for tag in layer:
-                if tag not in ("w4", "w8"):
-                    menu[tag] = menu.get(tag, 0) + 1
+            for tag in filter(is_menu_tag, layer):
+                menu[tag] = menu.get(tag, 0) + 1
             gs = group_sizes[name] = layer["w4"]["spec"]["group_size"]
             if spec.group_size is not None and gs != spec.group_size:
                 fallbacks[name] = gs

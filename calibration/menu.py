@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantpipe.core.qformat import VALID_BITS, QuantSpec
+from quantpipe.core.qformat import QuantSpec
 
 PRIMARY_TAGS = {4: "w4", 8: "w8"}
 Entry = int | str | None  # 4, 8, a menu tag, or None (FP16)
@@ -48,7 +48,7 @@ class MenuEntry:
         try:
             QuantSpec(bits, gs, m["asym"] is None)
         except ValueError as exc:
-            raise ValueError(f"menu entry {text!r}: {exc} (bits: {VALID_BITS})") from None
+            raise ValueError(f"menu entry {text!r}: {exc}") from None
         return cls(bits, gs, m["asym"] is None)
 
     @property
@@ -78,6 +78,22 @@ def parse_menu(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
                 if tag not in out:
                     out.append(tag)
     return tuple(out)
+
+
+def is_menu_tag(tag: str) -> bool:
+    """A stored tag of a menu entry (not the ``w4`` / ``w8`` every calibration has)."""
+    return tag not in PRIMARY_TAGS.values()
+
+
+def allowed_entries(menu: tuple[str, ...]) -> set[Entry] | None:
+    """``plan``/``export --menu`` -> the entry keys the budget planner may use (None: all):
+    ``w4``, ``w8``, ``fp16`` and menu tags, comma lists allowed."""
+    if not menu:
+        return None
+    parts = [p.strip().lower() for item in menu for p in item.split(",")]
+    primary = {"fp16": None, "16": None, "w4": 4, "w8": 8}
+    return ({primary[p] for p in parts if p in primary}
+            | set(parse_menu(tuple(p for p in parts if p not in primary))))
 
 
 def layer_menu(menu: tuple[str, ...], in_features: int, act_order: bool,

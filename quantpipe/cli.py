@@ -316,8 +316,9 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
                    "(listed under expert_fallbacks in the manifest)")
 
 
-_OVERRIDE_HELP = ("PATTERN=4|8|fp16; PATTERN is a layer name or re:REGEX. Repeatable; "
-                  "the first matching rule wins.")
+_OVERRIDE_HELP = ("PATTERN=4|8|fp16 or a menu entry of the calibration (w4g32, ...); "
+                  "PATTERN is a layer name or re:REGEX. Repeatable; the first matching rule "
+                  "wins.")
 _PLAN_MENU_HELP = ("Entries --budget-bits may choose, comma-separated: w4, w8, fp16 and the "
                    "calibration's menu entries (w4g32, ...) [default: all]. E.g. vLLM's CPU "
                    "build loads no 8-bit layer: --menu w4,w4g32,w4g64,w4g128,fp16.")
@@ -334,7 +335,8 @@ _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensiti
 @click.option("--format", "fmt", type=click.Choice(["native", "gptq", "compressed-tensors"]),
               default="native", show_default=True)
 @click.option("--budget-bits", type=float, default=None,
-              help="Average bits per weight; picks INT4/INT8/FP16 per layer.")
+              help="Average bits per weight; picks INT4/INT8/FP16 or a menu entry per "
+                   "layer.")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
               show_default=True, help="What --budget-bits minimises (as plan's --damage).")

@@ -9,7 +9,7 @@ nearly optimal).
 
 from __future__ import annotations
 
-from quantpipe.calibration.menu import PRIMARY_TAGS, Entry
+from quantpipe.calibration.menu import Entry, is_menu_tag
 from quantpipe.core.formats import registry
 from quantpipe.core.formats.vllm_support import ct_spec_problem, fused_group, gptq_spec_problem
 from quantpipe.core.qformat import QuantSpec
@@ -33,8 +33,7 @@ def layer_specs(infos: dict[str, dict]) -> dict[str, dict[Entry, QuantSpec | Non
     the layer has (their tags, in calibration order), INT8 (8) and FP16 (None)."""
     out = {}
     for n, info in infos.items():
-        menu = {t: QuantSpec.from_dict(v["spec"]) for t, v in info.items()
-                if t not in PRIMARY_TAGS.values()}
+        menu = {t: QuantSpec.from_dict(v["spec"]) for t, v in info.items() if is_menu_tag(t)}
         out[n] = {4: QuantSpec.from_dict(info["w4"]["spec"]), **menu,
                   8: QuantSpec.from_dict(info["w8"]["spec"]), None: None}
     return out
@@ -50,13 +49,20 @@ def menu_damage(info: dict, kld_w4: float, kld_w8: float, measured: dict) -> dic
     loss4 = float(info["w4"]["loss"])
     out: dict[Entry, float] = {4: kld_w4}
     for tag, v in info.items():
-        if tag in PRIMARY_TAGS.values():
+        if not is_menu_tag(tag):
             continue
         key = f"kld_{tag}"
         out[tag] = (float(measured[key]) if key in measured
                     else kld_w4 * float(v["loss"]) / loss4 if loss4 > 0 else kld_w4)
     out[8], out[None] = kld_w8, 0.0
     return out
+
+
+def primary_entries(specs_of: dict[str, dict[Entry, QuantSpec | None]]
+                    ) -> dict[str, dict[Entry, QuantSpec | None]]:
+    """``specs_of`` without the menu entries: INT4, INT8 and FP16 only (the planner before
+    the menu, and the one the validation falls back to)."""
+    return {n: {e: s for e, s in v.items() if e in (4, 8, None)} for n, v in specs_of.items()}
 
 
 def units_for(names: list[str], fmt: str) -> list[tuple[str, ...]]:

@@ -48,13 +48,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantpipe.calibration.menu import Entry, MenuEntry, entry_of
+from quantpipe.calibration.menu import Entry, MenuEntry, allowed_entries, entry_of, is_menu_tag
 from quantpipe.calibration.mixed_precision.budget import (
     DEFAULT_FORMAT,
     bits_per_weight,
     greedy_budget_plan,
     layer_specs,
     menu_damage,
+    primary_entries,
     start_state,
     upgrade_path,
 )
@@ -224,22 +225,6 @@ class Plan:
         return "\n".join(rows)
 
 
-def allowed_entries(menu: tuple[str, ...]) -> set[Entry] | None:
-    """``PlanSpec.menu`` -> the entry keys the budget planner may use (None: all)."""
-    if not menu:
-        return None
-    out: set[Entry] = set()
-    for item in menu:
-        for part in (p.strip().lower() for p in item.split(",")):
-            if part in ("fp16", "16"):
-                out.add(None)
-            elif part in ("w4", "w8"):
-                out.add(entry_of(part))
-            elif part:
-                out.add(MenuEntry.parse(part).tag)
-    return out
-
-
 def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
                   path: Path) -> tuple[dict, str]:
     """layer -> {4: damage, 8: damage, None: 0.0} and the name of the source used.
@@ -263,10 +248,11 @@ def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
                              f"{lacking[0]}); re-run `quantpipe sensitivity --bits 4,8 --force`")
         table = {n: menu_damage(layer_infos[n], layers[n]["kld_w4"], layers[n]["kld_w8"],
                                 layers[n]) for n in layer_infos}
-        menu = any(len(t) > 4 for t in table.values())
+        scaled = any(f"kld_{t}" not in layers[n] for n in layer_infos
+                     for t in layer_infos[n] if is_menu_tag(t))
         return table, (f"measured KL divergence ({path.name})"
-                       + ("; menu entries: INT4's scaled by their calibration loss" if menu
-                          else ""))
+                       + ("; unmeasured menu entries: INT4's scaled by their calibration loss"
+                          if scaled else ""))
     if source == "proxy":
         if sens is None:
             log.warning("planning on the proxy loss without a measurement of how well it ranks "
@@ -412,9 +398,8 @@ def apply_validation(
             # the path from the cheapest entries never reaches uniform INT4's quality within
             # the budget on held-out prompts: plan from uniform INT4 instead (INT4 -> INT8 ->
             # FP16, which can only improve on it as measured per layer)
-            plain = {n: {e: s for e, s in v.items() if e in (4, 8, None)}
-                     for n, v in specs_of.items()}
-            state = greedy_budget_plan(list(chosen), shapes, plain, damage, {}, budget, fmt)
+            state = greedy_budget_plan(list(chosen), shapes, primary_entries(specs_of), damage,
+                                       {}, budget, fmt)
             return state, None, (
                 f"not validated: the menu's path validated worse than uniform INT4 within the "
                 f"budget (KLD {best['validated']:.4g} against {int4['validated']:.4g} on the "

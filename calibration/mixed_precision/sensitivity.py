@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 from quantpipe.blocks.execute import BlockContext, embed_inputs, run_block
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.menu import parse_menu, tag_of
+from quantpipe.calibration.menu import is_menu_tag, parse_menu, tag_of
 from quantpipe.calibration.mixed_precision.budget import (
     bits_per_weight,
     layer_specs,
@@ -475,7 +475,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
 def _measured_entries(spec: SensitivitySpec, infos: dict) -> dict[str, list[str]]:
     """layer -> the menu tags measured on it (``spec.entries`` it has)."""
     if spec.entries == ("all",):
-        return {n: [t for t in v if t not in ("w4", "w8")] for n, v in infos.items()}
+        return {n: [t for t in v if is_menu_tag(t)] for n, v in infos.items()}
     wanted = parse_menu(spec.entries)
     return {n: [t for t in wanted if t in v] for n, v in infos.items()}
 

@@ -15,13 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
-from quantpipe.calibration.mixed_precision.plan import (
-    Plan,
-    PlanSpec,
-    allowed_entries,
-    check_budget_bits,
-    make_plan,
-)
+from quantpipe.calibration.menu import allowed_entries
+from quantpipe.calibration.mixed_precision.plan import Plan, PlanSpec, check_budget_bits, make_plan
 from quantpipe.calibration.vocab import quantize_table
 from quantpipe.core.formats.registry import FORMAT_NAMES, format_named, layer_bits
 from quantpipe.core.formats.writers import write_checkpoint
