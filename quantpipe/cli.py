@@ -322,6 +322,9 @@ _OVERRIDE_HELP = ("PATTERN=4|8|fp16 or a menu entry of the calibration (w4g32, .
 _PLAN_MENU_HELP = ("Entries --budget-bits may choose, comma-separated: w4, w8, fp16 and the "
                    "calibration's menu entries (w4g32, ...) [default: all]. E.g. vLLM's CPU "
                    "build loads no 8-bit layer: --menu w4,w4g32,w4g64,w4g128,fp16.")
+_BUDGET_SIZE_HELP = ("Checkpoint size to fill instead of --budget-bits, e.g. 1.2GB or 900MiB: "
+                     "the tensors' bytes at most (embeddings, head and norms as stored; "
+                     "headers and config files not counted).")
 _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensitivity --out`), "
                      "measured on this calibration [default: CALIB_DIR/sensitivity.json].")
 
@@ -337,6 +340,7 @@ _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensiti
 @click.option("--budget-bits", type=float, default=None,
               help="Average bits per weight; picks INT4/INT8/FP16 or a menu entry per "
                    "layer.")
+@click.option("--budget-size", default=None, help=_BUDGET_SIZE_HELP)
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
               show_default=True, help="What --budget-bits minimises (as plan's --damage).")
@@ -355,8 +359,8 @@ _SENSITIVITY_HELP = ("The measurement --budget-bits plans on (`quantpipe sensiti
 @click.option("--vocab-group-size", type=int, default=None,
               help="Columns per scale of the quantized tables (-1: one per row) "
                    "[default: int8 -1, int4 32].")
-def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensitivity, menu,
-               max_shard_size, force, vocab_weights, vocab_group_size):
+def export_cmd(calib_dir, bits, out, fmt, budget_bits, budget_size, overrides, damage,
+               sensitivity, menu, max_shard_size, force, vocab_weights, vocab_group_size):
     """Write a quantized checkpoint from CALIB_DIR."""
     from quantpipe.core.vocab import VocabSpec
     from quantpipe.stages.export import ExportSpec, export_quantized
@@ -364,8 +368,11 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensit
     spec = ExportSpec(calib_dir, out, int(bits), fmt, budget_bits, tuple(overrides),
                       max_shard_size, force, damage,
                       VocabSpec(vocab_weights, vocab_group_size), sensitivity=sensitivity,
-                      menu=tuple(menu))
+                      menu=tuple(menu), budget_size=budget_size)
     res = export_quantized(spec)
+    if budget_size is not None:
+        click.echo(f"--budget-size {budget_size}: {res.plan.budget_bits:.4f} bits per weight "
+                   "left for the calibrated linears")
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
                f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "
@@ -377,6 +384,8 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensit
 @click.argument("calib_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True)
 @click.option("--budget-bits", type=float, default=None, help="Average bits per weight.")
+@click.option("--budget-size", default=None,
+              help=_BUDGET_SIZE_HELP[:-1] + "; vocabulary tables FP16, as export's default).")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--damage", type=click.Choice(["auto", "kld", "proxy"]), default="auto",
               show_default=True, help="What the budget planner minimises.")
@@ -388,17 +397,24 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, overrides, damage, sensit
               help=_SENSITIVITY_HELP)
 @click.option("--menu", "menu", multiple=True, help=_PLAN_MENU_HELP)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the plan here.")
-def plan_cmd(calib_dir, bits, budget_bits, overrides, damage, fmt, sensitivity, menu, json_out):
+def plan_cmd(calib_dir, bits, budget_bits, budget_size, overrides, damage, fmt, sensitivity,
+             menu, json_out):
     """Print the per-layer precision plan without exporting."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
-    from quantpipe.core.io import check_output_file, write_json_atomic
+    from quantpipe.core.io import check_output_file, parse_size, write_json_atomic
+    from quantpipe.stages.export import budget_bits_for_size
 
     if json_out:
         check_output_file(json_out, "--json", {"CALIB_DIR": calib_dir})
-    plan = make_plan(read_calibration(calib_dir),
-                     PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt,
-                              sensitivity=sensitivity, menu=tuple(menu)))
+    if budget_size is not None and budget_bits is not None:
+        raise click.UsageError("give --budget-bits or --budget-size, not both")
+    calib = read_calibration(calib_dir)
+    if budget_size is not None:
+        budget_bits = budget_bits_for_size(calib, parse_size(budget_size, "--budget-size"), fmt,
+                                           menu=tuple(menu))
+    plan = make_plan(calib, PlanSpec(int(bits), budget_bits, tuple(overrides), damage, fmt,
+                                     sensitivity=sensitivity, menu=tuple(menu)))
     click.echo(plan.table())
     if json_out:
         write_json_atomic(json_out, plan.to_dict())

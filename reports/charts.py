@@ -157,6 +157,35 @@ def size_quality_chart(points: dict[str, tuple[float, float, float | None, float
         return figure_to_svg(fig, "Weight size against mean KL divergence per candidate")
 
 
+def rate_distortion_chart(curves: dict[str, list[tuple[float, float]]],
+                          points: dict[str, tuple[float, float]], title: str,
+                          ylabel: str = "mean KLD vs FP16 (nats)") -> str:
+    """Bits per weight against mean KLD (log axis): each curve (plans at several budgets, one
+    planner) a line through its points in bits order, each point (a uniform setting) a
+    labelled marker."""
+    with matplotlib.rc_context(RC):
+        fig = _new_figure(7.0, 3.2)
+        ax = fig.add_subplot()
+        for i, (name, pts) in enumerate(curves.items()):
+            xs, ys = zip(*sorted(pts)) if pts else ((), ())
+            ax.plot(xs, [max(y, 1e-6) for y in ys], marker="o", markersize=4, linewidth=1.4,
+                    color=PALETTE[i % len(PALETTE)], label=name)
+        for j, (name, (x, y)) in enumerate(points.items()):
+            colour = PALETTE[(len(curves) + j) % len(PALETTE)]
+            ax.plot([x], [max(y, 1e-6)], marker="s", markersize=6, linestyle="none",
+                    color=colour)
+            ax.annotate(name, (x, max(y, 1e-6)), textcoords="offset points",
+                        xytext=(7, 4 if j % 2 == 0 else -12), fontsize=8, color=colour)
+        ax.set_yscale("log")
+        ax.set_xlabel("stored bits per weight (calibrated linears)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.margins(x=0.08, y=0.15)
+        if curves:
+            ax.legend(loc="upper right")
+        return figure_to_svg(fig, title)
+
+
 def speed_chart(values: dict[str, float], metric: str, unit: str) -> str:
     """Horizontal bars, one per measured configuration, for one speed metric."""
     names = list(values)

@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from quantpipe.core.io import write_json_atomic
+from quantpipe.core.io import write_json_atomic, write_text_atomic
 from quantpipe.reports import charts
 from quantpipe.reports.data import CalibrationFacts, ReportData, SpeedRecord
 from quantpipe.reports.summary import ReportSummary, report_json, summarize
@@ -619,23 +619,5 @@ def write_report(data: ReportData, out_html: str | os.PathLike) -> tuple[Path, P
     page = render_quality_report(data, summary)
     json_path = out_html.with_suffix(".json")
     write_json_atomic(json_path, report_json(data, summary))
-    _write_text_atomic(out_html, page)
+    write_text_atomic(out_html, page)
     return out_html, json_path
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -359,23 +359,70 @@ def apply_validation(
     budget: float,
     fmt: str = DEFAULT_FORMAT,
 ) -> tuple[dict[str, Entry], float | None, str]:
-    """Stop the greedy plan where the held-out validation KLD stops improving.
+    """Stop the greedy plan where the held-out validation KLD stops improving, and keep the
+    better of the two validated paths.
 
     ``validation`` is sensitivity.json's section: ``path`` (the upgrade moves it validated,
-    [layer, precision] in order) and ``checkpoints`` ({"moves": k, "bits": effective bits
-    after k moves, "validated": whole-model KLD on the validation split}). Among the
-    checkpoints within ``budget``, the one with the lowest validated KLD (the earliest on
-    ties) decides: if it is the last one within the budget, the greedy plan ``chosen`` is
-    kept (validation was still improving when the budget ran out); otherwise the plan is the
-    first k moves of the path. A checkpoint's bits are counted again in ``fmt``'s layout (the
-    file's are the native layout's). Returns (plan, validated KLD of the checkpoint, a note).
-    Without a usable validation the plan is returned unchanged with the reason in the note.
+    [layer, precision] in order, from the cheapest entries over every entry of the
+    calibration) and ``checkpoints`` ({"moves": k, "bits": effective bits after k moves,
+    "validated": whole-model KLD on the validation split}); with a menu, ``primary`` holds
+    the same for the path from uniform INT4 over INT4 / INT8 / FP16 only (the planner without
+    the menu). On each path (:func:`_validated_prefix`) the checkpoint within ``budget`` with
+    the lowest validated KLD decides. Where both paths validate, the plan follows the one whose
+    best checkpoint is lower (the menu's on ties): the per-layer damages predict the ranking of
+    moves, not how menu entries and INT8 add up in the whole model, so the held-out split
+    chooses. Files measured before ``primary`` existed have only uniform INT4's score
+    (``int4``): a menu path worse than it falls back to the INT4 -> INT8 -> FP16 plan
+    unvalidated. Returns (plan, validated KLD of the checkpoint, a note). Without a usable
+    validation the plan is returned unchanged with the reason in the note.
     """
     if not validation or not validation.get("checkpoints"):
         return chosen, None, "not validated (sensitivity.json has no validation split)"
     if fixed:
         return chosen, None, "not validated (overrides change the upgrade path)"
-    stored = [(n, b) for n, b in validation["path"]]
+    state, kld, note = _validated_prefix(validation, chosen, shapes, specs_of, damage, budget,
+                                         fmt)
+    primary = primary_entries(specs_of)
+    if validation.get("primary") and kld is not None:
+        plain = greedy_budget_plan(list(chosen), shapes, primary, damage, {}, budget, fmt)
+        p_state, p_kld, p_note = _validated_prefix(validation["primary"], plain, shapes,
+                                                   primary, damage, budget, fmt)
+        if p_kld is not None and p_kld < kld:
+            return p_state, p_kld, (
+                f"the INT4 -> INT8 -> FP16 path validated better than the menu's within the "
+                f"budget (KLD {p_kld:.4g} against {kld:.4g} on the held-out split): {p_note}")
+        return state, kld, note
+    int4 = validation.get("int4")
+    if kld is not None and int4 is not None and not validation.get("primary"):
+        int4_bits = registry.average_bits({n: specs_of[n][4] for n in chosen}, shapes, fmt)
+        if int4_bits <= budget * (1 + 1e-12) and kld > int4["validated"]:
+            # the path from the cheapest entries never reaches uniform INT4's quality within
+            # the budget on held-out prompts: plan from uniform INT4 instead (INT4 -> INT8 ->
+            # FP16, which can only improve on it as measured per layer)
+            state = greedy_budget_plan(list(chosen), shapes, primary, damage, {}, budget, fmt)
+            return state, None, (
+                f"not validated: the menu's path validated worse than uniform INT4 within the "
+                f"budget (KLD {kld:.4g} against {int4['validated']:.4g} on the "
+                "held-out split), so the plan upgrades uniform INT4 with INT8 / FP16 only")
+    return state, kld, note
+
+
+def _validated_prefix(
+    walk: dict,
+    chosen: dict[str, Entry],
+    shapes: dict[str, tuple[int, int]],
+    specs_of: dict[str, dict[Entry, QuantSpec | None]],
+    damage: dict[str, dict[Entry, float]],
+    budget: float,
+    fmt: str,
+) -> tuple[dict[str, Entry], float | None, str]:
+    """One validated path (``walk``: its ``path`` and ``checkpoints``) applied to the greedy
+    plan ``chosen`` over ``specs_of``: among the checkpoints within ``budget``, the one with
+    the lowest validated KLD (the earliest on ties) decides. If it is the last one within the
+    budget, ``chosen`` is kept (validation was still improving when the budget ran out);
+    otherwise the plan is the first k moves of the path. A checkpoint's bits are counted
+    again in ``fmt``'s layout (the file's are the native layout's)."""
+    stored = [(n, b) for n, b in walk["path"]]
     path = upgrade_path(list(chosen), shapes, specs_of, damage, fmt)
     now = [(n, b) for n, b, _ in path]
     if now[: len(stored)] != stored:
@@ -386,24 +433,11 @@ def apply_validation(
     first = start_state(list(chosen), shapes, specs_of, damage, fmt)
     start = registry.average_bits({n: specs_of[n][first[n]] for n in chosen}, shapes, fmt)
     bits_at = [start] + [b for _, _, b in path]  # after k moves, in fmt's layout
-    checkpoints = [dict(c, bits=bits_at[c["moves"]]) for c in validation["checkpoints"]]
+    checkpoints = [dict(c, bits=bits_at[c["moves"]]) for c in walk["checkpoints"]]
     within = [c for c in checkpoints if c["bits"] <= budget * (1 + 1e-12)]
     if not within:
         return chosen, None, "not validated (no checkpoint within the budget)"
     best = min(within, key=lambda c: c["validated"])  # min keeps the earliest on ties
-    int4 = validation.get("int4")
-    if int4 is not None:
-        int4_bits = registry.average_bits({n: specs_of[n][4] for n in chosen}, shapes, fmt)
-        if int4_bits <= budget * (1 + 1e-12) and best["validated"] > int4["validated"]:
-            # the path from the cheapest entries never reaches uniform INT4's quality within
-            # the budget on held-out prompts: plan from uniform INT4 instead (INT4 -> INT8 ->
-            # FP16, which can only improve on it as measured per layer)
-            state = greedy_budget_plan(list(chosen), shapes, primary_entries(specs_of), damage,
-                                       {}, budget, fmt)
-            return state, None, (
-                f"not validated: the menu's path validated worse than uniform INT4 within the "
-                f"budget (KLD {best['validated']:.4g} against {int4['validated']:.4g} on the "
-                "held-out split), so the plan upgrades uniform INT4 with INT8 / FP16 only")
     at = f"{best['moves']} moves, {best['bits']:.4f} bits per weight"
     if best is within[-1]:
         beyond = " (the last checkpoint; the plan adds the moves after it)"

@@ -56,6 +56,7 @@ from quantpipe.calibration.mixed_precision.budget import (
     bits_per_weight,
     layer_specs,
     menu_damage,
+    primary_entries,
     start_state,
     upgrade_path,
 )
@@ -498,7 +499,10 @@ def _checkpoints(path: list[tuple[str, int | None, float]], start_bits: float, s
 
 def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: list[list[str]],
               prefix: str, model_ids: tuple, spec: SensitivitySpec) -> dict:
-    """Score the whole mixed model on the held-out split along the planner's upgrade path."""
+    """Score the whole mixed model on the held-out split along the planner's upgrade path
+    (from the cheapest entries over every entry) and, where the calibration has a menu, along
+    the path from uniform INT4 over INT4 / INT8 / FP16 only (``primary``: the plan keeps the
+    better of the two at its budget, calibration.mixed_precision.plan.apply_validation)."""
 
     model, ids = model_ids
     names = [n for group in by_block for n in group]
@@ -506,12 +510,7 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
     specs_of = layer_specs({n: infos[n] for n in names})
     damage = {n: menu_damage(infos[n], layers[n]["kld_w4"], layers[n]["kld_w8"], layers[n])
               for n in names}
-    path = upgrade_path(names, shapes, specs_of, damage)
-    first = start_state(names, shapes, specs_of, damage)
     total = sum(o * i for o, i in shapes.values())
-    start_bits = sum(bits_per_weight(specs_of[n][first[n]], shapes[n]) * shapes[n][0]
-                     * shapes[n][1] for n in names) / total
-    ks = _checkpoints(path, start_bits, spec.validate_step, spec.validate_max_bits)
     block_of = {n: i for i, group in enumerate(by_block) for n in group}
 
     def linear(n):
@@ -521,25 +520,20 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
     scorer = _Scorer(model, _run_from(blocks, 0, hidden0, ctx, spec.batch_size),
                      spec.chunk_rows)
     originals = {n: linear(n).weight.data for n in names}
-    state = dict(first)
-    checkpoints = []
-    int4 = None  # uniform INT4 scored too where the path starts elsewhere (a cheaper entry)
-    try:
-        if any(e != 4 for e in first.values()):
-            for group in by_block:
-                for n, w in calib.weights(dict.fromkeys(group, 4)).items():
-                    linear(n).weight.data = w.dequantize(originals[n].dtype)
-            int4 = {"bits": sum(bits_per_weight(specs_of[n][4], shapes[n]) * shapes[n][0]
-                                * shapes[n][1] for n in names) / total,
-                    "validated": scorer.mean_kld(_run_from(blocks, 0, hidden0, ctx,
-                                                           spec.batch_size))}
-            log.info("validation: uniform INT4, %.4f bits per weight, KLD %.4g", int4["bits"],
-                     int4["validated"])
-        for group in by_block:  # the start (all INT4) first, one block's weights at a time
+
+    def walk(specs: dict, label: str) -> dict:
+        """Walk the upgrade path over ``specs`` from its start; the whole model scored at
+        every checkpoint."""
+        path = upgrade_path(names, shapes, specs, damage)
+        first = start_state(names, shapes, specs, damage)
+        start_bits = sum(bits_per_weight(specs[n][first[n]], shapes[n]) * shapes[n][0]
+                         * shapes[n][1] for n in names) / total
+        ks = _checkpoints(path, start_bits, spec.validate_step, spec.validate_max_bits)
+        for group in by_block:  # the start first, one block's weights at a time
             for n, w in calib.weights({n: first[n] for n in group}).items():
                 linear(n).weight.data = w.dequantize(originals[n].dtype)
-        done = 0
-        for k in tqdm(ks, desc="sensitivity: validate plan", unit="checkpoint"):
+        state, done, checkpoints = dict(first), 0, []
+        for k in tqdm(ks, desc=f"sensitivity: validate {label}", unit="checkpoint"):
             for n, to, _bits in path[done:k]:
                 state[n] = to
                 linear(n).weight.data = (originals[n] if to is None else
@@ -549,15 +543,20 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
             checkpoints.append({"moves": k, "bits": path[k - 1][2] if k else start_bits,
                                 "predicted": sum(damage[n][b] for n, b in state.items()),
                                 "validated": kld})
-            log.info("validation: %.4f bits per weight, KLD %.4g (predicted %.4g)",
+            log.info("validation (%s): %.4f bits per weight, KLD %.4g (predicted %.4g)", label,
                      checkpoints[-1]["bits"], kld, checkpoints[-1]["predicted"])
+        return {"path": [[n, to] for n, to, _ in path[: ks[-1]]], "checkpoints": checkpoints}
+
+    try:
+        out = {"tokens_scored": scorer.tokens, "split": SPLIT, **walk(specs_of, "plan")}
+        primary = primary_entries(specs_of)
+        if primary != specs_of:  # a menu: the path without it too, from uniform INT4
+            out["primary"] = walk(primary, "INT4/INT8/FP16 plan")
+            c0 = out["primary"]["checkpoints"][0]
+            out["int4"] = {"bits": c0["bits"], "validated": c0["validated"]}
     finally:
         for n, w in originals.items():
             linear(n).weight.data = w
-    out = {"tokens_scored": scorer.tokens, "split": SPLIT,
-           "path": [[n, to] for n, to, _ in path[: ks[-1]]], "checkpoints": checkpoints}
-    if int4 is not None:
-        out["int4"] = int4
     return out
 
 

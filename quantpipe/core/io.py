@@ -64,15 +64,14 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22,
     return h.hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
-    """Write JSON to ``path`` via a temp file + rename (never a half-written file)."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text (UTF-8) to ``path`` via a temp file + rename (never a half-written file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, ensure_ascii=False)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; outputs are ordinary readable files
@@ -81,6 +80,12 @@ def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         _raise_write_error(exc, path)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
+    """Write JSON to ``path`` via a temp file + rename (never a half-written file)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False)
+                      + "\n")
 
 
 def save_safetensors_atomic(

@@ -16,11 +16,19 @@ from pathlib import Path
 
 from quantpipe.calibration.artifact import Calibration, read_calibration
 from quantpipe.calibration.menu import allowed_entries
-from quantpipe.calibration.mixed_precision.plan import Plan, PlanSpec, check_budget_bits, make_plan
+from quantpipe.calibration.mixed_precision.budget import layer_specs
+from quantpipe.calibration.mixed_precision.plan import (
+    MAX_BUDGET_BITS,
+    Plan,
+    PlanSpec,
+    check_budget_bits,
+    make_plan,
+)
 from quantpipe.calibration.vocab import quantize_table
 from quantpipe.core.formats.registry import FORMAT_NAMES, format_named, layer_bits
 from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.io import (
+    MANIFEST_NAME,
     LazyTensors,
     check_not_overlapping,
     check_output_dir,
@@ -52,11 +60,18 @@ class ExportSpec:
     sensitivity: Path | None = None
     # the entries --budget-bits may choose (PlanSpec.menu); (): every entry calibrated
     menu: tuple[str, ...] = ()
+    # the checkpoint's tensor bytes at most ("4GB", "1.2GiB"): planned as the --budget-bits
+    # that size leaves for the calibrated linears (budget_bits_for_size)
+    budget_size: str | None = None
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "--bits ")
         allowed_entries(self.menu)  # before CALIB_DIR is read
         check_budget_bits(self.budget_bits)  # before CALIB_DIR is read
+        if self.budget_size is not None:
+            parse_size(self.budget_size, "--budget-size")
+            if self.budget_bits is not None:
+                raise ValueError("give --budget-bits or --budget-size, not both")
         if self.fmt not in FORMAT_NAMES:
             raise ValueError(f"--format {self.fmt!r} is not supported; use one of {FORMAT_NAMES}")
         parse_size(self.max_shard_size, "--max-shard-size")  # before any slow work
@@ -79,14 +94,56 @@ def export_quantized(spec: ExportSpec) -> ExportResult:
     calib = read_calibration(spec.calib_dir)
     check_not_overlapping(spec.out, {"FP16_DIR (of the calibration)": calib.fp16_dir})
     vocab = _vocab_plan(spec, calib.fp16_dir)  # an unsupported option fails here
+    budget_bits = spec.budget_bits
+    if spec.budget_size is not None:
+        budget_bits = budget_bits_for_size(calib, parse_size(spec.budget_size), spec.fmt, vocab,
+                                           spec.menu)
     check_output_dir(spec.out, spec.force)  # fail before reading the weights
     with output_lock(spec.out):
-        plan = make_plan(calib, PlanSpec(spec.bits, spec.budget_bits, spec.overrides,
+        plan = make_plan(calib, PlanSpec(spec.bits, budget_bits, spec.overrides,
                                          spec.damage, spec.fmt, sensitivity=spec.sensitivity,
                                          menu=spec.menu))
         weights = calib.weights({name: b for name, b in plan.bits.items() if b is not None})
         _write(spec, calib, plan, weights, vocab)
     return ExportResult(Path(spec.out), plan, weights_bytes(spec.out), time.perf_counter() - t0)
+
+
+def budget_bits_for_size(calib: Calibration, size: int, fmt: str,
+                         vocab: VocabPlan | None = None, menu: tuple[str, ...] = ()) -> float:
+    """The --budget-bits whose plan writes at most ``size`` bytes of tensors in format
+    ``fmt``: ``size`` less every tensor that is not a calibrated linear (embeddings, head,
+    norms, biases: as stored in the FP16 folder, or as ``vocab`` quantizes the tables), over
+    the calibrated linears' weights. The safetensors headers and the config / tokenizer
+    files (kilobytes) are not counted. ValueError naming the sizes a plan can reach when
+    ``size`` is outside them (every linear at its cheapest entry that ``menu`` allows, or
+    everything FP16)."""
+    state = LazyTensors.of_folder(calib.fp16_dir)
+    infos = calib.layer_infos()
+    shapes = {n: tuple(v["w4"]["shape"]) for n, v in infos.items()}
+    item = {"fp32": 4}.get(json.loads((Path(calib.fp16_dir) / MANIFEST_NAME).read_text())
+                           .get("dtype", "fp16"), 2)
+    # the linears' bytes as the FP16 folder stores them (a MoE model's experts may be fused
+    # tensors there: counted by shape, not by name)
+    rest = sum(state.nbytes(k) for k in state) - item * sum(o * i for o, i in shapes.values())
+    if vocab is not None:
+        for name in vocab.quantize:
+            o, i = vocab.shapes[name]
+            rest += layer_bits(vocab.spec, (o, i), fmt) // 8 - item * o * i
+    params = sum(o * i for o, i in shapes.values())
+    allowed = allowed_entries(menu)
+    cheapest = sum(min(layer_bits(s, shapes[n], fmt) for e, s in specs.items()
+                       if allowed is None or e in allowed) for n, specs in
+                   layer_specs(infos).items()) / 8
+    fp16 = 2 * params
+    if not rest + cheapest <= size <= rest + fp16:
+        gb = 1e9
+        raise ValueError(
+            f"--budget-size {size / gb:.4g} GB is outside what a plan of {calib.folder} can "
+            f"write in --format {fmt}: {(rest + cheapest) / gb:.4g} GB (every linear at its "
+            f"cheapest entry) to {(rest + fp16) / gb:.4g} GB (all FP16), of which "
+            f"{rest / gb:.4g} GB are the embeddings, head, norms and biases"
+            + ("" if vocab is not None else " (--vocab-weights int8 or int4 shrinks them)"))
+    return min(8 * (size - rest) / params, MAX_BUDGET_BITS)
 
 
 @dataclass(frozen=True)

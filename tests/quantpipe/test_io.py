@@ -157,11 +157,10 @@ def test_permission_denied_while_writing_json(tmp_path, monkeypatch):
     path = tmp_path / "quantpipe.json"
     write_json_atomic(path, {"old": 1})
 
-    def denied(obj, f, **kw):
-        f.write('{"half": ')
+    def denied(fd):  # the temp file holds the new text, not yet synced
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(qio.json, "dump", denied)
+    monkeypatch.setattr(qio.os, "fsync", denied)
     with pytest.raises(PermissionError) as info:
         write_json_atomic(path, {"new": 2})
     assert info.value.filename == str(path)

@@ -274,20 +274,119 @@ def test_sensitivity_measures_every_entry_with_all(menu_calib, tmp_path):
         SensitivitySpec(menu_calib.folder, entries=("w4g33",))
 
 
-def test_a_menu_path_worse_than_uniform_int4_on_held_out_prompts_is_not_used(menu_calib,
-                                                                             tmp_path):
-    """The validation walk starts at the cheapest entries (here w4g64, cheaper than the
-    calibrated g32), so it also scores uniform INT4; where every checkpoint within the budget
-    validates worse, the plan upgrades uniform INT4 with INT8 / FP16 only."""
+def test_the_plan_follows_the_path_that_validates_better_on_held_out_prompts(menu_calib,
+                                                                            tmp_path):
+    """With a menu, the validation walks two paths: from the cheapest entries over the menu
+    (here from w4g64, cheaper than the calibrated g32), and from uniform INT4 over INT4 / INT8
+    / FP16 (``primary``, whose first checkpoint is uniform INT4). The plan follows the path
+    whose best checkpoint within the budget validates lower."""
     sens = json.loads((menu_calib.folder / SENSITIVITY_FILE).read_text())
-    int4 = sens["validation"]["int4"]
-    assert int4["validated"] > 0 and int4["bits"] == pytest.approx(
-        make_plan(menu_calib, PlanSpec(bits=4)).effective_bits())
+    val = sens["validation"]
+    primary = val["primary"]
+    assert primary["checkpoints"][0]["moves"] == 0 and primary["checkpoints"][0]["bits"] == (
+        pytest.approx(make_plan(menu_calib, PlanSpec(bits=4)).effective_bits()))
+    assert val["int4"]["validated"] == primary["checkpoints"][0]["validated"] > 0
+    assert all(to in (8, None) for _, to in primary["path"])
+    assert any(isinstance(to, str) for _, to in val["path"])
+    menu_best = min(c["validated"] for c in val["checkpoints"] if c["bits"] <= 5.0)
+    prim_best = min(c["validated"] for c in primary["checkpoints"] if c["bits"] <= 5.0)
     normal = make_plan(menu_calib, PlanSpec(budget_bits=5.0))
-    assert "worse than uniform INT4" not in normal.validation
-    sens["validation"]["int4"]["validated"] = -1.0  # better than any checkpoint
-    edited = tmp_path / "sens.json"
-    edited.write_text(json.dumps(sens))
-    plan = make_plan(menu_calib, PlanSpec(budget_bits=5.0, sensitivity=edited))
+    assert normal.validated_damage == min(menu_best, prim_best)
+
+    def plan_with(edit) -> object:
+        data = json.loads(json.dumps(sens))
+        edit(data["validation"])
+        (tmp_path / "sens.json").write_text(json.dumps(data))
+        return make_plan(menu_calib, PlanSpec(budget_bits=5.0, sensitivity=tmp_path / "sens.json"))
+
+    def primary_wins(v):  # the INT4 -> INT8 -> FP16 path's second checkpoint validates best
+        v["primary"]["checkpoints"][1]["validated"] = -1.0
+
+    plan = plan_with(primary_wins)
+    assert "INT4 -> INT8 -> FP16 path validated better" in plan.validation
+    assert plan.validated_damage == -1.0 and plan.effective_bits() <= 5.0
+    assert set(plan.bits.values()) <= {4, 8, None}
+    k = primary["checkpoints"][1]["moves"]  # stopped after the moves up to that checkpoint
+    if primary["checkpoints"][1] is not primary["checkpoints"][-1]:
+        assert {n: b for n, b in plan.bits.items() if b != 4} == dict(
+            (n, b) for n, b in primary["path"][:k])
+
+    def menu_wins(v):
+        v["checkpoints"][0]["validated"] = -2.0
+        for c in v["primary"]["checkpoints"]:
+            c["validated"] = 1.0
+
+    plan = plan_with(menu_wins)
+    assert plan.validated_damage == -2.0 and "INT4 -> INT8" not in plan.validation
+    assert any(isinstance(b, str) for b in plan.bits.values())
+
+    def older_file(v):  # measured before the primary walk: only uniform INT4's score
+        del v["primary"]
+        v["int4"]["validated"] = -1.0  # better than any checkpoint of the menu's path
+
+    plan = plan_with(older_file)
     assert "worse than uniform INT4" in plan.validation and plan.validated_damage is None
     assert set(plan.bits.values()) <= {4, 8, None} and plan.effective_bits() <= 5.0
+
+
+def _tensor_bytes(folder) -> int:
+    """Bytes of a checkpoint's tensors: its safetensors files less their headers."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            total += f.stat().st_size - 8 - int.from_bytes(fh.read(8), "little")
+    return total
+
+
+@pytest.mark.parametrize("fmt,vocab", [("native", "fp16"), ("gptq", "fp16"),
+                                       ("native", "int8")])
+def test_budget_size_fills_a_checkpoint_size(menu_calib, tmp_path, fmt, vocab):
+    """--budget-size SIZE plans the bits that SIZE leaves for the calibrated linears once the
+    other tensors (as stored, or as --vocab-weights quantizes them) are counted: the tensors
+    written never exceed it, and the plan spends what uniform INT4 leaves unused."""
+    from quantpipe.core.vocab import VocabSpec
+
+    uniform = export_quantized(ExportSpec(menu_calib.folder, tmp_path / "u", fmt=fmt,
+                                          vocab=VocabSpec(vocab)))
+    base = _tensor_bytes(tmp_path / "u")
+    size = int(base * 1.15)
+    res = export_quantized(ExportSpec(menu_calib.folder, tmp_path / "b", fmt=fmt,
+                                      vocab=VocabSpec(vocab), budget_size=f"{size}B"))
+    written = _tensor_bytes(tmp_path / "b")
+    assert base < written <= size
+    assert res.plan.effective_bits() > uniform.plan.effective_bits()
+    # the bits it planned are exactly what the size leaves: all of it, to the bit
+    params = res.plan.params
+    assert written - base == pytest.approx(
+        (res.plan.effective_bits() - uniform.plan.effective_bits()) * params / 8, abs=1)
+    assert (size - base) * 8 / params - (
+        res.plan.budget_bits - uniform.plan.effective_bits()) == pytest.approx(0, abs=1e-9)
+
+
+def test_budget_size_refuses_sizes_no_plan_reaches(menu_calib, tmp_path):
+    with pytest.raises(ValueError, match="not both"):
+        ExportSpec(menu_calib.folder, tmp_path / "x", budget_bits=5.0, budget_size="1MB")
+    with pytest.raises(ValueError, match="--budget-size"):
+        ExportSpec(menu_calib.folder, tmp_path / "x", budget_size="lots")
+    for size in ("1KB", "10GB"):
+        with pytest.raises(ValueError, match="outside what a plan .* can write"):
+            export_quantized(ExportSpec(menu_calib.folder, tmp_path / "x", budget_size=size))
+        assert not (tmp_path / "x").exists()
+
+
+def test_plan_cli_takes_a_budget_size(menu_calib, tmp_path):
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    export_quantized(ExportSpec(menu_calib.folder, tmp_path / "u"))
+    size = int(_tensor_bytes(tmp_path / "u") * 1.1)
+    out = CliRunner().invoke(main, ["plan", str(menu_calib.folder), "--budget-size",
+                                    f"{size}B", "--json", str(tmp_path / "p.json")])
+    assert out.exit_code == 0, out.output
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert 4 < plan["budget_bits"] < 16 and plan["effective_bits_per_weight"] <= plan[
+        "budget_bits"]
+    both = CliRunner().invoke(main, ["plan", str(menu_calib.folder), "--budget-size", "1MB",
+                                     "--budget-bits", "5"])
+    assert both.exit_code != 0 and "not both" in both.output
