@@ -123,6 +123,10 @@ class CalibrationFacts:
     # recorded); group-size substitutions of an explicit request are fallbacks of kind
     # "group_size", shown apart from the numerical ones
     group_sizes: str = ""
+    # a budget plan's validated upgrade paths (label -> ((bits, held-out KLD), ...)) and the
+    # plan's own held-out KLD; empty / None when the plan was not validated
+    validation_curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    validated_kld: float | None = None
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> CalibrationFacts:
@@ -213,6 +217,9 @@ class CalibrationFacts:
                 fallbacks.append(Fallback(name, "expert_tokens",
                                           f"{tokens} routed calibration tokens (< {floor}): RTN"))
         eff = None if plan is None else plan.get("effective_bits_per_weight")
+        curves = {label: tuple((float(b), float(k)) for b, k in pts)
+                  for label, pts in ((plan or {}).get("validation_curves") or {}).items()}
+        validated = (plan or {}).get("validated_damage")
         return cls(
             algorithm=str(manifest.get("algo", settings.get("algo", "unknown"))),
             samples=settings.get("samples"),
@@ -222,6 +229,8 @@ class CalibrationFacts:
             effective_bits=None if eff is None else float(eff),
             fallbacks=tuple(fallbacks),
             group_sizes=_group_sizes_note(requested, manifest.get("int4_group_sizes") or {}),
+            validation_curves=curves,
+            validated_kld=None if validated is None else float(validated),
         )
 
 

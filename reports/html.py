@@ -415,6 +415,18 @@ def _calibration_block(name: str, cal: CalibrationFacts) -> str:
                  f'{" …" if len(v) > 3 else ""}</span>'] for k, v in groups.items()]
         parts.append(_table(["format", "layers", "e.g."], rows, num_cols={1}))
     parts.append("</div>")
+    if cal.validation_curves:
+        point = ({"this plan": (cal.effective_bits, cal.validated_kld)}
+                 if cal.validated_kld is not None and cal.effective_bits is not None else {})
+        parts.append(_chart(charts.rate_distortion_chart(
+            {k: list(v) for k, v in cal.validation_curves.items()}, point,
+            f"{name}: the budget planner's upgrade paths, scored on held-out prompts",
+            ylabel="KLD on held-out calibration prompts")))
+        parts.append('<p class="lead">Each point: the whole model at that many bits per weight '
+                     "along a path the planner can take, scored against FP16 on the half of the "
+                     "calibration prompts the per-layer sensitivity never saw (quantpipe "
+                     "sensitivity). The plan stops where its path scores lowest within the "
+                     "budget, on the path that scores lower.</p>")
     if cal.layer_errors:
         parts.append(_chart(charts.layer_error_chart(
             cal.layer_errors, f"{name}: per-layer reconstruction error")))

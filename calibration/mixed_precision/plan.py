@@ -159,6 +159,9 @@ class Plan:
     validated_damage: float | None = None
     validation: str = ""  # how the validation decided the plan (or why there was none)
     fmt: str = DEFAULT_FORMAT  # the checkpoint format whose stored bits are counted
+    # the validated upgrade paths the plan chose among: label -> [[bits per weight, whole-model
+    # KLD on the held-out split], ...] (native layout; empty when the plan is not validated)
+    curves: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def params(self) -> int:
@@ -190,6 +193,7 @@ class Plan:
             "predicted_damage": self.predicted_damage,
             "validated_damage": self.validated_damage,
             "validation": self.validation,
+            "validation_curves": self.curves,
             "counts": self.counts(),
             "entries": self.entries(),
             "layers": {
@@ -325,7 +329,7 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
                              "calibration holds for it; add w4 or fp16")
     damage_source = "none"
     predicted = 0.0
-    validated, note = None, ""
+    validated, note, curves = None, "", {}
     if spec.budget_bits is None:
         for n in free:
             bits[n] = spec.bits
@@ -339,6 +343,8 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
             chosen, validated, note = apply_validation(
                 sens.get("validation"), chosen, shapes, specs_of, damage, bits,
                 spec.budget_bits, spec.fmt)
+            if validated is not None and spec.fmt == DEFAULT_FORMAT:
+                curves = validation_curves(sens["validation"])
         for n in free:
             bits[n] = chosen[n]
             reasons[n] = "budget"
@@ -346,7 +352,19 @@ def make_plan(calib, spec: PlanSpec) -> Plan:
     ordered = {n: bits[n] for n in names}
     return Plan(ordered, {n: specs_of[n][bits[n]] for n in names}, shapes,
                 {n: reasons[n] for n in names}, spec.budget_bits, damage_source, predicted,
-                validated, note, spec.fmt)
+                validated, note, spec.fmt, curves)
+
+
+def validation_curves(validation: dict) -> dict[str, list[list[float]]]:
+    """The validated paths of sensitivity.json's ``validation`` as (bits per weight, held-out
+    KLD) points, by label: the menu's path and INT4 -> INT8 -> FP16 where both were walked."""
+    def points(walk: dict) -> list[list[float]]:
+        return [[float(c["bits"]), float(c["validated"])] for c in walk["checkpoints"]]
+
+    if not validation.get("primary"):
+        return {"upgrade path": points(validation)}
+    return {"menu's path": points(validation),
+            "INT4 -> INT8 -> FP16 path": points(validation["primary"])}
 
 
 def apply_validation(

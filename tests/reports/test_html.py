@@ -331,6 +331,31 @@ def test_act_order_is_the_calibration_setting_and_uniform_plans_have_no_per_laye
     assert "Mixed-precision plan" in _calibration_block("mixed", mixed)
 
 
+def test_a_validated_budget_plan_charts_its_upgrade_paths():
+    """A budget plan's validated paths (plan.to_dict()'s validation_curves) become a chart of
+    held-out KLD against bits in the candidate's calibration block, the plan marked on it;
+    a plan without validation gets no such chart."""
+    from quantpipe.reports.html import _calibration_block
+
+    spec4 = {"bits": 4, "group_size": 64, "sym": True, "act_order": False}
+    infos = {f"l{i}.proj": {"w4": {"spec": spec4, "loss": 1.0, "damp": 0.01, "damp_raises": 0}}
+             for i in range(2)}
+    manifest = {"stage": "calibration", "algo": "gptq", "settings": {"samples": 16}}
+    plan = {"effective_bits_per_weight": 4.4, "validated_damage": 0.07,
+            "layers": {"l0.proj": {"bits": 4}, "l1.proj": {"bits": 4}},
+            "validation_curves": {"menu's path": [[4.0, 0.25], [4.2, 0.12], [4.5, 0.08]],
+                                  "INT4 -> INT8 -> FP16 path": [[4.2, 0.084], [4.4, 0.07]]}}
+    facts = CalibrationFacts.from_calibration(manifest, infos, plan)
+    assert facts.validation_curves["INT4 -> INT8 -> FP16 path"] == ((4.2, 0.084), (4.4, 0.07))
+    assert facts.validated_kld == 0.07
+    block = _calibration_block("mixed-4.5", facts)
+    bare = _calibration_block("mixed-4.5", CalibrationFacts.from_calibration(
+        manifest, infos, {**plan, "validation_curves": {}}))
+    assert "upgrade paths, scored on held-out prompts" in block
+    assert "upgrade paths" not in bare
+    assert block.count("<svg") == bare.count("<svg") + 1  # (the other: per-layer error)
+
+
 def test_a_reference_dequantized_from_a_quantized_gguf_is_named(tmp_path):
     import gguf
 

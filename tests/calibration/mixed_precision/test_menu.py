@@ -292,6 +292,11 @@ def test_the_plan_follows_the_path_that_validates_better_on_held_out_prompts(men
     prim_best = min(c["validated"] for c in primary["checkpoints"] if c["bits"] <= 5.0)
     normal = make_plan(menu_calib, PlanSpec(budget_bits=5.0))
     assert normal.validated_damage == min(menu_best, prim_best)
+    curves = normal.to_dict()["validation_curves"]  # what the report charts
+    assert curves == {"menu's path": [[c["bits"], c["validated"]] for c in val["checkpoints"]],
+                      "INT4 -> INT8 -> FP16 path": [[c["bits"], c["validated"]]
+                                                     for c in primary["checkpoints"]]}
+    assert make_plan(menu_calib, PlanSpec(budget_bits=5.0, fmt="gptq")).curves == {}
 
     def plan_with(edit) -> object:
         data = json.loads(json.dumps(sens))
