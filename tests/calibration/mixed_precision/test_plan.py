@@ -359,6 +359,26 @@ def test_validation_stops_upgrading_where_it_stops_improving(tmp_path):
     assert cps[1]["bits"] < plan.effective_bits() <= mid
 
 
+def test_a_rise_within_the_stop_margin_does_not_stop_the_plan(tmp_path):
+    """The held-out split is small: the last checkpoint within the budget scoring less than
+    STOP_MARGIN above the lowest keeps the greedy plan for the whole budget; more stops it."""
+    from quantpipe.calibration.mixed_precision.plan import STOP_MARGIN
+
+    lowest = 0.4
+    for rise, stops in ((0.5 * STOP_MARGIN, False), (2 * STOP_MARGIN, True)):
+        sub = tmp_path / str(rise)
+        sub.mkdir()
+        calib, path, cps = _validated_setup(sub, [1.0, 0.6, lowest, lowest * (1 + rise)])
+        plan = make_plan(calib, PlanSpec(budget_bits=cps[3]["bits"]))
+        if stops:
+            assert "stopped improving" in plan.validation and plan.validated_damage == lowest
+            assert plan.effective_bits() == pytest.approx(cps[2]["bits"], rel=1e-12)
+        else:
+            assert f"within {STOP_MARGIN:.0%} of the lowest" in plan.validation
+            assert plan.validated_damage == pytest.approx(lowest * (1 + rise))
+            assert plan.effective_bits() == pytest.approx(cps[3]["bits"], rel=1e-12)
+
+
 def test_validation_not_applied_when_it_does_not_describe_the_plan(tmp_path):
     calib, path, cps = _validated_setup(tmp_path, [1.0, 0.6, 0.4, 0.45])
     budget = cps[3]["bits"]
