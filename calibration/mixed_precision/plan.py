@@ -393,12 +393,12 @@ def apply_validation(
     "validated": whole-model KLD on the validation split}); with a menu, ``primary`` holds
     the same for the path from uniform INT4 over INT4 / INT8 / FP16 only (the planner without
     the menu). On each path (:func:`_validated_prefix`) the checkpoint within ``budget`` with
-    the lowest validated KLD decides. Where both paths validate, the plan follows the one whose
-    best checkpoint is lower (the menu's on ties): the per-layer damages predict the ranking of
-    moves, not how menu entries and INT8 add up in the whole model, so the held-out split
-    chooses. Files measured before ``primary`` existed have only uniform INT4's score
-    (``int4``): a menu path worse than it falls back to the INT4 -> INT8 -> FP16 plan
-    unvalidated. Returns (plan, validated KLD of the checkpoint, a note). Without a usable
+    the lowest validated KLD decides where the plan stops. Where both paths validate, the plan
+    follows the one whose KLD so decided is lower (the menu's on ties): the per-layer damages
+    predict the ranking of moves, not how menu entries and INT8 add up in the whole model, so
+    the held-out split chooses. Files measured before ``primary`` existed have only uniform
+    INT4's score (``int4``): a menu path worse than it falls back to the INT4 -> INT8 -> FP16
+    plan unvalidated. Returns (plan, validated KLD of the checkpoint, a note). Without a usable
     validation the plan is returned unchanged with the reason in the note.
     """
     if not validation or not validation.get("checkpoints"):
@@ -418,7 +418,7 @@ def apply_validation(
                 f"budget (KLD {p_kld:.4g} against {kld:.4g} on the held-out split): {p_note}")
         return state, kld, note
     int4 = validation.get("int4")
-    if kld is not None and int4 is not None and not validation.get("primary"):
+    if kld is not None and int4 is not None:
         int4_bits = registry.average_bits({n: specs_of[n][4] for n in chosen}, shapes, fmt)
         if int4_bits <= budget * (1 + 1e-12) and kld > int4["validated"]:
             # the path from the cheapest entries never reaches uniform INT4's quality within
