@@ -373,6 +373,8 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, budget_size, overrides, d
     if budget_size is not None:
         click.echo(f"--budget-size {budget_size}: {res.plan.budget_bits:.4f} bits per weight "
                    "left for the calibrated linears")
+    if res.plan.budget_bits is not None and res.plan.validation:  # why the plan stops where
+        click.echo(f"plan: {res.plan.validation}")  # it does, on which path (`plan` prints it)
     c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
                f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "

@@ -255,6 +255,11 @@ def test_explicit_sensitivity_file_is_checked_against_the_calibration(measured, 
     res = runner.invoke(main, ["plan", str(calib_dir), "--budget-bits", "6",
                                "--sensitivity", str(elsewhere)])
     assert res.exit_code == 0, res.output
+    # export says how the validation decided the plan, as plan's table does
+    res = runner.invoke(main, ["export", str(calib_dir), "--budget-bits", "6", "--sensitivity",
+                               str(elsewhere), "--out", str(tmp_path / "q")])
+    assert res.exit_code == 0, res.output
+    assert f"plan: {named.validation}" in res.output and "validat" in named.validation
 
     other = tmp_path / "other-calib"  # the same FP16 folder, another group size
     shutil.copytree(calib_dir, other)
