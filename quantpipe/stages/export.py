@@ -136,14 +136,21 @@ def budget_bits_for_size(calib: Calibration, size: int, fmt: str,
                    layer_specs(infos).items()) / 8
     fp16 = 2 * params
     if not rest + cheapest <= size <= rest + fp16:
-        gb = 1e9
         raise ValueError(
-            f"--budget-size {size / gb:.4g} GB is outside what a plan of {calib.folder} can "
-            f"write in --format {fmt}: {(rest + cheapest) / gb:.4g} GB (every linear at its "
-            f"cheapest entry) to {(rest + fp16) / gb:.4g} GB (all FP16), of which "
-            f"{rest / gb:.4g} GB are the embeddings, head, norms and biases"
-            + ("" if vocab is not None else " (--vocab-weights int8 or int4 shrinks them)"))
+            f"--budget-size {_size_text(size)} is outside what a plan of {calib.folder} can "
+            f"write in --format {fmt}: {_size_text(rest + cheapest)} (every linear at its "
+            f"cheapest entry) to {_size_text(rest + fp16)} (all FP16), of which "
+            f"{_size_text(rest)} are the embeddings, head, norms and biases"
+            + ("" if vocab is not None else " (export --vocab-weights int8 or int4 shrinks them)"))
     return min(8 * (size - rest) / params, MAX_BUDGET_BITS)
+
+
+def _size_text(n: float) -> str:
+    """Bytes as a user writes a size: 1.2 GB, 110.1 MB, 900 kB, 12 B."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"
 
 
 @dataclass(frozen=True)
