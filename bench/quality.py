@@ -108,6 +108,7 @@ def calibrate_and_export(fp16: Path, work: Path, name: str, bits: list[int], arg
         calibrate(CalibrateSpec(
             fp16, calib_dir, algo=algo, group_size=args.group_size, sym=(sym == "sym"),
             samples=args.samples, seq_len=args.seq_len, seed=args.seed,
+            int8_group_size=args.int8_group_size,
         ))
     m = read_calibration(calib_dir).manifest
     if m.get("clip_search") != clip_search_settings():
@@ -141,6 +142,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--configs", default="gptq-sym,awq-sym,rtn-sym")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--int8-group-size", type=int, default=CalibrateSpec.int8_group_size,
+                    help="calibrate --int8-group-size (the W8 candidate's groups; -1: per "
+                         "channel)")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)

@@ -36,7 +36,7 @@ from quantpipe.core.families import (
     InputGroup,
     block_groups,
 )
-from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantizedWeight, QuantSpec
+from quantpipe.core.qformat import QuantizedWeight, QuantSpec
 
 if TYPE_CHECKING:
     from quantpipe.calibration.spec import CalibrateSpec
@@ -239,7 +239,7 @@ def quantize_block(spec: CalibrateSpec, algo: Algorithm, work: BlockWork):
                 W = lin.weight.data.float()  # [out, in]
                 q4 = spec.layer_spec(full, lin.in_features)
                 r4 = quantize(spec, full, W, H, q4, x, **extra)
-                r8 = quantize(spec, full, W, H, INT8_PER_CHANNEL, x, **extra)
+                r8 = quantize(spec, full, W, H, spec.layer_int8(lin.in_features), x, **extra)
                 menu = {tag: quantize(spec, full, W, H, qs, x, **extra)
                         for tag, qs in spec.layer_menu(q4, lin.in_features).items()}
                 raises += r4.damp_raises + r8.damp_raises + sum(

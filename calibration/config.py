@@ -18,6 +18,12 @@ GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
 # the largest power of two below it that does (SmolLM2's 576 -> 64), chosen per layer as a
 # plan (recorded in the manifest's int4_group_sizes), not a fallback
 AUTO_GROUP_SIZE = 128
+# INT8 (the ``w8`` result of every linear, what ``export --bits 8`` and a plan's INT8 layers
+# store): symmetric, this group size where it divides a layer's in_features, else the largest
+# power of two below it that does (as --group-size auto; SmolLM2's 576 -> 64). Groups halve
+# W8's KLD against one scale per output row for 0.1 bit (docs/mixed-precision.md), and every
+# kernel and vLLM's GPU kernels (Marlin) take them; -1 keeps one scale per output row
+INT8_GROUP_SIZE = 128
 # GPTQ walks columns by decreasing Hessian diagonal unless told otherwise (--no-act-order);
 # with static groups this changes no stored layout (docs/algorithms.md has the measurements)
 GPTQ_ACT_ORDER_DEFAULT = True
@@ -59,6 +65,7 @@ class CalibrationDefaults:
     algo: str = AUTO  # one of ALGOS
     group_size: int | None = None  # None: --group-size auto (AUTO_GROUP_SIZE, planned per layer)
     sym: bool = True  # INT4 zero point at the mid-point (--sym) or stored per group (--asym)
+    int8_group_size: int = INT8_GROUP_SIZE  # -1: one scale per output row
     samples: int = 128  # calibration sequences
     seq_len: int = 512  # tokens per sequence
     min_tokens: int = 16  # prompts shorter than this are dropped
@@ -80,6 +87,9 @@ class CalibrationDefaults:
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
             raise ValueError(f"CalibrationDefaults.group_size {self.group_size}: use one of "
                              f"{GROUP_SIZES} or None")
+        if self.int8_group_size not in GROUP_SIZES:
+            raise ValueError(f"CalibrationDefaults.int8_group_size {self.int8_group_size}: use "
+                             f"one of {GROUP_SIZES}")
 
 
 DEFAULTS = CalibrationDefaults()
@@ -91,3 +101,11 @@ def group_size_help() -> str:
     return (f"INT4 group size: auto ({AUTO_GROUP_SIZE} where it divides a layer's in_features, "
             f"else the largest power of two below that does, chosen per layer), {sizes} or -1 "
             "(per channel).")
+
+
+def int8_group_size_help() -> str:
+    """The sizes --int8-group-size accepts, as its help lists them."""
+    sizes = ", ".join(str(g) for g in GROUP_SIZES if g != -1)
+    return ("INT8 (symmetric) group size: where it does not divide a layer's in_features, the "
+            f"largest power of two below it that does; {sizes} or -1 (one scale per output "
+            "channel).")

@@ -18,7 +18,6 @@ from quantpipe.calibration.menu import is_menu_tag
 from quantpipe.calibration.resume import CalibInputs, Run
 from quantpipe.core.families import family_for
 from quantpipe.core.io import write_manifest
-from quantpipe.core.qformat import INT8_PER_CHANNEL
 
 if TYPE_CHECKING:
     from quantpipe.calibration.spec import CalibrateSpec
@@ -96,7 +95,7 @@ def finish(run: Run, inputs: CalibInputs, data_summary: dict, seconds: float,
         block_prefix=family_for(inputs.model_type).blocks,
         algo=spec.algo,
         int4=spec.int4.to_dict(),
-        int8=INT8_PER_CHANNEL.to_dict(),
+        int8=spec.int8.to_dict(),  # as requested (each block's results: per layer)
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()},
         clip_search=clip_search_settings(),
         data=data_summary,

@@ -1,9 +1,10 @@
 """The menu of formats a calibration offers the precision planner, per linear.
 
 Every calibration stores two results per linear: the requested INT4 spec (tag ``w4``) and
-INT8 per channel (tag ``w8``). ``calibrate --menu`` adds more entries computed from the same
-Hessians in the same pass, so a plan at any budget needs no new calibration: e.g. ``w4g32``
-(INT4, group 32, symmetric), ``w4g128-asym``, ``w4pc`` (INT4 per output channel), ``w8g128``.
+INT8 symmetric at ``--int8-group-size`` (tag ``w8``: g128, or g64 where 128 does not divide).
+``calibrate --menu`` adds more entries computed from the same Hessians in the same pass, so a
+plan at any budget needs no new calibration: e.g. ``w4g32`` (INT4, group 32, symmetric),
+``w4g128-asym``, ``w4pc`` (INT4 per output channel), ``w8pc`` (INT8 per output channel).
 An entry is written like :meth:`QuantSpec.label` (``w{bits}``, ``g{size}`` or ``pc``,
 ``-asym``). A layer gets an entry only where its group size divides the layer's
 ``in_features`` and the entry differs from the layer's ``w4`` and ``w8`` specs (a 576-wide
@@ -24,7 +25,8 @@ PRIMARY_TAGS = {4: "w4", 8: "w8"}
 Entry = int | str | None  # 4, 8, a menu tag, or None (FP16)
 # the menu `calibrate --menu default` computes: INT4 at the group sizes vLLM and every kernel
 # take and per channel (cheaper than g128: what a plan at INT4's size trades for better
-# entries elsewhere), symmetric and asymmetric, and grouped INT8
+# entries elsewhere), symmetric and asymmetric, and grouped INT8 (the ``w8`` result already
+# where --int8-group-size is 128, then not computed twice: see layer_menu)
 # (bench/mixed_precision_menu.py measures what each buys)
 DEFAULT_MENU = ("w4g32", "w4g64", "w4g128", "w4pc", "w4g32-asym", "w4g64-asym", "w4g128-asym",
                 "w4pc-asym", "w8g128")

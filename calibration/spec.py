@@ -25,7 +25,7 @@ from quantpipe.calibration.config import (
 )
 from quantpipe.calibration.menu import layer_menu, parse_menu
 from quantpipe.core.families import family_for
-from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantSpec, resolve_group_size
+from quantpipe.core.qformat import QuantSpec, resolve_group_size
 from quantpipe.prompts.sets import SHIPPED_SETS
 
 
@@ -53,6 +53,9 @@ class CalibrateSpec:
     # AUTO_GROUP_SIZE or the largest divisor below it, planned per layer
     group_size: int | None = DEFAULTS.group_size
     sym: bool = DEFAULTS.sym  # INT4 symmetric (mid-point zero) or asymmetric
+    # INT8 (symmetric) group size requested; falls back per layer as --group-size auto does
+    # (layer_int8); -1: one scale per output row (the only INT8 before this option existed)
+    int8_group_size: int = DEFAULTS.int8_group_size
     # GPTQ: process columns by decreasing Hessian diagonal; None = GPTQ_ACT_ORDER_DEFAULT
     act_order: bool | None = None
     # RTN/GPTQ: search a clipping range per group (weighted by diag(H) for GPTQ);
@@ -99,6 +102,10 @@ class CalibrateSpec:
         if self.algo != AUTO and self.algo not in ALGO_OPTIONS:  # (bench scripts may add rows)
             raise ValueError(f"--algo {self.algo!r} is not supported; use one of {ALGOS}")
         check_group_size(self.group_size)
+        if self.int8_group_size not in GROUP_SIZES:
+            raise ValueError(f"--int8-group-size {self.int8_group_size} is not supported; use "
+                             f"one of {', '.join(map(str, GROUP_SIZES))} (-1: per output "
+                             "channel)")
         check_device(self.device)
         algo = ALGO_OPTIONS[AUTO_OPTIONS if self.algo == AUTO else self.algo]
         if self.act_order and algo.act_order_default is None:
@@ -145,7 +152,8 @@ class CalibrateSpec:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
                 if k not in ("out", "force", "max_memory", "device", "batch_size")
-                and not (k == "menu" and not v)}  # (runs before --menu existed resume)
+                # (runs from before --menu and --int8-group-size existed resume)
+                and not (k == "menu" and not v) and not (k == "int8_group_size" and v == -1)}
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""
@@ -182,11 +190,20 @@ class CalibrateSpec:
         it, and finish counts the fallbacks from them)."""
         return self.int4.with_group_size(self.layer_group_size(name, in_features))
 
+    @property
+    def int8(self) -> QuantSpec:
+        return QuantSpec(8, self.int8_group_size, True)
+
+    def layer_int8(self, in_features: int) -> QuantSpec:
+        """The INT8 spec of one linear: ``int8_group_size`` or the largest power of two below
+        it that divides ``in_features`` (never an error: INT8 is every layer's fallback)."""
+        return self.int8.with_group_size(resolve_group_size(self.int8_group_size, in_features))
+
     def layer_menu(self, spec4: QuantSpec, in_features: int) -> dict[str, QuantSpec]:
         """tag -> spec of the menu entries one linear gets besides its INT4 ``spec4`` and
-        INT8 per-channel results (calibration.menu.layer_menu)."""
+        INT8 results (calibration.menu.layer_menu)."""
         return layer_menu(parse_menu(self.menu), in_features, spec4.act_order,
-                          (spec4, INT8_PER_CHANNEL))
+                          (spec4, self.layer_int8(in_features)))
 
 
 def auto_algo(fp16_dir: Path) -> str:

@@ -251,6 +251,8 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--group-size", default=_group_size_default(), show_default=True,
               callback=_group_size, help=calib_config.group_size_help())
 @click.option("--sym/--asym", default=CALIB.sym, show_default=True, help="INT4 zero point.")
+@click.option("--int8-group-size", default=CALIB.int8_group_size, show_default=True,
+              help=calib_config.int8_group_size_help())
 @click.option("--act-order/--no-act-order", default=None,
               help="GPTQ family (gptq, gptaq, awq+gptq): columns by decreasing Hessian "
                    "diagonal [default: on].")
@@ -288,7 +290,8 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--force", is_flag=True,
               help="Replace a finished CALIB_DIR (only once the new one is complete) and "
                    "discard an unfinished run with other settings.")
-def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_order, mse_clip,
+def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, int8_group_size,
+                  act_order, mse_clip,
                   static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
                   min_tokens, seed, batch_size, min_expert_tokens, max_memory, device, menu,
                   force):
@@ -298,8 +301,8 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, act_ord
 
     res = calibrate(CalibrateSpec(
         fp16_dir=fp16_dir, out=out, prompts=prompts, column=column, algo=algo,
-        group_size=group_size, sym=sym, act_order=act_order, mse_clip=mse_clip,
-        strict_group_size=strict_group_size, samples=samples, seq_len=seq_len,
+        group_size=group_size, sym=sym, int8_group_size=int8_group_size, act_order=act_order,
+        mse_clip=mse_clip, strict_group_size=strict_group_size, samples=samples, seq_len=seq_len,
         min_tokens=min_tokens, seed=seed, batch_size=batch_size, static_groups=static_groups,
         force=force, per_channel_if_larger=per_channel_if_larger,
         min_expert_tokens=min_expert_tokens,
@@ -764,6 +767,8 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--group-size", default=_group_size_default(), show_default=True,
               callback=_group_size, help="As calibrate's --group-size.")
 @click.option("--sym/--asym", default=CALIB.sym, show_default=True)
+@click.option("--int8-group-size", default=CALIB.int8_group_size, show_default=True,
+              help="As calibrate's --int8-group-size.")
 @click.option("--samples", default=CALIB.run_samples, show_default=True,
               help=f"Calibration sequences ({CALIB.samples}, calibrate's default, gives the "
                    f"best quality in {CALIB.samples / CALIB.run_samples:g}x the time).")
@@ -777,8 +782,8 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--menu", "menu", multiple=True,
               help="calibrate --menu [default: 'default' with --budget-bits, else none; "
                    "'none': none].")
-def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, samples, seq_len,
-            prompts, eval_tokens, speed, menu):
+def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, int8_group_size,
+            samples, seq_len, prompts, eval_tokens, speed, menu):
     """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
     from quantpipe.core.io import check_output_path
     from quantpipe.stages.run import RunSpec, run_pipeline
@@ -786,7 +791,8 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, sa
     check_output_path(out)
     res = run_pipeline(RunSpec(
         source=source, out=out, bits=tuple(int(b) for b in bits), budget_bits=budget_bits,
-        overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym, samples=samples,
+        overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym,
+        int8_group_size=int8_group_size, samples=samples,
         seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed),
         menu=tuple(menu)))
     for name, ev in res.evals.items():

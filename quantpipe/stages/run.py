@@ -49,6 +49,7 @@ class RunSpec:
     algo: str = CALIB.algo
     group_size: int | None = CALIB.group_size  # None: calibrate's auto (planned per layer)
     sym: bool = CALIB.sym
+    int8_group_size: int = CALIB.int8_group_size  # -1: one INT8 scale per output row
     samples: int = CALIB.run_samples  # calibration sequences (fewer than calibrate's)
     seq_len: int = CALIB.seq_len
     prompts: str = CALIB.prompts
@@ -143,9 +144,13 @@ def run_settings(spec: RunSpec, previous: dict | None = None
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
     settings = {k: json.dumps(v, sort_keys=True) for k, v in asdict(spec).items()
-                if k not in ("source", "out", "speed", "menu")}
-    if spec.calibration_menu():  # (runs without a menu record none, as before it existed)
+                if k not in ("source", "out", "speed", "menu", "int8_group_size")}
+    # (runs without a menu record none, and per-channel INT8 records no group size, as before
+    # either option existed)
+    if spec.calibration_menu():
         settings["menu"] = json.dumps(list(spec.calibration_menu()))
+    if spec.int8_group_size != -1:
+        settings["int8_group_size"] = json.dumps(spec.int8_group_size)
     # one precision is recorded as the number it was before --bits could repeat (and a
     # budget-only run as the 4 it recorded then), so earlier WORKDIRs are still reused
     bits = spec.bits or (4,)
@@ -228,7 +233,8 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     # no stage is forced: an output quantpipe did not make is refused, never replaced
     fp16_spec = Fp16ExportSpec(spec.source, fp16)
     calib_spec = CalibrateSpec(fp16, calib, spec.prompts, algo=spec.algo,
-                               group_size=spec.group_size, sym=spec.sym, samples=spec.samples,
+                               group_size=spec.group_size, sym=spec.sym,
+                               int8_group_size=spec.int8_group_size, samples=spec.samples,
                                seq_len=spec.seq_len, menu=spec.calibration_menu())
     exports = {name: ExportSpec(calib, out / name, bits=bits, budget_bits=budget,
                                 overrides=spec.overrides)

@@ -363,14 +363,15 @@ def test_gptaq_corrects_the_int4_pass_only():
     from pathlib import Path
 
     from quantpipe.calibration import block_step as p
-    from quantpipe.core.qformat import QuantSpec
+    from quantpipe.core.qformat import INT8_PER_CHANNEL, QuantSpec
     from tests.calibration.test_gptq import correlated_hessian, weight
 
     spec = CalibrateSpec(Path("f"), Path("o"), algo="gptaq").resolved()
     H, W = correlated_hessian(40), weight(41)
     dXXT = 0.05 * correlated_hessian(42)  # [in, in] a nonzero input mismatch
     x = torch.zeros(0, W.shape[1])
-    for qspec, same in ((p.INT8_PER_CHANNEL, True), (QuantSpec(4, 32, True, True), False)):
+    for qspec, same in ((INT8_PER_CHANNEL, True), (QuantSpec(8, 32, True), True),
+                        (QuantSpec(4, 32, True, True), False)):
         asym = p.AsymInputs(dXXT)
         got = p.quantize_gptaq(spec, "l", W, H, qspec, x, asym)
         want = p.quantize_gptq(spec, "l", W, H, qspec, x)
@@ -411,3 +412,48 @@ def test_default_group_size_is_planned_per_layer(prompt_file, tmp_path, caplog):
         a = load_file(auto.out / "blocks" / f"block-{j:04d}.safetensors")
         b = load_file(asked.out / "blocks" / f"block-{j:04d}.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_int8_is_grouped_by_default_and_per_channel_on_request(prompt_file, tmp_path):
+    """Every linear's INT8 result (export --bits 8, a plan's INT8 layers) is symmetric at
+    --int8-group-size, 128 by default and falling back per layer as --group-size auto does
+    (192 -> 64); -1 is one scale per output row. Groups fit each row closer: every layer's
+    squared error to the FP16 weight is below the per-channel result's."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import make_model, save_model
+
+    model, tok = make_model("llama", hidden_size=192, intermediate_size=256)
+    fp16 = tmp_path / "fp16"
+    export_fp16(Fp16ExportSpec(str(save_model(model, tok, tmp_path / "src")), fp16))
+    grouped = read_calibration(calibrate(_spec(fp16, prompt_file, tmp_path / "g",
+                                               algo="rtn")).out)
+    per_row = read_calibration(calibrate(_spec(fp16, prompt_file, tmp_path / "pc", algo="rtn",
+                                               int8_group_size=-1)).out)
+    assert grouped.manifest["int8"]["group_size"] == 128
+    assert per_row.manifest["int8"]["group_size"] == -1
+    infos = grouped.layer_infos()
+    want = {n: 128 if n.endswith("down_proj") else 64 for n in infos}
+    assert {n: i["w8"]["spec"]["group_size"] for n, i in infos.items()} == want
+    assert {i["w8"]["spec"]["group_size"] for i in per_row.layer_infos().values()} == {-1}
+    fp = load_file(next(fp16.glob("*.safetensors")))
+    w_g = grouped.weights(dict.fromkeys(infos, 8))
+    w_pc = per_row.weights(dict.fromkeys(infos, 8))
+    for name in infos:
+        ref = fp[f"{name}.weight"].double()
+        err_g = (w_g[name].dequantize(torch.float64) - ref).square().sum()
+        err_pc = (w_pc[name].dequantize(torch.float64) - ref).square().sum()
+        assert err_g < err_pc, name
+
+
+def test_per_channel_int8_resumes_runs_from_before_the_option():
+    """A partial run from before --int8-group-size existed (per-channel INT8, no such key in
+    its fingerprint) resumes with --int8-group-size -1; the grouped default does not."""
+    from pathlib import Path
+
+    old = CalibrateSpec(Path("f"), Path("o"), algo="rtn", int8_group_size=-1)
+    assert "int8_group_size" not in old.resume_settings()
+    assert CalibrateSpec(Path("f"), Path("o"), algo="rtn").resume_settings()[
+        "int8_group_size"] == "128"
+    with pytest.raises(ValueError, match="--int8-group-size 48 is not supported"):
+        CalibrateSpec(Path("f"), Path("o"), int8_group_size=48)
