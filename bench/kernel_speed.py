@@ -3,7 +3,9 @@
 GPU: Triton kernels (autotuned) at M in {1, 4, 16, 64, 256} for 4096x4096, 8192x8192 and
 4096x11008 (N x K), fp16 activations. CPU: quantpipe's int4 / int8 kernels (``w4a16_avx512`` /
 ``w8a32_avx512``, where they are usable) and torch's int4pack / int8pack on the same layers (the
-peers, bf16 activations) vs dense fp32 and bf16, smaller shapes; --quick shrinks further. For
+peers, bf16 activations) vs dense fp32 and bf16, smaller shapes, INT8 both in groups of 128
+(calibrate's default) and per channel (torch's int8pack takes only that); --quick shrinks
+further. For
 each case prints the time, the speed-up over the dense baseline, and the achieved fraction of
 measured memory bandwidth (bytes of weights + activations + output / time, over a measured
 device copy bandwidth).
@@ -66,6 +68,16 @@ def packed(n: int, k: int, spec: QuantSpec) -> PackedLinear:
     return PackedLinear(spec, pack_int32(q, spec.bits), scales, None, None, None, k)
 
 
+def _ratios(rows: list[dict], pairs, n: int, k: int, m: int) -> list[dict]:
+    """One row per (a, b, name, text) of ``pairs``: b's time over a's at this shape, printed."""
+    out = []
+    for a, b, name, text in pairs:
+        ta, tb = (next(r["s"] for r in reversed(rows) if r["kernel"] == x) for x in (a, b))
+        out.append({"N": n, "K": k, "M": m, "kernel": name, "ratio": tb / ta})
+        print(f"{'':>12s} {m:>4d} " + text.format(tb / ta), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"],
@@ -86,8 +98,11 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     print(f"device {dev}, measured copy bandwidth {bw / 1e9:.1f} GB/s, threads "
           f"{torch.get_num_threads()}")
-    # int4 g128 (or the largest group size dividing K), int8 per-channel
-    specs = {"int4": QuantSpec(4, 128, True), "int8": QuantSpec(8, -1, True)}
+    # int4 g128 and int8 g128 (calibrate's defaults; or the largest group size dividing K),
+    # int8 per channel (--int8-group-size -1, the only INT8 torch's int8pack takes)
+    specs = {"int4": QuantSpec(4, 128, True), "int8": QuantSpec(8, 128, True),
+             "int8pc": QuantSpec(8, -1, True)}
+    peers = (("int4", "int4pack"), ("int8pc", "int8pack"))
     rows = []
     print(f"{'N x K':>12s} {'M':>4s} {'kernel':>10s} {'backend':>9s} {'us':>9s} "
           f"{'vs ' + str(dense_dtypes[0])[6:]:>10s} {'vs ' + str(dense_dtypes[1])[6:]:>10s} "
@@ -96,7 +111,7 @@ def main() -> None:
         dense = {dt: torch.randn(n, k, device=dev).to(dt) for dt in dense_dtypes}
         layers = {name: QuantLinear(packed(n, k, s), dev) for name, s in specs.items()}
         if dev.type == "cpu":  # torch's kernels on the same layers: the peer, side by side
-            for bits, peer in (("int4", "int4pack"), ("int8", "int8pack")):
+            for bits, peer in peers:
                 if layers[bits].backend != peer:
                     layers[f"{bits}_torch"] = QuantLinear(packed(n, k, specs[bits]), dev,
                                                           backend=peer)
@@ -124,15 +139,14 @@ def main() -> None:
                       f"{r['bw_frac']:8.2f}", flush=True)
             print(f"{'':>12s} {m:>4d} dense: " + ", ".join(
                 f"{str(dt)[6:]} {t * 1e6:.1f} us" for dt, t in base.items()), flush=True)
-            for bits, peer in (("int4", "int4pack"), ("int8", "int8pack")):
-                if f"{bits}_torch" not in layers:
-                    continue
-                ours, theirs = (next(r["s"] for r in reversed(rows) if r["kernel"] == name)
-                                for name in (bits, f"{bits}_torch"))
-                rows.append({"N": n, "K": k, "M": m, "kernel": f"{bits}_ours_vs_{peer}",
-                             "ratio": theirs / ours})
-                print(f"{'':>12s} {m:>4d} {bits}: ours {theirs / ours:.2f}x torch {peer}",
-                      flush=True)
+            # ratios of times side by side: (faster?, slower?, row name, what is printed)
+            pairs = [(bits, f"{bits}_torch", f"{bits}_ours_vs_{peer}",
+                      f"{bits}: ours {{:.2f}}x torch {peer}") for bits, peer in peers
+                     if f"{bits}_torch" in layers]
+            if "int8pc" in layers:  # what the grouped default costs against per channel
+                pairs.append(("int8", "int8pc", "int8_grouped_vs_pc",
+                              "int8 grouped: {:.2f}x the speed of per channel"))
+            rows += _ratios(rows, pairs, n, k, m)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernels-{dev.type}{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps({"device": str(dev), "copy_bandwidth_Bps": bw,

@@ -192,12 +192,18 @@ class CalibrateSpec:
 
     @property
     def int8(self) -> QuantSpec:
-        return QuantSpec(8, self.int8_group_size, True)
+        return self.layer_int8(None)
 
-    def layer_int8(self, in_features: int) -> QuantSpec:
+    def layer_int8(self, in_features: int | None) -> QuantSpec:
         """The INT8 spec of one linear: ``int8_group_size`` or the largest power of two below
-        it that divides ``in_features`` (never an error: INT8 is every layer's fallback)."""
-        return self.int8.with_group_size(resolve_group_size(self.int8_group_size, in_features))
+        it that divides ``in_features`` (never an error: INT8 is every layer's fallback;
+        None: as requested). Groups take the calibration's act-order, as INT4 does (with
+        static groups no g_idx is stored); one group per row walks the columns in act-order
+        anyway (block_step.quantize_gptq) and is stored plain."""
+        gs = self.int8_group_size
+        if in_features is not None:
+            gs = resolve_group_size(gs, in_features)
+        return QuantSpec(8, gs, True, gs != -1 and bool(self.resolved().act_order))
 
     def layer_menu(self, spec4: QuantSpec, in_features: int) -> dict[str, QuantSpec]:
         """tag -> spec of the menu entries one linear gets besides its INT4 ``spec4`` and

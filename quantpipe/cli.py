@@ -761,6 +761,10 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--budget-bits", type=float, default=None,
               help="A mixed-precision candidate at this average bits per weight (measures "
                    "sensitivity first).")
+@click.option("--budget-size", default=None,
+              help="Or the mixed candidate at this checkpoint size (export --budget-size), "
+                   "e.g. 120MB; one out of reach is refused after export-fp16, before "
+                   "calibrating.")
 @click.option("--override", "overrides", multiple=True, help=_OVERRIDE_HELP)
 @click.option("--algo", type=click.Choice(calib_config.ALGOS), default=CALIB.algo,
               show_default=True, help="As calibrate's --algo.")
@@ -780,10 +784,10 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
 @click.option("--speed", "speed", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Speed-record JSON to include in the report (repeatable).")
 @click.option("--menu", "menu", multiple=True,
-              help="calibrate --menu [default: 'default' with --budget-bits, else none; "
-                   "'none': none].")
-def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, int8_group_size,
-            samples, seq_len, prompts, eval_tokens, speed, menu):
+              help="calibrate --menu [default: 'default' with --budget-bits or --budget-size, "
+                   "else none; 'none': none].")
+def run_cmd(source, out, bits, budget_bits, budget_size, overrides, algo, group_size, sym,
+            int8_group_size, samples, seq_len, prompts, eval_tokens, speed, menu):
     """Whole pipeline: export-fp16 -> calibrate -> export -> eval -> report (resumable)."""
     from quantpipe.core.io import check_output_path
     from quantpipe.stages.run import RunSpec, run_pipeline
@@ -791,6 +795,7 @@ def run_cmd(source, out, bits, budget_bits, overrides, algo, group_size, sym, in
     check_output_path(out)
     res = run_pipeline(RunSpec(
         source=source, out=out, bits=tuple(int(b) for b in bits), budget_bits=budget_bits,
+        budget_size=budget_size,
         overrides=tuple(overrides), algo=algo, group_size=group_size, sym=sym,
         int8_group_size=int8_group_size, samples=samples,
         seq_len=seq_len, prompts=prompts, eval_tokens=eval_tokens, speed=tuple(speed),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from quantpipe.calibration.mixed_precision.plan import (
     make_plan,
 )
 from quantpipe.calibration.vocab import quantize_table
+from quantpipe.core.families import family_for
 from quantpipe.core.formats.registry import FORMAT_NAMES, format_named, layer_bits
 from quantpipe.core.formats.writers import write_checkpoint
 from quantpipe.core.io import (
@@ -143,6 +145,28 @@ def budget_bits_for_size(calib: Calibration, size: int, fmt: str,
             f"{_size_text(rest)} are the embeddings, head, norms and biases"
             + ("" if vocab is not None else " (export --vocab-weights int8 or int4 shrinks them)"))
     return min(8 * (size - rest) / params, MAX_BUDGET_BITS)
+
+
+def check_budget_size_reachable(fp16_dir: Path, size: int) -> None:
+    """Refuse, from FP16_DIR alone (before a calibration exists), a ``--budget-size`` that no
+    plan can write in any format: under the decoder blocks' weight matrices at 4 bits (the
+    codes alone: every entry also stores scales) plus every other tensor as stored, or over
+    the whole folder (everything FP16). The exact range depends on the calibration's entries
+    and is checked when the plan is made (:func:`budget_bits_for_size`)."""
+    state = LazyTensors.of_folder(fp16_dir)
+    config = json.loads((Path(fp16_dir) / "config.json").read_text(encoding="utf-8"))
+    prefix = family_for(config.get("model_type")).blocks + "."
+    matrices = [k for k in state if k.startswith(prefix) and k.endswith(".weight")
+                and len(state.shape(k)) >= 2]
+    total = sum(state.nbytes(k) for k in state)
+    params = sum(math.prod(state.shape(k)) for k in matrices)
+    low = total - sum(state.nbytes(k) for k in matrices) + params / 2
+    if not low < size <= total:
+        raise ValueError(
+            f"--budget-size {_size_text(size)} is outside what any plan of {fp16_dir} can "
+            f"write: more than {_size_text(low)} (the decoder blocks' {params:,} weights at 4 "
+            f"bits with every other tensor as stored) and at most {_size_text(total)} (the "
+            "folder: everything FP16)")
 
 
 def _size_text(n: float) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from quantpipe.calibration.config import DEFAULTS as CALIB
 from quantpipe.calibration.menu import DEFAULT_MENU, parse_menu
 from quantpipe.calibration.mixed_precision.plan import check_budget_bits
-from quantpipe.core.io import MANIFEST_NAME, write_json_atomic
+from quantpipe.core.io import MANIFEST_NAME, parse_size, write_json_atomic
 from quantpipe.core.qformat import check_bits
 from quantpipe.core.sources import resolve_source
 from quantpipe.core.verified import file_key
@@ -45,6 +45,9 @@ class RunSpec:
     # uniform candidates, one per precision (an int: one); (): INT4, or none with budget_bits
     bits: tuple[int, ...] | int = ()
     budget_bits: float | None = None  # the mixed candidate (runs `sensitivity` first)
+    # or the mixed candidate's checkpoint size ("120MB": export --budget-size), checked
+    # against the FP16 folder before calibrating and exactly when the plan is made
+    budget_size: str | None = None
     overrides: tuple[str, ...] = field(default_factory=tuple)
     algo: str = CALIB.algo
     group_size: int | None = CALIB.group_size  # None: calibrate's auto (planned per layer)
@@ -64,7 +67,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         bits = (self.bits,) if isinstance(self.bits, int) else tuple(self.bits)
-        if not bits and self.budget_bits is None:
+        if not bits and not self.mixed:
             bits = (4,)
         object.__setattr__(self, "bits", bits)
         for b in bits:
@@ -72,20 +75,31 @@ class RunSpec:
         if len(set(bits)) != len(bits):
             raise ValueError(f"--bits {list(bits)} repeats a precision; give each once")
         check_budget_bits(self.budget_bits)
+        if self.budget_size is not None:
+            parse_size(self.budget_size, "--budget-size")
+            if self.budget_bits is not None:
+                raise ValueError("give --budget-bits or --budget-size, not both")
         parse_menu(self.menu)  # ValueError naming a malformed entry
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the run has a mixed-precision candidate (--budget-bits or --budget-size)."""
+        return self.budget_bits is not None or self.budget_size is not None
 
     def calibration_menu(self) -> tuple[str, ...]:
         """The menu the run's calibration computes (see ``menu``)."""
         if self.menu:
             return parse_menu(self.menu)
-        return DEFAULT_MENU if self.budget_bits is not None else ()
+        return DEFAULT_MENU if self.mixed else ()
 
-    def candidates(self) -> tuple[tuple[str, int, float | None], ...]:
-        """(WORKDIR folder name, bits, budget) of every candidate, uniform ones first."""
+    def candidates(self) -> tuple[tuple[str, int, float | str | None], ...]:
+        """(WORKDIR folder name, bits, budget) of every candidate, uniform ones first; a
+        budget is bits per weight (a float) or a size as given ("120MB")."""
         out = tuple((f"int{b}", b, None) for b in self.bits)
-        if self.budget_bits is not None:
-            out += ((f"mixed-{self.budget_bits}", self.bits[0] if self.bits else 4,
-                     self.budget_bits),)
+        budget = self.budget_bits if self.budget_bits is not None else self.budget_size
+        if budget is not None:
+            name = str(budget).replace(" ", "")
+            out += ((f"mixed-{name}", self.bits[0] if self.bits else 4, budget),)
         return out
 
 
@@ -144,13 +158,15 @@ def run_settings(spec: RunSpec, previous: dict | None = None
     t0 = time.perf_counter()
     src = resolve_source(spec.source)
     settings = {k: json.dumps(v, sort_keys=True) for k, v in asdict(spec).items()
-                if k not in ("source", "out", "speed", "menu", "int8_group_size")}
+                if k not in ("source", "out", "speed", "menu", "int8_group_size", "budget_size")}
     # (runs without a menu record none, and per-channel INT8 records no group size, as before
     # either option existed)
     if spec.calibration_menu():
         settings["menu"] = json.dumps(list(spec.calibration_menu()))
     if spec.int8_group_size != -1:
         settings["int8_group_size"] = json.dumps(spec.int8_group_size)
+    if spec.budget_size is not None:  # (nor does a run without one)
+        settings["budget_size"] = json.dumps(parse_size(spec.budget_size))
     # one precision is recorded as the number it was before --bits could repeat (and a
     # budget-only run as the 4 it recorded then), so earlier WORKDIRs are still reused
     bits = spec.bits or (4,)
@@ -206,7 +222,12 @@ def _check_workdir(out: Path, settings: dict[str, str], outputs: tuple[Path, ...
                          "--out") from None
     diffs = _differences(before, settings)
     made = [e for e in entries if e != RUN_FILE and not e.startswith(".")]  # (locks are hidden)
-    if diffs and made:  # with only the record of a run that made nothing yet, start anew
+    # with only the record of a run that made nothing yet, start anew; and the FP16 export
+    # depends on the source alone, so a run that made only that may change any other option
+    # (e.g. a --budget-size refused after export-fp16, before calibrating)
+    only_fp16 = set(made) <= {"fp16"} and before.get("source_sha256") == settings.get(
+        "source_sha256")
+    if diffs and made and not only_fp16:
         raise ValueError(
             f"{out} holds a run with other settings (" + "; ".join(diffs) + "); re-run with "
             "the earlier settings to continue it, or choose another --out")
@@ -223,7 +244,11 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
     from quantpipe.reports.build import ReportSpec, build_report
     from quantpipe.reports.eval import EvalSpec, load_texts, run_eval
-    from quantpipe.stages.export import ExportSpec, export_quantized
+    from quantpipe.stages.export import (
+        ExportSpec,
+        check_budget_size_reachable,
+        export_quantized,
+    )
     from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 
     out = Path(spec.out)
@@ -236,8 +261,9 @@ def run_pipeline(spec: RunSpec) -> RunResult:
                                group_size=spec.group_size, sym=spec.sym,
                                int8_group_size=spec.int8_group_size, samples=spec.samples,
                                seq_len=spec.seq_len, menu=spec.calibration_menu())
-    exports = {name: ExportSpec(calib, out / name, bits=bits, budget_bits=budget,
-                                overrides=spec.overrides)
+    exports = {name: ExportSpec(calib, out / name, bits=bits, overrides=spec.overrides,
+                                budget_bits=None if isinstance(budget, str) else budget,
+                                budget_size=budget if isinstance(budget, str) else None)
                for name, bits, budget in spec.candidates()}
     qdirs = [e.out for e in exports.values()]
     previous = _read_record(out)
@@ -260,8 +286,10 @@ def run_pipeline(spec: RunSpec) -> RunResult:
         stages[name] = time.perf_counter() - t0
 
     stage("export-fp16", _done(fp16), lambda: export_fp16(fp16_spec))
+    if spec.budget_size is not None and not _done(calib):  # before hours of calibration
+        check_budget_size_reachable(fp16, parse_size(spec.budget_size))
     stage("calibrate", _done(calib), lambda: calibrate(calib_spec))
-    if spec.budget_bits is not None:
+    if spec.mixed:
         from quantpipe.calibration.mixed_precision.sensitivity import (
             SensitivitySpec,
             measure_sensitivity,

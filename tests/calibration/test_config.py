@@ -40,14 +40,14 @@ def _as_library_value(command: click.Command, param: click.Parameter):
 
 @pytest.mark.parametrize("command, spec_class, shared", [
     (cli.calibrate_cmd, CalibrateSpec,
-     {"prompts", "column", "algo", "group_size", "sym", "int8_group_size", "act_order", "mse_clip",
-      "static_groups", "strict_group_size", "per_channel_if_larger", "samples", "seq_len",
+     {"prompts", "column", "algo", "group_size", "sym", "int8_group_size", "act_order",
+      "mse_clip", "static_groups", "strict_group_size", "per_channel_if_larger", "samples",
+      "seq_len",
       "min_tokens", "seed", "batch_size", "min_expert_tokens", "max_memory", "device", "menu",
       "force"}),
     (cli.run_cmd, RunSpec,
-     {"bits", "budget_bits", "overrides", "algo", "group_size", "sym", "int8_group_size",
-      "samples", "seq_len",
-      "prompts", "eval_tokens", "speed", "menu"}),
+     {"bits", "budget_bits", "budget_size", "overrides", "algo", "group_size", "sym",
+      "int8_group_size", "samples", "seq_len", "prompts", "eval_tokens", "speed", "menu"}),
 ])
 def test_command_defaults_are_the_library_defaults(command, spec_class, shared):
     spec = _spec_defaults(spec_class)

@@ -111,6 +111,38 @@ def test_run_with_budget_measures_sensitivity(tiny_llama_dir, tmp_path):
     assert plan["counts"]["int8"] + plan["counts"]["fp16"] > 0
 
 
+def test_run_with_a_budget_size(tiny_llama_dir, tmp_path):
+    """--budget-size out of reach is refused after export-fp16, before calibrating; the same
+    WORKDIR then takes a reachable size (only the FP16 export exists, which depends on the
+    source alone), and the mixed candidate's tensors fit it."""
+    from quantpipe.core.io import LazyTensors
+
+    out = tmp_path / "work"
+    args = ["run", str(tiny_llama_dir), "--out", str(out), "--samples", "4", "--seq-len", "64",
+            "--group-size", "32", "--eval-tokens", "512", "--budget-size"]
+    r = CliRunner().invoke(main, [*args, "1kB"])
+    assert_one_line_error(r, "--budget-size 1 kB is outside what any plan of")
+    assert (out / "fp16" / "quantpipe.json").is_file() and not (out / "calib").exists()
+    fp16 = LazyTensors.of_folder(out / "fp16")
+    matrices = sum(fp16.nbytes(k) for k in fp16 if k.startswith("model.layers.")
+                   and len(fp16.shape(k)) == 2)
+    total = sum(fp16.nbytes(k) for k in fp16)
+    size = total - matrices + int(0.6 * matrices)  # the linears at ~9.6 bits per weight
+    r = CliRunner().invoke(main, [*args, f"{size}B"])
+    assert r.exit_code == 0, r.output
+    qdir = out / f"mixed-{size}B"
+    written = LazyTensors.of_folder(qdir)
+    # above uniform INT4 g32 (4.5 bits: 0.28 of the FP16 matrices), within the size
+    assert total - 0.7 * matrices < sum(written.nbytes(k) for k in written) <= size
+    plan = json.loads((qdir / "quantpipe.json").read_text())["plan"]
+    assert plan["counts"]["int8"] + plan["counts"]["fp16"] > 0
+    assert json.loads((out / "run.json").read_text())["settings"]["budget_size"] == str(size)
+    with pytest.raises(ValueError, match="not both"):
+        from quantpipe.stages.run import RunSpec
+
+        RunSpec("s", out, budget_bits=5.0, budget_size="1GB")
+
+
 def test_default_logging_shows_warnings_and_v_shows_info():
     code = ("import logging; from quantpipe.cli import configure_logging; "
             "configure_logging({v}); log = logging.getLogger('quantpipe.x'); "
