@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 _CHILD = """
 import json, sys, time
 from pathlib import Path
+from quantpipe.core.heap import peak_rss
 from quantpipe.prompts.sets import load_prompt_records
-from quantpipe.reports.answers import answer_prompts, peak_rss
+from quantpipe.reports.answers import answer_prompts
 from quantpipe.reports.build import answer_dtype, spread
 folder, n, new = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dtype, why = answer_dtype(folder)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -17,6 +16,7 @@ from quantpipe.calibration.grid import clip_search_settings
 from quantpipe.calibration.menu import is_menu_tag
 from quantpipe.calibration.resume import CalibInputs, Run
 from quantpipe.core.families import family_for
+from quantpipe.core.heap import peak_rss
 from quantpipe.core.io import write_manifest
 
 if TYPE_CHECKING:
@@ -39,10 +39,6 @@ class CalibrateResult:
 
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 
 
 def _log_group_sizes(spec: CalibrateSpec, group_sizes: dict[str, int],
@@ -63,7 +59,7 @@ def finish(run: Run, inputs: CalibInputs, data_summary: dict, seconds: float,
             start: int) -> CalibrateResult:
     """Write the manifest (last file; it marks the folder valid) and drop the resume state."""
     spec = run.spec
-    peak = _peak_rss_mb()
+    peak = (peak_rss() or 0) / 2**20
     # after a resume, this process saw only some blocks: the block files are the record
     fallbacks, total_raises, expert_fallbacks, group_sizes = {}, 0, {}, {}
     devices: dict[str, int] = {}  # device -> blocks calibrated there (a resume may switch)

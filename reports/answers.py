@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantpipe.core.heap import release_freed_memory
+from quantpipe.core.heap import peak_rss, release_freed_memory, reset_peak_rss
 from quantpipe.core.io import weights_bytes
 from quantpipe.prompts.sets import PromptRecord
 from quantpipe.reports.data import ModelSpeed
@@ -76,46 +76,6 @@ def fit_context(prompt: list[int], budget: int, limit: int) -> tuple[list[int], 
         return prompt, budget
     budget = min(budget, max(limit - len(prompt), limit // 2))
     return prompt[max(0, len(prompt) + budget - limit):], budget
-
-
-# ------------------------------------------------------------------------------ peak RSS
-
-
-def reset_peak_rss() -> bool:
-    """Reset the process's RSS high-water mark (Linux ``clear_refs`` 5); False where not
-    possible (then :func:`peak_rss` is the peak since the process started). Some kernels and
-    sandboxes accept the write and keep the old mark, so the reset is checked: the mark must
-    have come down to the resident size."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    status = _proc_status_kib("VmHWM", "VmRSS")
-    return len(status) == 2 and status["VmHWM"] <= status["VmRSS"] + _RESET_SLACK_KIB
-
-
-_RESET_SLACK_KIB = 8 * 1024  # pages touched between the reset and the read
-
-
-def _proc_status_kib(*keys: str) -> dict[str, int]:
-    """The named ``/proc/self/status`` fields in KiB; those missing (off Linux) left out."""
-    found = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in keys:
-                    found[key] = int(rest.split()[0])
-    except OSError:
-        pass
-    return found
-
-
-def peak_rss() -> int | None:
-    """The process's RSS high-water mark in bytes (``VmHWM``), None off Linux."""
-    kib = _proc_status_kib("VmHWM").get("VmHWM")
-    return None if kib is None else kib * 1024
 
 
 # ------------------------------------------------------------------------------ timing

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from quantpipe.core.heap import peak_rss
 from quantpipe.core.io import MANIFEST_NAME
 from quantpipe.runtime.config import DEFAULTS
 from quantpipe.runtime.fp_head import HEAD_DTYPES
@@ -198,8 +198,8 @@ def run_generate(spec: GenerateSpec) -> GenerateResult:
                                                  spec.min_new_tokens)
     if spec.device == "cuda":
         peak = torch.cuda.max_memory_allocated()
-    else:  # ru_maxrss is in KiB on Linux
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    else:
+        peak = peak_rss() or 0
     decode_tokens = len(new) - 1
     return GenerateResult(
         text=tokenizer.decode(new, skip_special_tokens=True),

@@ -1,4 +1,5 @@
-"""Process heap housekeeping: hand freed memory back to the OS (loaders, calibration)."""
+"""Process memory housekeeping: hand freed memory back to the OS (loaders, calibration), and
+the peak resident size every stage reports."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ctypes.util
 import functools
 import math
 import mmap
+import sys
 
 import torch
 
@@ -41,3 +43,49 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
     numel = math.prod(shape)
     buf = mmap.mmap(-1, max(numel * dtype.itemsize, 1))  # a map cannot be empty
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape), buf
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark (Linux ``clear_refs`` 5); False where not
+    possible (then :func:`peak_rss` is the peak since the process started). Some kernels and
+    sandboxes accept the write and keep the old mark, so the reset is checked: the mark must
+    have come down to the resident size."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    status = _proc_status_kib("VmHWM", "VmRSS")
+    return len(status) == 2 and status["VmHWM"] <= status["VmRSS"] + _RESET_SLACK_KIB
+
+
+_RESET_SLACK_KIB = 8 * 1024  # pages touched between the reset and the read
+
+
+def _proc_status_kib(*keys: str) -> dict[str, int]:
+    """The named ``/proc/self/status`` fields in KiB; those missing (off Linux) left out."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    found[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return found
+
+
+def peak_rss() -> int | None:
+    """The process's resident-memory high-water mark in bytes: Linux's ``VmHWM`` (which
+    :func:`reset_peak_rss` lowers), else ``getrusage``'s peak since the process started (KiB
+    on Linux, bytes on macOS); None where neither exists."""
+    kib = _proc_status_kib("VmHWM").get("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,26 @@
+"""quantpipe.core.heap: the peak resident size every stage reports, and its reset between
+the models of one process (the report answers with each model in turn)."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from quantpipe.core.heap import peak_rss, reset_peak_rss
+
+
+def test_peak_rss_is_the_high_water_mark():
+    high = peak_rss()
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB, every page touched
+    assert peak_rss() >= high and peak_rss() >= block.nbytes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs")
+def test_peak_rss_is_reset_between_models():
+    block = np.ones(256 * 2**20 // 8)  # 256 MiB, every page touched
+    high = peak_rss()
+    del block
+    if not reset_peak_rss():  # a sandbox that keeps the mark: the report then says so
+        assert peak_rss() >= high
+        pytest.skip("this kernel keeps the RSS high-water mark through clear_refs")
+    assert peak_rss() < high - 200 * 2**20
