@@ -203,7 +203,9 @@ class CalibrateSpec:
         gs = self.int8_group_size
         if in_features is not None:
             gs = resolve_group_size(gs, in_features)
-        return QuantSpec(8, gs, True, gs != -1 and bool(self.resolved().act_order))
+        act_order = self.act_order if self.act_order is not None else (
+            self.resolved().act_order)  # (a resolved spec, as calibration's, has it already)
+        return QuantSpec(8, gs, True, gs != -1 and bool(act_order))
 
     def layer_menu(self, spec4: QuantSpec, in_features: int) -> dict[str, QuantSpec]:
         """tag -> spec of the menu entries one linear gets besides its INT4 ``spec4`` and
