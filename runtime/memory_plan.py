@@ -2,7 +2,8 @@
 
 KV cache per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element. A sequence
 of ``context`` tokens holds ceil(context / block_size) blocks. Weights are the actual bytes of
-the folder's safetensors tensors (so a quantized folder counts its packed INT4 + scales). The
+the folder's safetensors tensors (so a quantized folder counts its packed INT4 + scales), plus
+what loading widens: a native INT5 / INT6 layer runs as INT8 (``kernels.layout.widen_to_int8``). The
 activation peak is an estimate of one engine step (see :func:`activation_peak_bytes`).
 """
 
@@ -110,19 +111,40 @@ def activation_peak_bytes(d: ModelDims, tokens: int, seqs: int, context: int) ->
     return tokens * per_token + logits + gathered
 
 
-def safetensors_bytes(folder: Path) -> int:
-    """Sum of tensor payload bytes over *.safetensors (header: u64 LE length + JSON)."""
+def _headers(folder: Path) -> dict[str, dict]:
+    """Every tensor's header entry over *.safetensors (header: u64 LE length + JSON)."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors files; pass a model folder written by "
                          "export-fp16 or export")
-    total = 0
+    out: dict[str, dict] = {}
     for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0]
-                     for k, v in header.items() if k != "__metadata__")
+        out.update((k, v) for k, v in header.items() if k != "__metadata__")
+    return out
+
+
+def runtime_weight_bytes(folder: Path) -> int:
+    """Tensor payload bytes over *.safetensors plus what loading adds: each INT5 / INT6 layer
+    of a native folder is held as INT8 (codes at 8 bits, no zero points)."""
+    headers = _headers(folder)
+    total = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in headers.values())
+    cfg_path = Path(folder) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    qcfg = cfg.get("quantization_config") or {}
+    if qcfg.get("quant_method") != "quantpipe":
+        return total
+    for name, spec in (qcfg.get("layers") or {}).items():
+        bits, entry = int(spec.get("bits", 4)), headers.get(f"{name}.qweight")
+        if bits in (4, 8) or entry is None:
+            continue
+        rows, words = entry["shape"]
+        columns = words * 32 // bits
+        zeros = headers.get(f"{name}.qzeros")
+        total += rows * columns - rows * words * 4  # int8 codes instead of the bit planes
+        total -= 0 if zeros is None else zeros["data_offsets"][1] - zeros["data_offsets"][0]
     return total
 
 
@@ -152,7 +174,7 @@ def plan_memory(spec: MemoryPlanSpec) -> MemoryPlan:
     if not cfg_path.is_file():
         raise ValueError(f"{spec.model_dir} has no config.json; pass a model folder")
     cfg = json.loads(cfg_path.read_text())
-    return plan(ModelDims.from_config(cfg, spec.kv_dtype), safetensors_bytes(spec.model_dir),
+    return plan(ModelDims.from_config(cfg, spec.kv_dtype), runtime_weight_bytes(spec.model_dir),
                 spec)
 
 

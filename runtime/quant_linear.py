@@ -34,7 +34,7 @@ from torch import nn
 
 from quantpipe.runtime.kernels import cpu as cpu_kernels
 from quantpipe.runtime.kernels.backend import Backend
-from quantpipe.runtime.kernels.layout import PackedLinear, repack_for_triton
+from quantpipe.runtime.kernels.layout import PackedLinear, repack_for_triton, widen_to_int8
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class QuantLinear(nn.Module):
         device = torch.device(device)
         self.in_features = packed.in_features
         self.out_features = packed.out_features
-        self.spec = packed.spec
+        self.spec = packed.spec  # as stored (INT5 / INT6 run as INT8: layout.widen_to_int8)
+        packed = widen_to_int8(packed)
         if backend is None:
             backend, reason = choose_backend(packed, device)
         elif backend not in BACKENDS:

@@ -178,10 +178,16 @@ class Plan:
         return registry.average_bits(self.specs, self.shapes, self.fmt)
 
     def counts(self) -> dict[str, int]:
+        """Layers per width: int4, int8, fp16 always; int5 / int6 where the plan has any."""
         out = {"int4": 0, "int8": 0, "fp16": 0}
         for spec in self.specs.values():
-            out["fp16" if spec is None else f"int{spec.bits}"] += 1
-        return out
+            key = "fp16" if spec is None else f"int{spec.bits}"
+            out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: (kv[0] == "fp16", kv[0])))
+
+    def counts_text(self) -> str:
+        """``int4 N, int8 M, fp16 K layers`` (and int5 / int6 where present)."""
+        return ", ".join(f"{k} {v}" for k, v in self.counts().items()) + " layers"
 
     def entries(self) -> dict[str, int]:
         """Layers per stored format (spec label, or fp16), most used first."""
@@ -220,9 +226,8 @@ class Plan:
             bpw = bits_per_weight(spec, self.shapes[n], self.fmt)
             rows.append(f"{n:<48} {label:<14} {bpw:>6.3f}  "
                         f"{self.reasons[n]}")
-        c = self.counts()
         rows.append(f"effective bits per weight ({self.fmt} layout): {self.effective_bits():.4f} "
-                    f"(int4 {c['int4']}, int8 {c['int8']}, fp16 {c['fp16']} layers)")
+                    f"({self.counts_text()})")
         if len(self.entries()) > 1:
             rows.append("formats: " + ", ".join(f"{k} {v}" for k, v in self.entries().items()))
         if self.budget_bits is not None:

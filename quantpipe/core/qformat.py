@@ -13,7 +13,11 @@ The one numeric convention used everywhere in quantpipe (calibration, exports, r
 - ``g_idx[i]`` is the group of input column ``i``; without act-order it is ``i // group_size``.
 
 Packing (native format and compressed-tensors ``pack-quantized``): ``32 // bits`` values per
-int32 along the input dimension, least significant bits first.
+int32 along the input dimension, least significant bits first. INT5 and INT6 (menu entries of
+the native format only) are stored as bit planes in the same ``[..., in * bits / 32]`` words:
+first the low four bits of every value packed as INT4, then the top ``bits - 4`` bits packed
+as ``bits - 4``-bit values (32 or 16 per word), so a layer takes exactly ``bits`` per weight
+and its low plane is an INT4 layout.
 """
 
 from __future__ import annotations
@@ -23,27 +27,40 @@ from dataclasses import dataclass
 
 import torch
 
-VALID_BITS = (4, 8)
+VALID_BITS = (4, 8)  # uniform checkpoints (``--bits``) and every format
+SPEC_BITS = (4, 5, 6, 8)  # a layer's spec: 5 and 6 are menu entries of the native format
+_PLANE_BITS = (5, 6)  # stored as an INT4 plane + a (bits - 4)-bit plane
 
 
-def check_bits(bits: int, name: str = "bits=") -> None:
+def check_bits(bits: int, name: str = "bits=", allowed: tuple[int, ...] = VALID_BITS) -> None:
     """Raise the one error every stage gives for an unsupported bit width (``name`` is how the
     user wrote it: ``--bits `` on the command line, ``bits=`` in a spec)."""
-    if bits not in VALID_BITS:
-        raise ValueError(f"{name}{bits} is not supported; use one of {VALID_BITS}")
+    if bits not in allowed:
+        raise ValueError(f"{name}{bits} is not supported; use one of {allowed}")
+
+
+def column_multiple(bits: int) -> int:
+    """Input columns one packed int32 word set holds whole: a layer's ``in_features`` must be
+    a multiple of it (8 for INT4, 4 for INT8, 32 for INT5's 1-bit plane, 16 for INT6's)."""
+    return 32 // (bits - 4) if bits in _PLANE_BITS else 32 // bits
+
+
+def packed_words(in_features: int, bits: int) -> int:
+    """int32 words one row of ``in_features`` ``bits``-bit values packs into."""
+    return in_features * bits // 32
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """How one linear layer's weight is quantized."""
 
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8 (5 and 6: native-format menu entries)
     group_size: int  # input columns sharing one scale; -1 = one group per output row
     sym: bool  # True: fixed mid-point zero; False: a stored zero per group
     act_order: bool = False  # GPTQ columns processed by decreasing Hessian diagonal (uses g_idx)
 
     def __post_init__(self) -> None:
-        check_bits(self.bits)
+        check_bits(self.bits, allowed=SPEC_BITS)
         if self.group_size != -1 and not (self.group_size > 0 and self.group_size % 8 == 0):
             raise ValueError(f"group_size={self.group_size} is not supported: a stored group "
                              "spans a multiple of 8 input columns (one packed int32), or -1 "
@@ -203,10 +220,19 @@ def dequantize(
 
 
 def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned values along the last dim, LSB first.
+    """Pack unsigned values along the last dim, LSB first (INT5 / INT6: two bit planes, see
+    the module docstring).
 
     q: [..., in] uint8 with values < 2**bits -> [..., in * bits // 32] int32
     """
+    if bits in _PLANE_BITS:
+        assert int(q.max()) < 2**bits if q.numel() else True
+        return torch.cat([_pack_words(q & 15, 4), _pack_words(q >> 4, bits - 4)], dim=-1)
+    return _pack_words(q, bits)
+
+
+def _pack_words(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``32 // bits`` values per word (bits divides 32)."""
     per_word = 32 // bits
     assert q.shape[-1] % per_word == 0, f"last dim {q.shape[-1]} not a multiple of {per_word}"
     assert int(q.max()) < 2**bits if q.numel() else True
@@ -222,6 +248,15 @@ def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_int32(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
     """Inverse of :func:`pack_int32`: [..., in * bits // 32] int32 -> [..., in] uint8."""
+    if bits in _PLANE_BITS:
+        low_words = packed.shape[-1] * 4 // bits  # in / 8 words of low nibbles first
+        low = _unpack_words(packed[..., :low_words], 4)
+        low |= _unpack_words(packed[..., low_words:], bits - 4) << 4
+        return low if n is None else low[..., :n]
+    return _unpack_words(packed, bits, n)
+
+
+def _unpack_words(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
     per_word = 32 // bits
     mask = 2**bits - 1
     p = packed.to(torch.int32)

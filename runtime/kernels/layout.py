@@ -13,6 +13,9 @@ Repacked layouts
   word -- ``scales_t`` fp16 ``[G, out]``, ``zeros_t`` uint8 ``[G, out]`` (asym only), ``g_idx``
   int32 ``[in]`` (act-order only).
 - CPU int4 (``torch.ops.aten._convert_weight_to_int4pack_for_cpu``): see ``kernels/cpu.py``.
+- INT5 / INT6 layers (native menu entries) have no kernels of their own: :func:`widen_to_int8`
+  rewrites one as the symmetric INT8 layer of the same weights (``q - zero`` fits int8), which
+  every INT8 kernel runs exactly; it holds 8 bits per weight in memory (the checkpoint 5 or 6).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantpipe.core.qformat import QuantSpec, unpack_int32
+from quantpipe.core.qformat import VALID_BITS, QuantSpec, pack_int32, unpack_int32
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,18 @@ class PackedLinear:
         if self.g_idx is not None:
             return self.g_idx.long()
         return torch.arange(self.in_features, device=self.qweight.device) // self.group_size
+
+
+def widen_to_int8(p: PackedLinear) -> PackedLinear:
+    """``p`` itself when kernels take its width (4, 8), else the symmetric INT8 layer whose
+    weights equal ``p``'s exactly: ``q8 = q - zero + 128`` per column's group, same scales,
+    same groups (so ``(q8 - 128) * s == (q - zero) * s``; |q - zero| <= 63 at INT6)."""
+    if p.spec.bits in VALID_BITS:
+        return p
+    z = p.zeros_u8().to(torch.int16)[:, p.group_index()]  # [out, in]
+    q8 = (p.unpacked_q().to(torch.int16) - z + 128).to(torch.uint8)  # [out, in] in [65, 191]
+    spec = QuantSpec(8, p.spec.group_size, True, p.spec.act_order)
+    return PackedLinear(spec, pack_int32(q8, 8), p.scales, None, p.g_idx, p.bias, p.in_features)
 
 
 def dequantize_reference(p: PackedLinear, dtype: torch.dtype = torch.float64) -> torch.Tensor:

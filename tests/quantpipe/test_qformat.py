@@ -4,14 +4,16 @@ import torch
 from quantpipe.core.qformat import (
     QuantizedWeight,
     QuantSpec,
+    column_multiple,
     dequantize,
     pack_int32,
+    packed_words,
     resolve_group_size,
     unpack_int32,
 )
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_pack_unpack_exact_round_trip(bits):
     g = torch.Generator().manual_seed(bits)
     q = torch.randint(0, 2**bits, (7, 64), generator=g, dtype=torch.int64).to(torch.uint8)
@@ -19,6 +21,20 @@ def test_pack_unpack_exact_round_trip(bits):
     packed = pack_int32(q, bits)
     assert packed.dtype == torch.int32 and packed.shape == (7, 64 * bits // 32)
     assert torch.equal(unpack_int32(packed, bits), q)
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_int5_int6_pack_as_an_int4_plane_then_the_top_bits(bits):
+    q = torch.randint(0, 2**bits, (3, 96), generator=torch.Generator().manual_seed(bits),
+                      dtype=torch.int64).to(torch.uint8)
+    packed = pack_int32(q, bits)
+    assert packed.shape == (3, 96 * bits // 32) and packed_words(96, bits) == packed.shape[1]
+    assert torch.equal(packed[:, :12], pack_int32(q & 15, 4))  # in / 8 words of low nibbles
+    top = unpack_int32(packed[:, 12:], bits - 4)  # then 32 / (bits - 4) top parts per word
+    assert torch.equal(top, q >> 4)
+    assert column_multiple(bits) == 32 // (bits - 4) and column_multiple(4) == 8
+    with pytest.raises(AssertionError, match="not a multiple of"):
+        pack_int32(q[:, :40], bits)  # 40 columns are not whole words of the top plane
 
 
 def test_pack_is_lsb_first():

@@ -65,6 +65,10 @@ def test_spec_rules_are_the_tables():
                 assert (gptq_spec_problem(spec) is None) == (sym and g in GPTQ_GROUP_SIZES)
                 loads_ct = sym or (bits == 4 and g in CT_ASYM_INT4_GROUP_SIZES)
                 assert (ct_spec_problem(spec) is None) == loads_ct, spec
+    for bits in (5, 6):  # native-format menu entries: neither format has a packing for them
+        for spec in (QuantSpec(bits, 128, True), QuantSpec(bits, 32, False)):
+            assert f"{bits}-bit: gptq checkpoints store (4, 8)" in gptq_spec_problem(spec)
+            assert f"{bits}-bit: compressed-tensors" in ct_spec_problem(spec)
 
 
 def test_gptq_refuses_an_act_order_permutation(fp16, tmp_path):

@@ -18,7 +18,11 @@ import torch  # noqa: E402
 from quantpipe.core.qformat import QuantSpec  # noqa: E402
 from quantpipe.runtime.kernels import autotune  # noqa: E402
 from quantpipe.runtime.kernels import triton_kernels as tk  # noqa: E402
-from quantpipe.runtime.kernels.layout import dequantize_reference, repack_for_triton  # noqa: E402
+from quantpipe.runtime.kernels.layout import (  # noqa: E402
+    dequantize_reference,
+    repack_for_triton,
+    widen_to_int8,
+)
 from tests.runtime._quant_helpers import random_packed  # noqa: E402
 
 N = 80  # not a multiple of BLOCK_N: exercises the column masks
@@ -34,6 +38,8 @@ def layouts() -> list[tuple[QuantSpec, int]]:
                         continue
                     out.append((QuantSpec(bits, gs, sym, act), 256))
     out += [(QuantSpec(4, 32, False), 160), (QuantSpec(8, -1, True), 160)]  # K tail masks
+    # INT5 / INT6 run as the INT8 layer of the same weights (QuantLinear widens them)
+    out += [(QuantSpec(5, 64, False, True), 256), (QuantSpec(6, 32, True), 256)]
     return out
 
 
@@ -59,7 +65,7 @@ def run_case(spec: QuantSpec, k: int, kernel: str, cfg: dict | None, m: int,
               f"{str(dtype)[6:]}"
     seed = zlib.crc32(case_id.encode())
     p = random_packed(N, k, spec, seed)
-    tw = repack_for_triton(p, "cpu")
+    tw = repack_for_triton(widen_to_int8(p), "cpu")
     torch.manual_seed(seed)
     x = torch.randn(m, k).to(dtype)  # fresh inputs per case
     out = torch.full((m, N), float("nan"), dtype=dtype)  # poisoned: every element must be set

@@ -38,7 +38,7 @@ def test_interpreter_all_layouts_and_kernels(interp_results):
     bad = [r for r in cases if r["nan"] or not r["rel"] < r["tol"] or not r["same_buffer"]]
     assert not bad, bad[:5]
     ids = " ".join(r["id"] for r in cases)
-    for needle in ("w4g32", "w8pc", "-asym", "-act", "gemv_splitk", "fused_gemm",
+    for needle in ("w4g32", "w8pc", "w5g64", "w6g32", "-asym", "-act", "gemv_splitk", "fused_gemm",
                    "dequant_matmul", "autotune", "-M1-", "-M3-", "-M16-", "-M33-", "-M64-",
                    "-M80-", "float16", "float32", "K160"):
         assert needle in ids, needle

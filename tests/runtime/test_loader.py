@@ -11,9 +11,10 @@ from quantpipe.runtime.quant_linear import QuantLinear
 from quantpipe.stages.fp16_export import Fp16ExportSpec, export_fp16
 from tests.runtime._quant_helpers import quantize_folder
 
-# every CPU backend appears: int4pack (g32/g64, sym/asym), int8pack (pc sym), dequant (int8 g32)
+# every CPU backend appears: int4pack (g32/g64, sym/asym), int8pack (pc sym), dequant (int8 g32);
+# INT5 / INT6 (native menu entries) run as INT8
 SPECS = [QuantSpec(4, 32, True), QuantSpec(4, 64, False), QuantSpec(8, -1, True),
-         QuantSpec(8, 32, False)]
+         QuantSpec(8, 32, False), QuantSpec(5, 32, False), QuantSpec(6, 64, True)]
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +183,12 @@ def test_runtime_loads_gptq_and_compressed_tensors(qdirs, tmp_path):
     """One runtime loader for the three formats: the same logits as the native folder."""
     from quantpipe.core.formats import convert_checkpoint
 
+    for fmt in ("gptq", "compressed-tensors"):  # INT5 / INT6 layers: native only
+        with pytest.raises(ValueError, match=f"5-bit: {fmt} checkpoints store"):
+            convert_checkpoint(qdirs, tmp_path / f"refused-{fmt}", fmt, for_vllm=False)
+        assert not (tmp_path / f"refused-{fmt}" / "quantpipe.json").exists()
+    quantize_folder(qdirs.parent / "fp16", tmp_path / "q48", SPECS[:4])  # 4 and 8 bits
+    qdirs = tmp_path / "q48"
     ids = torch.arange(3, 20)[None]
     with torch.no_grad():
         ref = load_quantized_model(qdirs, backend="dequant")(ids).logits
@@ -190,3 +197,23 @@ def test_runtime_loads_gptq_and_compressed_tensors(qdirs, tmp_path):
             convert_checkpoint(qdirs, tmp_path / fmt, fmt, for_vllm=False)
             got = load_quantized_model(tmp_path / fmt, backend="dequant")(ids).logits
             torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_memory_plan_counts_int5_int6_layers_as_the_int8_they_run_as(qdirs, tmp_path):
+    from quantpipe.runtime.kernels.layout import widen_to_int8
+    from quantpipe.runtime.loader import read_packed
+    from quantpipe.runtime.memory_plan import runtime_weight_bytes
+
+    quantize_folder(qdirs.parent / "fp16", tmp_path / "q48", SPECS[:4])  # 4 and 8 bits
+    # tensor bytes: each file less its header (u64 length + JSON)
+    files = {d: sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little")
+                    for f in d.glob("*.safetensors")) for d in (qdirs, tmp_path / "q48")}
+    assert files[tmp_path / "q48"] == runtime_weight_bytes(tmp_path / "q48")  # 4 and 8 bits
+    widened = 0
+    for _, p in read_packed(qdirs).packed_layers():
+        if p.spec.bits in (5, 6):
+            w = widen_to_int8(p)
+            widened += w.qweight.nbytes - p.qweight.nbytes - (
+                0 if p.qzeros is None else p.qzeros.nbytes)
+    assert widened > 0
+    assert files[qdirs] + widened == runtime_weight_bytes(qdirs)

@@ -5,17 +5,22 @@ import zlib
 import pytest
 import torch
 
-from quantpipe.core.qformat import QuantSpec
+from quantpipe.core.qformat import QuantSpec, pack_int32
 from quantpipe.runtime.kernels import cpu as cpu_kernels
 from quantpipe.runtime.kernels import cpu_ext
-from quantpipe.runtime.kernels.layout import dequantize_reference, repack_for_triton
+from quantpipe.runtime.kernels.layout import (
+    PackedLinear,
+    dequantize_reference,
+    repack_for_triton,
+    widen_to_int8,
+)
 from quantpipe.runtime.quant_linear import BACKENDS, QuantLinear
 from tests.runtime._quant_helpers import random_packed
 
 OUT, IN = 96, 256
 LAYOUTS = [
     QuantSpec(bits, gs, sym, act)
-    for bits in (4, 8) for gs in (32, 64, 128, -1) for sym in (True, False)
+    for bits in (4, 5, 6, 8) for gs in (32, 64, 128, -1) for sym in (True, False)
     for act in (False, True) if not (act and gs == -1)
 ]
 
@@ -34,15 +39,17 @@ def test_quant_linear_cpu_all_layouts(spec, m):
     want = x.double() @ w64.T + p.bias.double()
     got = ql(x)
     assert got.shape == (2, m, OUT) and got.dtype == torch.float32
+    bits = 4 if spec.bits == 4 else 8  # INT5 / INT6 run as symmetric INT8 (widen_to_int8)
     if cpu_ext.kernel_status()[0]:  # quantpipe's kernels take every layout here (96 x 256)
         isa = cpu_ext.active_isa()
-        expected = {4: f"w4a8_{isa}", 8: f"w8a32_{isa}"}[spec.bits]
+        expected = {4: f"w4a8_{isa}", 8: f"w8a32_{isa}"}[bits]
     else:
         # torch's: per-channel int4 at in=256 is one group of 256, a size int4pack takes
-        fast = (spec.bits == 4 and spec.group_size_for(IN) in (32, 64, 128, 256)) or (
-            spec.bits == 8 and spec.group_size == -1 and spec.sym)
-        expected = ({4: "int4pack", 8: "int8pack"}[spec.bits] if fast else "dequant")
+        fast = (bits == 4 and spec.group_size_for(IN) in (32, 64, 128, 256)) or (
+            bits == 8 and spec.group_size == -1 and (spec.sym or spec.bits != 8))
+        expected = ({4: "int4pack", 8: "int8pack"}[bits] if fast else "dequant")
     assert ql.backend == expected, ql.reason
+    assert ql.spec == spec  # what the checkpoint stores, whatever the kernel runs
     # bf16 activations in int4pack / w4a16_avx512 and int8pack: relative error ~2**-8; int8
     # activations per 32 columns (W4A8): ~2**-7; w8a32_avx512 / w8a32_avx2 (exact int8, fp32
     # activations) and the fallback: fp32 sums only
@@ -151,6 +158,26 @@ def test_backend_dispatch_reasons():
         int8_groupwise  # int8pack is per channel only
     with pytest.raises(ValueError, match="backend"):
         QuantLinear(random_packed(OUT, IN, QuantSpec(4, 32, True), 1), "cpu", backend="marlin")
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(5, 32, False, True), QuantSpec(6, -1, False),
+                                  QuantSpec(5, 128, True), QuantSpec(6, 64, True, True)],
+                         ids=lambda s: s.label())
+def test_int5_int6_widen_to_the_exact_int8_layer(spec):
+    p = random_packed(OUT, IN, spec, seed=7, bias=True)
+    # extreme codes and zeros: |q - zero| reaches 2**bits - 1, the most int8 must hold
+    q = p.unpacked_q()
+    q[0], q[1] = 0, spec.maxq
+    zeros = None if spec.sym else torch.full_like(p.qzeros, spec.maxq)
+    if zeros is not None:
+        zeros[1] = 0
+    p = PackedLinear(spec, pack_int32(q, spec.bits), p.scales, zeros, p.g_idx, p.bias, IN)
+    w = widen_to_int8(p)
+    assert (w.spec.bits, w.spec.sym, w.spec.group_size, w.spec.act_order) == (
+        8, True, spec.group_size, spec.act_order)
+    assert w.qzeros is None and torch.equal(w.scales, p.scales)
+    assert torch.equal(dequantize_reference(w), dequantize_reference(p))  # bit for bit
+    assert widen_to_int8(w) is w  # 4 and 8 bits pass through
 
 
 def test_uneven_act_order_fallback_is_correct():

@@ -51,7 +51,14 @@ from quantpipe.core.formats.common import (
     kept_fp16_linears,
     write_quantized_folder,
 )
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
+from quantpipe.core.qformat import (
+    QuantizedWeight,
+    QuantSpec,
+    check_bits,
+    pack_int32,
+    unpack_int32,
+    weight_spec,
+)
 
 NAME = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
@@ -221,6 +228,7 @@ def ct_plan(
             continue
         actorder = w.get("actorder")
         try:
+            check_bits(int(w.get("num_bits", 8)))  # the packings quantpipe reads: 4 and 8
             plan[name] = QuantSpec(
                 int(w.get("num_bits", 8)),
                 -1 if strategy == "channel" else int(w["group_size"]),
@@ -244,6 +252,7 @@ def write(job: FolderToWrite, for_vllm: bool = True) -> dict:
     sizes without a kernel, fused modules with mixed specs) before writing anything."""
     plan = {n: weight_spec(job.weights, n) for n in job.weights}
     kept_fp16 = kept_fp16_linears(job.state, set(job.weights))
+    vllm_support.check_bits_storable(NAME, plan)
     if for_vllm:
         vllm_support.check_plan(NAME, plan, kept_fp16)
     qcfg = ct_quantization_config(plan, kept_fp16)

@@ -51,7 +51,14 @@ from quantpipe.core.formats.common import (
     kept_fp16_linears,
     write_quantized_folder,
 )
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
+from quantpipe.core.qformat import (
+    QuantizedWeight,
+    QuantSpec,
+    check_bits,
+    pack_int32,
+    unpack_int32,
+    weight_spec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +223,7 @@ def gptq_plan(qcfg: dict, layer_names: list[str]) -> tuple[dict[str, QuantSpec],
                 break
         try:
             # act-order: desc_act (permuted g_idx), or static_groups (sequential g_idx)
+            check_bits(int(fields["bits"]))  # the packings quantpipe reads: 4 and 8
             plan[name] = QuantSpec(int(fields["bits"]), int(fields["group_size"]),
                                    bool(fields["sym"]),
                                    bool(fields["desc_act"] or fields["static_groups"]))
@@ -267,6 +275,7 @@ def write(job: FolderToWrite, checkpoint_format: str = "auto", for_vllm: bool = 
     False writes them for GPTQModel / transformers."""
     plan = {n: weight_spec(job.weights, n) for n in job.weights}
     kept_fp16 = kept_fp16_linears(job.state, set(job.weights))
+    vllm_support.check_bits_storable(NAME, plan)
     if for_vllm:
         vllm_support.check_plan(NAME, plan, kept_fp16)
     fmt = choose_checkpoint_format(job.weights, checkpoint_format)

@@ -6,6 +6,8 @@ Layout of a quantized folder (QDIR), one entry per quantized linear ``P`` (e.g.
 | tensor          | dtype | shape                    | meaning                                     |
 |-----------------|-------|--------------------------|---------------------------------------------|
 | ``P.qweight``   | int32 | [out, in * bits / 32]    | unsigned q, packed along ``in``, LSB first  |
+|                 |       |                          | (INT5/INT6: an INT4 plane, then the top     |
+|                 |       |                          | bits' plane: ``qformat.pack_int32``)        |
 | ``P.scales``    | fp16  | [out, in / group_size]   | one scale per (row, group)                  |
 | ``P.qzeros``    | uint8 | [out, in / group_size]   | asymmetric specs only (sym: 2**(bits-1))    |
 | ``P.g_idx``     | int32 | [in]                     | act-order specs only: group of each column  |
@@ -43,7 +45,14 @@ from quantpipe.core.formats.base import (
 )
 from quantpipe.core.formats.common import read_fp_state, write_quantized_folder
 from quantpipe.core.io import MANIFEST_NAME, read_manifest
-from quantpipe.core.qformat import QuantizedWeight, QuantSpec, pack_int32, unpack_int32, weight_spec
+from quantpipe.core.qformat import (
+    QuantizedWeight,
+    QuantSpec,
+    pack_int32,
+    packed_words,
+    unpack_int32,
+    weight_spec,
+)
 from quantpipe.core.vocab import HEAD, vocab_tables
 
 NAME = "native"
@@ -109,11 +118,10 @@ def vocab_support(tied: bool) -> VocabSupport:
 def expected_native(name: str, spec: QuantSpec, shape: tuple[int, int],
                     has_g_idx: bool) -> Expected:
     """The tensors of one layer ``[out, in]`` (the module docstring's table)."""
-    per_word = 32 // spec.bits
     out_f, in_f = shape
     n_groups = 1 if spec.group_size == -1 else max(in_f // spec.group_size, 1)
     exp: Expected = {
-        f"{name}.qweight": ((out_f, in_f // per_word), (torch.int32,)),
+        f"{name}.qweight": ((out_f, packed_words(in_f, spec.bits)), (torch.int32,)),
         f"{name}.scales": ((out_f, n_groups), (torch.float16,)),
     }
     if not spec.sym:
@@ -182,7 +190,7 @@ def _stored(name: str, spec: QuantSpec, tensors: Mapping[str, torch.Tensor],
         problems.append(f"{name}.qweight: missing or not 2-D (expected int32 "
                         f"[{rows}, {cols}*{spec.bits}/32])")
         return None
-    shape = (qweight.shape[0], qweight.shape[-1] * (32 // spec.bits))  # [rows, cols] unpacked
+    shape = (qweight.shape[0], qweight.shape[-1] * 32 // spec.bits)  # [rows, cols] unpacked
     return StoredLayer(name, spec, expected_native(name, spec, shape, act_order), {
         "scales": f"{name}.scales", "zeros": f"{name}.qzeros" if not spec.sym else None,
         "g_idx": f"{name}.g_idx" if act_order else None})

@@ -436,7 +436,7 @@ def _vocab_counts(config: dict, meta: Meta, quantized: list[StoredLayer]) -> dic
             # the codes: the largest int32 tensor, 32 / bits weights per word
             codes = max((t for t in stored if meta[t][1] == torch.int32),
                         key=lambda t: math.prod(meta[t][0]))
-            weights += math.prod(meta[codes][0]) * (32 // lay.spec.bits)
+            weights += math.prod(meta[codes][0]) * 32 // lay.spec.bits
         elif f"{name}.weight" in meta:
             stored = [f"{name}.weight"]
             label = _FP_LABELS.get(meta[stored[0]][1], str(meta[stored[0]][1]))

@@ -42,7 +42,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from quantpipe.core.qformat import QuantSpec
+from quantpipe.core.qformat import VALID_BITS, QuantSpec
 
 VLLM_CHECKED = "0.32.0"  # the vLLM release these rules were read from and tested against
 
@@ -69,8 +69,28 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 _EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.\d+\.[^.]+$")  # hub names: experts.E.w1, ...
 
 
+def bits_problem(spec: QuantSpec, fmt: str) -> str | None:
+    """Why format ``fmt`` cannot store a layer of this bit width (INT5 / INT6), or None."""
+    if spec.bits in VALID_BITS:
+        return None
+    return (f"{spec.bits}-bit: {fmt} checkpoints store {VALID_BITS} bits only (vLLM has no "
+            f"{spec.bits}-bit weight kernels); export --format native, or plan without "
+            f"{spec.bits}-bit entries")
+
+
+def check_bits_storable(fmt: str, plan: Mapping[str, QuantSpec]) -> None:
+    """Raise one ValueError when a layer of ``plan`` has a bit width ``fmt`` cannot store
+    (whether or not the export is for vLLM: its packing has no such layout)."""
+    bad = [n for n, spec in plan.items() if spec.bits not in VALID_BITS]
+    if bad:
+        raise ValueError(f"{len(bad)} layer(s) (e.g. {bad[0]}): "
+                         + str(bits_problem(plan[bad[0]], fmt)))
+
+
 def gptq_spec_problem(spec: QuantSpec) -> str | None:
     """Why vLLM cannot load a GPTQ layer of this spec, or None."""
+    if spec.bits not in VALID_BITS:
+        return bits_problem(spec, "gptq")
     if not spec.sym:
         return ("asymmetric: vLLM's GPTQ (auto_gptq) has symmetric types only (no zero "
                 "points); calibrate with --sym or export --format compressed-tensors")
@@ -83,6 +103,8 @@ def gptq_spec_problem(spec: QuantSpec) -> str | None:
 
 def ct_spec_problem(spec: QuantSpec) -> str | None:
     """Why vLLM cannot load a compressed-tensors layer of this spec, or None."""
+    if spec.bits not in VALID_BITS:
+        return bits_problem(spec, "compressed-tensors")
     if spec.sym:
         return None
     if spec.bits == 8:

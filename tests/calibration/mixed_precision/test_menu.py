@@ -40,7 +40,8 @@ def test_parse_menu_expands_default_and_keeps_one_canonical_tag_each():
     assert parse_menu(("w4g32, w4g32", "none", "w4pc-asym,w8g128")) == (
         "w4g32", "w4pc-asym", "w8g128")
     assert parse_menu(()) == ()
-    for bad in ("w3g32", "w4g12", "int4", "w4g32-sym", "w4"):
+    assert parse_menu(("w5g128,w6pc-asym",)) == ("w5g128", "w6pc-asym")
+    for bad in ("w3g32", "w7g32", "w4g12", "int4", "w4g32-sym", "w4"):
         with pytest.raises(ValueError, match="menu entry"):
             parse_menu((bad,))
 
@@ -54,6 +55,10 @@ def test_layer_menu_offers_what_divides_and_differs_from_w4_and_w8():
                    "w4pc": QuantSpec(4, -1, True, True)}
     assert set(layer_menu(menu, 1536, False, primary)) == {
         "w4g32", "w4g128", "w8g128", "w4g64-asym", "w4pc"}
+    # INT5 / INT6 only where the layer is whole words of the top plane (32 / 16 columns)
+    assert layer_menu(("w5g16", "w6g16", "w6pc-asym"), 48, False, primary) == {
+        "w6g16": QuantSpec(6, 16, True), "w6pc-asym": QuantSpec(6, -1, False)}
+    assert set(layer_menu(("w5g64", "w6g64"), 576, False, primary)) == {"w5g64", "w6g64"}
     assert tag_of(4) == "w4" and tag_of(8) == "w8" and tag_of("w4g32") == "w4g32"
     assert [entry_of(t) for t in ("w4", "w8", "w4g32")] == [4, 8, "w4g32"]
     assert Override.parse("re:.*down_proj=W4G32").bits == "w4g32"
@@ -153,28 +158,29 @@ def test_vllm_formats_plan_fused_modules_together_without_refused_entries():
     shapes = dict.fromkeys(names, (64, 64))
     specs_of, damage = {}, {}
     for n in names:
-        specs_of[n] = {4: INT4, "w4g16": G16, "w4g32-asym": A32, 8: INT8_PER_CHANNEL,
-                       None: None}
+        specs_of[n] = {4: INT4, "w4g16": G16, "w4g32-asym": A32, "w5g32": QuantSpec(5, 32, True),
+                       8: INT8_PER_CHANNEL, None: None}
         d4 = rng.uniform(0.5, 2.0)
-        damage[n] = {4: d4, "w4g16": 0.8 * d4, "w4g32-asym": 0.1 * d4, 8: 0.01 * d4,
-                     None: 0.0}
+        damage[n] = {4: d4, "w4g16": 0.8 * d4, "w4g32-asym": 0.1 * d4, "w5g32": 0.04 * d4,
+                     8: 0.01 * d4, None: 0.0}
     for extra in (0.5, 1.5, 3.0, 6.0):  # bits per weight above each format's cheapest plan
         lo = bits_per_weight(INT4, (64, 64), "native")
         native = greedy_budget_plan(names, shapes, specs_of, damage, {}, lo + extra)
-        if extra == 0.5:  # cheap and good: native takes it first
-            assert set(native.values()) == {"w4g32-asym"}
+        if extra == 0.5:  # cheap and good first, then INT5 (which vLLM's formats lack: below)
+            assert set(native.values()) == {"w4g32-asym", "w5g32"}
         for fmt in ("gptq", "compressed-tensors"):
             lo = bits_per_weight(INT4, (64, 64), fmt)
             plan = greedy_budget_plan(names, shapes, specs_of, damage, {}, lo + extra, fmt)
             for unit in units_for(names, fmt):
                 assert len({plan[n] for n in unit}) == 1, (fmt, extra, plan)
+            assert "w5g32" not in plan.values()  # INT5: native only
             if fmt == "gptq":  # vLLM's GPTQ has no zero points
                 assert "w4g32-asym" not in plan.values()
 
 
 # --- a calibration with a menu, end to end ------------------------------------------------
 
-MENU = ("w4g64", "w4g16-asym", "w8g32")
+MENU = ("w4g64", "w4g16-asym", "w8g32", "w5g32", "w6g32-asym")
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +401,39 @@ def test_plan_cli_takes_a_budget_size(menu_calib, tmp_path):
     both = CliRunner().invoke(main, ["plan", str(menu_calib.folder), "--budget-size", "1MB",
                                      "--budget-bits", "5"])
     assert both.exit_code != 0 and "not both" in both.output
+
+
+def test_int5_int6_entries_export_native_bit_exact_and_run_in_the_runtime(menu_calib, tmp_path):
+    from quantpipe.core.formats.loader import load_dequantized_model
+    from quantpipe.runtime.loader import load_quantized_model
+    from quantpipe.runtime.quant_linear import QuantLinear
+
+    out = tmp_path / "w56"
+    res = export_quantized(ExportSpec(menu_calib.folder, out, overrides=(
+        "re:.*self_attn\\..*=w5g32", "re:.*mlp\\..*=w6g32-asym")))
+    ckpt = load_quantized(out)
+    assert {(s.bits, s.group_size, s.sym) for s in ckpt.plan.values()} == {
+        (5, 32, True), (6, 32, False)}
+    assert res.plan.counts() == {"int4": 0, "int5": 4 * len(ckpt.plan) // 7,
+                                 "int6": 3 * len(ckpt.plan) // 7, "int8": 0, "fp16": 0}
+    # the checkpoint holds the calibration's codes; its bits per weight are counted exactly
+    got = menu_calib.weights(res.plan.bits)
+    for n, spec in ckpt.plan.items():
+        a, b = ckpt.layers[n], got[n]
+        assert torch.equal(a.q, b.q) and torch.equal(a.scales, b.scales)
+        want_bpw = spec.bits + (16 + (0 if spec.sym else 8)) / 32
+        assert bits_per_weight(spec, a.shape, "native") == want_bpw
+    # the runtime runs them (as INT8 layers of the same weights) like the dequantized model
+    ref = load_dequantized_model(out, dtype=torch.float32)
+    model = load_quantized_model(out, device="cpu")
+    assert {m.spec.bits for m in model.modules() if isinstance(m, QuantLinear)} == {5, 6}
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        rel = (model(ids).logits.double() - ref(ids).logits.double()).norm() / \
+            ref(ids).logits.double().norm()
+    assert rel < 1e-4, rel  # fp32 activations in the INT8 kernels: summation order only
+    for fmt in ("gptq", "compressed-tensors"):  # INT5 / INT6 are native only
+        with pytest.raises(ValueError, match="5-bit"):
+            export_quantized(ExportSpec(menu_calib.folder, tmp_path / fmt, fmt=fmt,
+                                        overrides=("re:.*self_attn\\..*=w5g32",)))
+        assert not (tmp_path / fmt / "quantpipe.json").exists()
