@@ -20,6 +20,7 @@ from quantpipe.reports.charts import rate_distortion_chart
 
 CURVES = {"menu-": "plans over the menu", "int4-8-16-": "plans over INT4 / INT8 / FP16"}
 UNIFORM = {"uniform-w4": "uniform INT4", "uniform-w4g32": "uniform INT4 g32",
+           "uniform-w5g64": "uniform INT5 g64", "uniform-w6g64": "uniform INT6 g64",
            "uniform-w8": "uniform INT8"}
 
 

@@ -27,11 +27,13 @@ PRIMARY_TAGS = {4: "w4", 8: "w8"}
 Entry = int | str | None  # 4, 8, a menu tag, or None (FP16)
 # the menu `calibrate --menu default` computes: INT4 at the group sizes vLLM and every kernel
 # take and per channel (cheaper than g128: what a plan at INT4's size trades for better
-# entries elsewhere), symmetric and asymmetric, and grouped INT8 (the ``w8`` result already
-# where --int8-group-size is 128, then not computed twice: see layer_menu)
-# (bench/mixed_precision_menu.py measures what each buys)
+# entries elsewhere), symmetric and asymmetric, grouped INT8 (the ``w8`` result already
+# where --int8-group-size is 128, then not computed twice: see layer_menu), and INT5 / INT6
+# at g64 / g128 (native format only; the plans at 4.5-5.0 bits put most of their extra bits
+# there) (bench/mixed_precision_menu.py measures what each buys)
 DEFAULT_MENU = ("w4g32", "w4g64", "w4g128", "w4pc", "w4g32-asym", "w4g64-asym", "w4g128-asym",
-                "w4pc-asym", "w8g128")
+                "w4pc-asym", "w8g128", "w5g64", "w5g128", "w5g64-asym", "w5g128-asym", "w6g64",
+                "w6g128")
 
 _ENTRY = re.compile(r"^w(?P<bits>\d+)(?:g(?P<gs>\d+)|(?P<pc>pc))(?P<asym>-asym)?$")
 
