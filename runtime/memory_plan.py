@@ -16,6 +16,9 @@ from pathlib import Path
 
 from quantpipe.runtime.config import DEFAULTS
 
+# qformat.VALID_BITS (kept here so this module imports without torch): the widths the runtime
+# holds as stored; any other (INT5 / INT6) is held as INT8
+KERNEL_BITS = (4, 8)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
@@ -138,7 +141,7 @@ def runtime_weight_bytes(folder: Path) -> int:
         return total
     for name, spec in (qcfg.get("layers") or {}).items():
         bits, entry = int(spec.get("bits", 4)), headers.get(f"{name}.qweight")
-        if bits in (4, 8) or entry is None:
+        if bits in KERNEL_BITS or entry is None:
             continue
         rows, words = entry["shape"]
         columns = words * 32 // bits

@@ -217,3 +217,6 @@ def test_memory_plan_counts_int5_int6_layers_as_the_int8_they_run_as(qdirs, tmp_
                 0 if p.qzeros is None else p.qzeros.nbytes)
     assert widened > 0
     assert files[qdirs] + widened == runtime_weight_bytes(qdirs)
+    from quantpipe.core.qformat import VALID_BITS
+    from quantpipe.runtime.memory_plan import KERNEL_BITS
+    assert KERNEL_BITS == VALID_BITS  # the torch-free copy agrees
