@@ -680,8 +680,16 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
               help="Menu entries (calibrate --menu) to measure as well, comma-separated, or "
                    "'all' (one more run per entry and layer) [default: none; the planner "
                    "scales INT4's KLD by each entry's calibration loss].")
+@click.option("--stream/--no-stream", default=None,
+              help="Block by block (one block in memory; each layer's change of its block's "
+                   "output times the block's measured gain, no validation split) or the whole "
+                   "FP model (exact leave-one-in KLD) [default: block by block when the FP "
+                   "model in fp32 does not fit in memory].")
+@click.option("--probe-tokens", default=512, show_default=True, type=int,
+              help="Block by block: tokens each block's gain is measured on.")
 @click.option("--force", is_flag=True, help="Measure again even if the file exists.")
-def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, force):
+def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, stream, probe_tokens,
+                    force):
     """Measure each linear's KLD when quantized alone; writes CALIB_DIR/sensitivity.json."""
     from quantpipe.calibration.mixed_precision.sensitivity import (
         SensitivitySpec,
@@ -698,7 +706,8 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, force)
     entries_t = ("all",) if entries.strip() == "all" else tuple(
         e.strip() for e in entries.split(",") if e.strip())
     res = measure_sensitivity(SensitivitySpec(calib_dir, tokens, seq_len, bits_t, seed,
-                                              force=force, out=out, entries=entries_t))
+                                              force=force, out=out, entries=entries_t,
+                                              stream=stream, probe_tokens=probe_tokens))
     click.echo(res.table())
     click.echo(f"{'reused' if res.reused else 'wrote'} {res.path}")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from quantpipe.core.heap import fits_in_memory
 from quantpipe.core.io import check_output_file, weights_bytes
 from quantpipe.prompts.sets import SHIPPED_SETS, PromptRecord, load_prompt_records
 from quantpipe.reports.answers import answer_prompts
@@ -31,7 +32,6 @@ from quantpipe.reports.data import (
 from quantpipe.reports.eval import (
     EvalSpec,
     check_candidate,
-    fits_in_memory,
     load_texts,
     read_json_file,
     run_eval,
@@ -212,7 +212,7 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
 
 def answer_dtype(reference: Path) -> tuple[torch.dtype, str]:
     """(activation dtype of the answering models, why): fp32 where the reference in fp32
-    (twice its fp16 shards) fits (``reports.eval.fits_in_memory``), else bf16 (a 7B model:
+    (twice its fp16 shards) fits (``quantpipe.core.heap.fits_in_memory``), else bf16 (a 7B model:
     13.5 GB instead of 27), said on the page."""
     need = 2 * weights_bytes(reference)
     fits, have = fits_in_memory(need)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from quantpipe.core.heap import fits_in_memory
 from quantpipe.core.io import (  # noqa: F401 (MANIFEST_NAME, check_output_file re-exported)
     MANIFEST_NAME,
     check_output_file,
@@ -254,20 +255,6 @@ def eval_windows(tokenizer, spec: EvalSpec) -> list[list[int]]:
 
 def evaluate_models(ref_model, cand_model, tokenizer, spec: EvalSpec) -> EvalResult:
     return evaluate_many(ref_model, [cand_model], tokenizer, spec)[0]
-
-
-# whole models held at once (eval's pair, report's answering model) may take at most this
-# fraction of the available memory
-WHOLE_MODELS_MEMORY_FRACTION = 0.6
-
-
-def fits_in_memory(need: int) -> tuple[bool, int]:
-    """(whether ``need`` bytes of whole models fit in ``WHOLE_MODELS_MEMORY_FRACTION`` of the
-    memory available now, the bytes available)."""
-    import psutil
-
-    have = psutil.virtual_memory().available
-    return need <= WHOLE_MODELS_MEMORY_FRACTION * have, have
 
 
 def use_streaming(spec: EvalSpec) -> tuple[bool, str]:

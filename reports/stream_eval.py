@@ -27,7 +27,6 @@ models of every family).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,8 +35,8 @@ import torch
 from tqdm.auto import tqdm
 
 from quantpipe.blocks.execute import embed_inputs, run_block
-from quantpipe.blocks.stream import ModelStream
-from quantpipe.core.families import config_value, family_for, get_path
+from quantpipe.blocks.stream import ModelStream, output_head
+from quantpipe.core.families import family_for, get_path
 from quantpipe.core.formats.loader import QuantizedCheckpoint, load_quantized, model_tensors
 
 
@@ -84,29 +83,6 @@ def final_hidden(stream: ModelStream, wins: list[list[int]], desc: str) -> list[
         with stream.load(f"{family.blocks}.{i}") as block:
             hidden = [run_block(block, h, c.for_layer(i), 1) for h, c in zip(hidden, ctxs)]
     return [h[0] for h in hidden]
-
-
-@contextlib.contextmanager
-def output_head(stream: ModelStream):
-    """A function hidden [T, d] -> logits [T, vocab] fp32 (final norm, head, soft-cap), with
-    the norm and head weights read for the ``with`` body."""
-    model = stream.model
-    family = family_for(model.config.model_type)
-    norm_name = f"{family.decoder}.{family.final_norm}"
-    head = model.get_output_embeddings()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    head_name = stream.embeddings_name if tied else next(
-        name for name, m in model.named_modules() if m is head)
-    softcap = config_value(model.config, family.final_softcap)
-    with stream.load(norm_name), stream.load(head_name) as head_mod:
-        norm = get_path(model, norm_name)
-        bias = None if tied else getattr(head_mod, "bias", None)
-
-        def logits(h: torch.Tensor) -> torch.Tensor:
-            out = torch.nn.functional.linear(norm(h), head_mod.weight, bias).float()
-            return out if softcap is None else softcap * torch.tanh(out / softcap)
-
-        yield logits
 
 
 def stream_evaluate(reference: Path, candidate: Path, quantized: bool, wins: list[list[int]],

@@ -166,7 +166,8 @@ def test_calibrate(family, algo, prompt_file, tmp_path_factory):
 
 @pytest.mark.parametrize("family,algo", [_param(f, "gptq", CALIBRATE_XFAIL) for f in FAMS])
 def test_sensitivity_and_plan(family, algo, prompt_file, tmp_path_factory):
-    """Measured KL sensitivity of every linear, then a 6-bit budget plan over all of them."""
+    """Measured KL sensitivity of every linear (whole model and block by block), then a 6-bit
+    budget plan over all of them."""
     from quantpipe.calibration.artifact import read_calibration
     from quantpipe.calibration.mixed_precision.plan import PlanSpec, make_plan
     from quantpipe.calibration.mixed_precision.sensitivity import (
@@ -177,6 +178,13 @@ def test_sensitivity_and_plan(family, algo, prompt_file, tmp_path_factory):
     out = _calibrated(family, algo, prompt_file, tmp_path_factory)
     sens = measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, batch_size=4))
     assert set(sens.data["layers"]) == _names(family)
+    # block by block (what a model too large for memory gets): every layer, every block's gain
+    streamed = measure_sensitivity(SensitivitySpec(out, tokens=64, seq_len=32, batch_size=4,
+                                                   stream=True, out=out.parent / "stream.json"))
+    assert set(streamed.data["layers"]) == _names(family)
+    assert len(streamed.data["gains"]) == read_calibration(out).num_blocks
+    assert all(math.isfinite(v[f"kld_w{b}"]) and v[f"kld_w{b}"] >= 0
+               for v in streamed.data["layers"].values() for b in (4, 8))
     plan = make_plan(read_calibration(out), PlanSpec(budget_bits=6.0))
     assert set(plan.bits) == _names(family) and "measured KL" in plan.damage_source
     assert plan.effective_bits() <= 6.0 and set(plan.bits.values()) <= {4, 8, None}

@@ -266,7 +266,9 @@ def _damage_table(calib, layer_infos: dict, source: str, sens: dict | None,
                                 layers[n]) for n in layer_infos}
         scaled = any(f"kld_{t}" not in layers[n] for n in layer_infos
                      for t in layer_infos[n] if is_menu_tag(t))
-        return table, (f"measured KL divergence ({path.name})"
+        how = ("KL divergence estimated block by block" if sens.get("method") == "stream"
+               else "measured KL divergence")
+        return table, (f"{how} ({path.name})"
                        + ("; unmeasured menu entries: INT4's scaled by their calibration loss"
                           if scaled else ""))
     if source == "proxy":

@@ -43,7 +43,8 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -61,7 +62,8 @@ from quantpipe.calibration.mixed_precision.budget import (
     upgrade_path,
 )
 from quantpipe.core.families import attn_implementation, family_for, get_blocks
-from quantpipe.core.io import MANIFEST_NAME, output_lock, write_json_atomic
+from quantpipe.core.heap import fits_in_memory
+from quantpipe.core.io import MANIFEST_NAME, output_lock, weights_bytes, write_json_atomic
 from quantpipe.core.metrics import mean_kld, token_kld
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,10 @@ class SensitivitySpec:
     # every entry of the calibration. (): none; the planner then scales INT4's KLD by the
     # entry's loss ratio (budget.menu_damage)
     entries: tuple[str, ...] = ()
+    # block by block (sensitivity_stream: one block resident, local changes x measured gains)
+    # instead of the whole FP model; None: when the FP model in fp32 would not fit in memory
+    stream: bool | None = None
+    probe_tokens: int = 512  # streamed: tokens each block's gain probe is scored on
 
     def __post_init__(self) -> None:
         if self.entries != ("all",):
@@ -105,7 +111,7 @@ class SensitivitySpec:
         if self.tokens < self.seq_len:
             raise ValueError(f"--tokens {self.tokens} is below one sequence of {self.seq_len}; "
                              "use 1024 or more")
-        for name in ("batch_size", "chunk_rows"):
+        for name in ("batch_size", "chunk_rows", "probe_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.validate_tokens and self.validate_tokens < self.seq_len:
@@ -120,8 +126,9 @@ class SensitivitySpec:
 
     @property
     def validates(self) -> bool:
-        """The held-out split is scored: asked for, and both precisions the planner needs."""
-        return self.validate_tokens > 0 and set(self.bits) == {4, 8}
+        """The held-out split is scored: asked for, both precisions the planner needs, and
+        the whole model measured (a streamed measurement has no validation)."""
+        return self.validate_tokens > 0 and set(self.bits) == {4, 8} and not self.stream
 
     @property
     def n_sequences(self) -> int:
@@ -133,6 +140,8 @@ class SensitivitySpec:
                "seed": self.seed, "prompts": PROMPT_SET}
         if self.entries:  # (files measured before entries existed stay comparable)
             out["entries"] = list(self.entries)
+        if self.stream:  # (whole-model files predate the method key: they stay comparable)
+            out["method"] = {"name": "stream", "probe_tokens": self.probe_tokens}
         if self.validates:
             out["validation"] = {"tokens": self.validate_tokens, "split": SPLIT,
                                  "step_bits": self.validate_step,
@@ -165,6 +174,10 @@ class SensitivityResult:
             for c in val["checkpoints"]:
                 rows.append(f"{c['bits']:>12.4f} {c['moves']:>6d} {c['predicted']:>10.4g} "
                             f"{c['validated']:>10.4g}")
+        if self.data.get("method") == "stream":
+            rows.append(f"block by block: each KLD = the relative change of its block's output on "
+                        f"{self.data['tokens_measured']} tokens x the block's gain (KLD per "
+                        "unit change of its INT4 probe); no validation split")
         rows.append(f"{self.data['tokens_scored']} tokens, {self.data['seconds']:.0f}s"
                     f"{' (reused)' if self.reused else ''}")
         return "\n".join(rows)
@@ -209,12 +222,14 @@ def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class _Scorer:
-    """Mean KLD of a final hidden state against the cached FP reference, chunked by rows."""
+    """Mean KLD of a final hidden state against the cached FP reference, chunked by rows.
 
-    def __init__(self, model, final_fp: torch.Tensor, chunk_rows: int):
-        self.model, self.chunk = model, chunk_rows
+    ``head``: final hidden [T, d] -> logits [T, V] fp32 (final norm, LM head, soft-cap)."""
+
+    def __init__(self, head, final_fp: torch.Tensor, chunk_rows: int):
+        self.head, self.chunk = head, chunk_rows
         h = final_fp.reshape(-1, final_fp.shape[-1])  # [n, L, d] -> [T, d]
-        self.logits_ref = [_head_logits(model, h[s : s + chunk_rows])
+        self.logits_ref = [head(h[s : s + chunk_rows])
                            for s in range(0, h.shape[0], chunk_rows)]  # chunks of [rows, V]
         # softmax in float64 then stored in float32: exact to float32 rounding
         self.p_ref = [torch.softmax(z.double(), dim=-1).float() for z in self.logits_ref]
@@ -225,7 +240,7 @@ class _Scorer:
         h = final.reshape(-1, final.shape[-1])  # [T, d]
         per_chunk = []  # [rows] fp32 per chunk
         for k, s in enumerate(range(0, h.shape[0], self.chunk)):
-            logits = _head_logits(self.model, h[s : s + self.chunk])  # [rows, V] fp32
+            logits = self.head(h[s : s + self.chunk])  # [rows, V] fp32
             per_chunk.append(token_kld(self.logits_ref[k], logits, self.p_ref[k]))
         return mean_kld(per_chunk)
 
@@ -385,6 +400,8 @@ def measure_sensitivity(spec: SensitivitySpec, model=None, input_ids: torch.Tens
     so the results land in the calibration they were measured on, one writer at a time.
     """
     with output_lock(spec.calib_dir):
+        if spec.stream is None and model is None:
+            spec = replace(spec, stream=_needs_streaming(read_calibration(spec.calib_dir)))
         return _measure(spec, model, input_ids, validate_ids)
 
 
@@ -399,6 +416,8 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
         log.info("reusing %s (same settings); pass --force to measure again", path)
         return SensitivityResult(path, old, reused=True)
     infos = calib.layer_infos()
+    if spec.stream:
+        return _measure_streamed(spec, calib, infos, input_ids, t0)
     model, input_ids, validate_ids = _model_and_ids(calib, spec, model, input_ids, validate_ids)
     family = family_for(model.config.model_type)
     blocks = get_blocks(model, family)
@@ -422,7 +441,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
         hidden = run_block(block, hidden, ctx.for_layer(i), spec.batch_size)
         for h in handles:
             h.remove()
-    scorer = _Scorer(model, hidden, spec.chunk_rows)
+    scorer = _Scorer(partial(_head_logits, model), hidden, spec.chunk_rows)
 
     # 2. one run per (layer, bits), from the layer's block onwards; the bar counts runs (a run
     # of an early block's layer costs more: it runs every block after it)
@@ -452,10 +471,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
         log.info("block %d/%d measured (%.0fs)", i + 1, len(blocks), time.perf_counter() - t0)
     bar.close()
 
-    missing = sorted(set(infos) - set(layers))
-    if missing:  # fail loudly: a plan over unmeasured layers would be silently wrong
-        raise ValueError(f"{len(missing)} calibrated layers were not measured, e.g. "
-                         f"{missing[:3]}: their names do not match the model's blocks")
+    _check_measured(infos, layers)
     data = {
         "version": SENSITIVITY_VERSION,
         "calibration": calibration_identity(calib),
@@ -471,6 +487,50 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
     data["seconds"] = time.perf_counter() - t0
     write_json_atomic(path, data)
     return SensitivityResult(path, data, reused=False)
+
+
+def _needs_streaming(calib: Calibration) -> bool:
+    """Whether the FP model in fp32 (twice its fp16 shards) would not fit in memory
+    (quantpipe.core.heap.fits_in_memory): then it is measured block by block."""
+    need = 2 * weights_bytes(calib.fp16_dir)
+    fits, have = fits_in_memory(need)
+    if not fits:
+        log.info("sensitivity: block by block (the FP model in fp32 needs ~%.1f GiB, %.1f GiB "
+                 "available)", need / 2**30, have / 2**30)
+    return not fits
+
+
+def _measure_streamed(spec: SensitivitySpec, calib: Calibration, infos: dict,
+                      input_ids: torch.Tensor | None, t0: float) -> SensitivityResult:
+    """The block-by-block measurement (sensitivity_stream), written like the whole-model one."""
+    from quantpipe.calibration.mixed_precision.sensitivity_stream import measure_streamed
+
+    _check_fp16_source(calib, spec)
+    if input_ids is None:
+        input_ids = _calibration_ids(calib.fp16_dir, spec)  # every record: no validation
+    layers, extra = measure_streamed(spec, calib, infos, input_ids,
+                                     _measured_entries(spec, infos))
+    _check_measured(infos, layers)
+    data = {
+        "version": SENSITIVITY_VERSION,
+        "calibration": calibration_identity(calib),
+        "settings": spec.settings(),
+        "tokens_scored": extra.pop("tokens_scored"),
+        "seconds": 0.0,
+        "spearman": _correlations(layers, spec.bits),
+        **extra,
+        "layers": layers,
+    }
+    data["seconds"] = time.perf_counter() - t0
+    write_json_atomic(spec.path, data)
+    return SensitivityResult(spec.path, data, reused=False)
+
+
+def _check_measured(infos: dict, layers: dict) -> None:
+    missing = sorted(set(infos) - set(layers))
+    if missing:  # fail loudly: a plan over unmeasured layers would be silently wrong
+        raise ValueError(f"{len(missing)} calibrated layers were not measured, e.g. "
+                         f"{missing[:3]}: their names do not match the model's blocks")
 
 
 def _measured_entries(spec: SensitivitySpec, infos: dict) -> dict[str, list[str]]:
@@ -517,8 +577,8 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
         return blocks[block_of[n]].get_submodule(n[len(f"{prefix}.{block_of[n]}.") :])
 
     hidden0, ctx = embed_inputs(model, ids)
-    scorer = _Scorer(model, _run_from(blocks, 0, hidden0, ctx, spec.batch_size),
-                     spec.chunk_rows)
+    scorer = _Scorer(partial(_head_logits, model),
+                     _run_from(blocks, 0, hidden0, ctx, spec.batch_size), spec.chunk_rows)
     originals = {n: linear(n).weight.data for n in names}
 
     def walk(specs: dict, label: str) -> dict:

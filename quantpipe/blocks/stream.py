@@ -7,7 +7,8 @@ parameter on the meta device (accelerate's ``init_empty_weights``; buffers such 
 shards onto the requested device (``--device``: quantpipe.blocks.device) when
 :meth:`ModelStream.load` is entered and puts them back on the meta device when it exits. Peak
 memory is therefore one block's weights (in fp32) plus the calibration activations, whatever
-the depth of the model.
+the depth of the model. Streamed sensitivity and the streamed evaluation read their output head
+through :func:`output_head` the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from quantpipe.blocks.device import to_device
-from quantpipe.core.families import attn_implementation
+from quantpipe.core.families import attn_implementation, config_value, family_for, get_path
 from quantpipe.core.heap import release_freed_memory
 
 
@@ -103,6 +104,29 @@ class ModelStream:
     def materialised_parameters(self) -> int:
         """Parameters currently holding real memory (the rest are on the meta device)."""
         return sum(p.numel() for p in self.model.parameters() if not p.is_meta)
+
+
+@contextlib.contextmanager
+def output_head(stream: ModelStream):
+    """A function hidden [T, d] -> logits [T, vocab] fp32 (final norm, head, soft-cap), with
+    the norm and head weights read for the ``with`` body."""
+    model = stream.model
+    family = family_for(model.config.model_type)
+    norm_name = f"{family.decoder}.{family.final_norm}"
+    head = model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    head_name = stream.embeddings_name if tied else next(
+        name for name, m in model.named_modules() if m is head)
+    softcap = config_value(model.config, family.final_softcap)
+    with stream.load(norm_name), stream.load(head_name) as head_mod:
+        norm = get_path(model, norm_name)
+        bias = None if tied else getattr(head_mod, "bias", None)
+
+        def logits(h: torch.Tensor) -> torch.Tensor:
+            out = torch.nn.functional.linear(norm(h), head_mod.weight, bias).float()
+            return out if softcap is None else softcap * torch.tanh(out / softcap)
+
+        yield logits
 
 
 def _set(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -89,3 +89,17 @@ def peak_rss() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+# whole models held at once (eval's pair, report's answering model, sensitivity's FP model)
+# may take at most this fraction of the available memory
+WHOLE_MODELS_MEMORY_FRACTION = 0.6
+
+
+def fits_in_memory(need: int) -> tuple[bool, int]:
+    """(whether ``need`` bytes of whole models fit in ``WHOLE_MODELS_MEMORY_FRACTION`` of the
+    memory available now, the bytes available)."""
+    import psutil
+
+    have = psutil.virtual_memory().available
+    return need <= WHOLE_MODELS_MEMORY_FRACTION * have, have
