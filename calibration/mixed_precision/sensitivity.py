@@ -35,6 +35,10 @@ Cheap proxies, stored beside the measurement for comparison:
   (an inverse SQNR; scale free, so layers of different magnitude compare).
 Their Spearman rank correlation with the measured KLD is reported and stored; the planner
 uses a proxy only when it ranks well (see ``calibration.mixed_precision.plan``).
+
+Models whose FP weights in fp32 would not fit in memory (or ``stream=True``) are measured
+block by block instead (:mod:`.sensitivity_stream`: one block resident, each layer's change of
+its block's output times the block's measured gain; no validation split).
 """
 
 from __future__ import annotations
@@ -471,22 +475,31 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
         log.info("block %d/%d measured (%.0fs)", i + 1, len(blocks), time.perf_counter() - t0)
     bar.close()
 
-    _check_measured(infos, layers)
+    extra = {"tokens_scored": scorer.tokens}
+    if validate_ids is not None:
+        extra["validation"] = _validate(calib, infos, layers, blocks, by_block, prefix,
+                                        (model, validate_ids), spec)
+    return _write(spec, calib, infos, layers, extra, t0)
+
+
+def _write(spec: SensitivitySpec, calib: Calibration, infos: dict, layers: dict, extra: dict,
+           t0: float) -> SensitivityResult:
+    """Check every calibrated layer was measured, then write the file (atomically)."""
+    missing = sorted(set(infos) - set(layers))
+    if missing:  # fail loudly: a plan over unmeasured layers would be silently wrong
+        raise ValueError(f"{len(missing)} calibrated layers were not measured, e.g. "
+                         f"{missing[:3]}: their names do not match the model's blocks")
     data = {
         "version": SENSITIVITY_VERSION,
         "calibration": calibration_identity(calib),
         "settings": spec.settings(),
-        "tokens_scored": scorer.tokens,
-        "seconds": 0.0,
+        "seconds": time.perf_counter() - t0,
         "spearman": _correlations(layers, spec.bits),
+        **extra,  # tokens_scored; validation, or the streamed method's gains
         "layers": layers,
     }
-    if validate_ids is not None:
-        data["validation"] = _validate(calib, infos, layers, blocks, by_block, prefix,
-                                       (model, validate_ids), spec)
-    data["seconds"] = time.perf_counter() - t0
-    write_json_atomic(path, data)
-    return SensitivityResult(path, data, reused=False)
+    write_json_atomic(spec.path, data)
+    return SensitivityResult(spec.path, data, reused=False)
 
 
 def _needs_streaming(calib: Calibration) -> bool:
@@ -510,27 +523,7 @@ def _measure_streamed(spec: SensitivitySpec, calib: Calibration, infos: dict,
         input_ids = _calibration_ids(calib.fp16_dir, spec)  # every record: no validation
     layers, extra = measure_streamed(spec, calib, infos, input_ids,
                                      _measured_entries(spec, infos))
-    _check_measured(infos, layers)
-    data = {
-        "version": SENSITIVITY_VERSION,
-        "calibration": calibration_identity(calib),
-        "settings": spec.settings(),
-        "tokens_scored": extra.pop("tokens_scored"),
-        "seconds": 0.0,
-        "spearman": _correlations(layers, spec.bits),
-        **extra,
-        "layers": layers,
-    }
-    data["seconds"] = time.perf_counter() - t0
-    write_json_atomic(spec.path, data)
-    return SensitivityResult(spec.path, data, reused=False)
-
-
-def _check_measured(infos: dict, layers: dict) -> None:
-    missing = sorted(set(infos) - set(layers))
-    if missing:  # fail loudly: a plan over unmeasured layers would be silently wrong
-        raise ValueError(f"{len(missing)} calibrated layers were not measured, e.g. "
-                         f"{missing[:3]}: their names do not match the model's blocks")
+    return _write(spec, calib, infos, layers, extra, t0)
 
 
 def _measured_entries(spec: SensitivitySpec, infos: dict) -> dict[str, list[str]]:
