@@ -114,3 +114,16 @@ def score_folders(fp16: Path, tokenizer, folders: dict[str, str], corpora: list[
                               names=list(folders))
         out[c] = dict(zip(folders, evals))
     return out
+
+
+def score_results(fp16: Path, tokenizer, results: dict[str, dict], corpora: list[str],
+                  max_tokens: int, ctx: int) -> dict[str, dict[str, float]]:
+    """:func:`score_folders` over ``results`` (name -> {"path": folder, "eval": {}, ...}):
+    each result's ``eval[corpus]`` filled with its EvalResult's dict; returns corpus -> name ->
+    mean KLD."""
+    scored = score_folders(fp16, tokenizer, {k: r["path"] for k, r in results.items()},
+                           corpora, max_tokens, ctx)
+    for c, by_name in scored.items():
+        for name, ev in by_name.items():
+            results[name]["eval"][c] = ev.to_dict()
+    return {c: {k: v["eval"][c]["kld"]["mean"] for k, v in results.items()} for c in corpora}

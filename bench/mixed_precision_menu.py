@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from corpora import parse_corpora, score_folders  # bench/corpora.py (the script's folder)
+from corpora import parse_corpora, score_results  # bench/corpora.py (the script's folder)
 from mixed_precision import corpus_ids, oracle_calibration  # bench/mixed_precision.py
 
 from quantpipe.calibration.artifact import read_calibration
@@ -202,12 +202,7 @@ def main() -> None:
         }
         print(f"{name:18s} {exp.plan.effective_bits():.4f} bpw  {exp.plan.entries()}  "
               f"{exp.plan.validation}", flush=True)
-    scored = score_folders(args.fp16, tok, {k: r["path"] for k, r in results.items()},
-                           corpora, args.max_tokens, args.ctx)
-    for c, by_name in scored.items():
-        for name, ev in by_name.items():
-            results[name]["eval"][c] = ev.to_dict()
-    kld = {c: {k: v["eval"][c]["kld"]["mean"] for k, v in results.items()} for c in corpora}
+    kld = score_results(args.fp16, tok, results, corpora, args.max_tokens, args.ctx)
     ratios = {c: {k: v / kld[c]["uniform-w4"] for k, v in kld[c].items()} for c in corpora}
     for name, r in results.items():
         print(f"{name:18s} {r['effective_bits_per_weight']:.4f} bpw  " + "  ".join(

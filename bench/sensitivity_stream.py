@@ -29,7 +29,7 @@ import subprocess
 from pathlib import Path
 
 import torch
-from corpora import parse_corpora, score_folders  # bench/corpora.py (the script's folder)
+from corpora import parse_corpora, score_results  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.mixed_precision.sensitivity import (
     SensitivitySpec,
@@ -108,12 +108,7 @@ def main() -> None:
         results[name] = {"path": str(qdir), "effective_bits_per_weight":
                          exp.plan.effective_bits(), "entries": exp.plan.entries(),
                          "predicted_damage": exp.plan.predicted_damage, "eval": {}}
-    scored = score_folders(args.fp16, tok, {k: r["path"] for k, r in results.items()},
-                           corpora, args.max_tokens, args.ctx)
-    for c, by_name in scored.items():
-        for name, ev in by_name.items():
-            results[name]["eval"][c] = ev.to_dict()
-    kld = {c: {k: v["eval"][c]["kld"]["mean"] for k, v in results.items()} for c in corpora}
+    kld = score_results(args.fp16, tok, results, corpora, args.max_tokens, args.ctx)
     for name, r in results.items():
         print(f"{name:14s} {r['effective_bits_per_weight']:.4f} bpw  " + "  ".join(
             f"{c} KLD {kld[c][name]:.5f} ({kld[c][name] / kld[c]['uniform-w4']:.3f}x)"
