@@ -76,3 +76,22 @@ def test_dequantize_matches_float64_reference():
             ref[o, i] = (int(q[o, i]) - int(zeros[o, i // 32])) * float(scales[o, i // 32])
     torch.testing.assert_close(qw.dequantize(torch.float64), ref, rtol=1e-6, atol=1e-7)
     assert torch.equal(dequantize(q, scales, zeros, qw.group_index()), qw.dequantize())
+
+
+def test_dequantize_by_row_blocks_equals_float64_whole_layer():
+    """A layer of more rows than DEQUANT_ROWS (and not a multiple), act-order groups: the
+    block-by-block dequantization is (q - z) * s of the whole layer in float64, exactly (every
+    product of a uint8 difference and an fp16 scale is exact in fp32)."""
+    from quantpipe.core import qformat
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols, gs = qformat.DEQUANT_ROWS * 2 + 37, 256, 64
+    q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.int64).to(torch.uint8)
+    scales = (torch.rand(rows, cols // gs, generator=g) + 0.01).half()
+    zeros = torch.randint(0, 16, (rows, cols // gs), generator=g, dtype=torch.int64).to(
+        torch.uint8)
+    g_idx = (torch.randperm(cols, generator=g) // gs).to(torch.int32)
+    want = (q.double() - zeros.double()[:, g_idx.long()]) * scales.double()[:, g_idx.long()]
+    got = dequantize(q, scales, zeros, g_idx)
+    assert got.dtype == torch.float32 and torch.equal(got.double(), want)
+    assert torch.equal(dequantize(q, scales, zeros, g_idx, torch.float16), want.half())
