@@ -115,9 +115,12 @@ class SensitivitySpec:
         if self.tokens < self.seq_len:
             raise ValueError(f"--tokens {self.tokens} is below one sequence of {self.seq_len}; "
                              "use 1024 or more")
-        for name in ("batch_size", "chunk_rows", "probe_tokens"):
+        for name in ("batch_size", "chunk_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.probe_tokens < 1:
+            raise ValueError(f"--probe-tokens {self.probe_tokens}: give at least one token "
+                             "(512, the default, or up to --tokens)")
         if self.validate_tokens and self.validate_tokens < self.seq_len:
             raise ValueError(f"validate_tokens {self.validate_tokens} is below one sequence of "
                              f"{self.seq_len}; use 0 (no validation) or 1024")

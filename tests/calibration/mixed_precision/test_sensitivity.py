@@ -401,5 +401,5 @@ def test_streamed_when_the_model_does_not_fit(calib_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other settings"):
         measure_sensitivity(SensitivitySpec(calib_dir, tokens=128, seq_len=64, stream=False,
                                             probe_tokens=64, out=out))
-    with pytest.raises(ValueError, match="probe_tokens"):
+    with pytest.raises(ValueError, match="--probe-tokens 0"):
         SensitivitySpec(calib_dir, probe_tokens=0)
