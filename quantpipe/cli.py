@@ -681,10 +681,10 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
                    "'all' (one more run per entry and layer) [default: none; the planner "
                    "scales INT4's KLD by each entry's calibration loss].")
 @click.option("--stream/--no-stream", default=None,
-              help="Block by block (one block in memory; each layer's change of its block's "
-                   "output times the block's measured gain, no validation split) or the whole "
-                   "FP model (exact leave-one-in KLD) [default: block by block when the FP "
-                   "model in fp32 does not fit in memory].")
+              help="Block by block (one block in memory; each layer's relative change of its "
+                   "block's output times the block's measured gain, no validation split) or "
+                   "the whole FP model (exact leave-one-in KLD) [default: block by block when "
+                   "the FP model in fp32 does not fit in memory].")
 @click.option("--probe-tokens", default=512, show_default=True, type=int,
               help="Block by block: tokens each block's gain is measured on.")
 @click.option("--force", is_flag=True, help="Measure again even if the file exists.")
