@@ -408,7 +408,7 @@ def measure_sensitivity(spec: SensitivitySpec, model=None, input_ids: torch.Tens
     """
     with output_lock(spec.calib_dir):
         if spec.stream is None and model is None:
-            spec = replace(spec, stream=_needs_streaming(read_calibration(spec.calib_dir)))
+            spec = replace(spec, stream=_auto_stream(spec))
         return _measure(spec, model, input_ids, validate_ids)
 
 
@@ -503,6 +503,21 @@ def _write(spec: SensitivitySpec, calib: Calibration, infos: dict, layers: dict,
     }
     write_json_atomic(spec.path, data)
     return SensitivityResult(spec.path, data, reused=False)
+
+
+def _auto_stream(spec: SensitivitySpec) -> bool:
+    """The method when none was asked for: the one an existing file was measured with (so a
+    resumed `run` reuses it even if the free memory changed since), else block by block when
+    the FP model would not fit (:func:`_needs_streaming`)."""
+    if spec.path.is_file() and not spec.force:
+        try:
+            settings = json.loads(spec.path.read_text(encoding="utf-8")).get("settings")
+        except (ValueError, AttributeError):  # not JSON / not an object: _existing says so
+            settings = None
+        for stream in (False, True):
+            if settings == replace(spec, stream=stream).settings():
+                return stream
+    return _needs_streaming(read_calibration(spec.calib_dir))
 
 
 def _needs_streaming(calib: Calibration) -> bool:

@@ -401,5 +401,10 @@ def test_streamed_when_the_model_does_not_fit(calib_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other settings"):
         measure_sensitivity(SensitivitySpec(calib_dir, tokens=128, seq_len=64, stream=False,
                                             probe_tokens=64, out=out))
+    # memory freed since: the default reuses the file as measured (a resumed `run`)
+    monkeypatch.setattr(sensitivity, "fits_in_memory", lambda need: (True, need * 4))
+    again = measure_sensitivity(SensitivitySpec(calib_dir, tokens=128, seq_len=64,
+                                                probe_tokens=64, out=out))
+    assert again.reused and again.data["method"] == "stream"
     with pytest.raises(ValueError, match="--probe-tokens 0"):
         SensitivitySpec(calib_dir, probe_tokens=0)
