@@ -65,10 +65,15 @@ from quantpipe.calibration.mixed_precision.budget import (
     start_state,
     upgrade_path,
 )
+from quantpipe.calibration.mixed_precision.scoring import (
+    Scorer,
+    head_logits,
+    output_energy_hooks,
+    proxies,
+)
 from quantpipe.core.families import attn_implementation, family_for, get_blocks
 from quantpipe.core.heap import fits_in_memory
 from quantpipe.core.io import MANIFEST_NAME, output_lock, weights_bytes, write_json_atomic
-from quantpipe.core.metrics import mean_kld, token_kld
 
 log = logging.getLogger(__name__)
 
@@ -219,39 +224,6 @@ def spearman(x: list[float], y: list[float]) -> float:
 # orchestration
 
 
-def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Final norm + LM head: hidden [T, d] -> logits [T, V] fp32."""
-    logits = model.lm_head(model.model.norm(hidden)).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:  # Gemma-2 squashes logits with cap * tanh(logits / cap)
-        logits = cap * torch.tanh(logits / cap)
-    return logits
-
-
-class _Scorer:
-    """Mean KLD of a final hidden state against the cached FP reference, chunked by rows.
-
-    ``head``: final hidden [T, d] -> logits [T, V] fp32 (final norm, LM head, soft-cap)."""
-
-    def __init__(self, head, final_fp: torch.Tensor, chunk_rows: int):
-        self.head, self.chunk = head, chunk_rows
-        h = final_fp.reshape(-1, final_fp.shape[-1])  # [n, L, d] -> [T, d]
-        self.logits_ref = [head(h[s : s + chunk_rows])
-                           for s in range(0, h.shape[0], chunk_rows)]  # chunks of [rows, V]
-        # softmax in float64 then stored in float32: exact to float32 rounding
-        self.p_ref = [torch.softmax(z.double(), dim=-1).float() for z in self.logits_ref]
-        self.tokens = h.shape[0]
-
-    @torch.no_grad()
-    def mean_kld(self, final: torch.Tensor) -> float:
-        h = final.reshape(-1, final.shape[-1])  # [T, d]
-        per_chunk = []  # [rows] fp32 per chunk
-        for k, s in enumerate(range(0, h.shape[0], self.chunk)):
-            logits = self.head(h[s : s + self.chunk])  # [rows, V] fp32
-            per_chunk.append(token_kld(self.logits_ref[k], logits, self.p_ref[k]))
-        return mean_kld(per_chunk)
-
-
 def calibration_identity(calib: Calibration) -> dict:
     """Which calibration a measurement describes: its folder and the hash of its manifest
     (the manifest records every setting and the FP16 shards' hashes; a new calibration into
@@ -377,24 +349,6 @@ def _model_and_ids(calib: Calibration, spec: SensitivitySpec, model,
     return model, input_ids, validate_ids if spec.validates else None
 
 
-def _output_energy_hooks(block, names: dict[str, str], energy: dict[str, tuple[float, int]]):
-    """Forward hooks adding sum_t ||y_t||^2 and the token count of each linear.
-
-    names: name inside the block -> full model name (the key of ``energy``).
-    """
-
-    def make(name):
-        def hook(_m, _args, out):
-            y = out.detach().reshape(-1, out.shape[-1]).double()  # [tokens, out]
-            e, t = energy.get(name, (0.0, 0))
-            energy[name] = (e + float(y.pow(2).sum()), t + y.shape[0])
-
-        return hook
-
-    return [block.get_submodule(short).register_forward_hook(make(full))
-            for short, full in names.items()]
-
-
 def measure_sensitivity(spec: SensitivitySpec, model=None, input_ids: torch.Tensor | None = None,
                         validate_ids: torch.Tensor | None = None) -> SensitivityResult:
     """Measure every linear of ``spec.calib_dir`` alone; write ``spec.path``
@@ -442,13 +396,13 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
                                    leave=False)):
         names = [n for n in infos if n.startswith(f"{prefix}.{i}.")]
         by_block.append(names)
-        handles = _output_energy_hooks(
+        handles = output_energy_hooks(
             block, {n[len(f"{prefix}.{i}.") :]: n for n in names}, energy)
         block_in.append(hidden)
         hidden = run_block(block, hidden, ctx.for_layer(i), spec.batch_size)
         for h in handles:
             h.remove()
-    scorer = _Scorer(partial(_head_logits, model), hidden, spec.chunk_rows)
+    scorer = Scorer(partial(head_logits, model), hidden, spec.chunk_rows)
 
     # 2. one run per (layer, bits), from the layer's block onwards; the bar counts runs (a run
     # of an early block's layer costs more: it runs every block after it)
@@ -464,7 +418,7 @@ def _measure(spec: SensitivitySpec, model, input_ids: torch.Tensor | None,
             qweights[tag] = calib.weights({n: tag for n in names if tag in menu[n]})
         for name in names:
             lin = blocks[i].get_submodule(name[len(f"{prefix}.{i}.") :])
-            entry = _proxies(infos[name], energy[name])
+            entry = proxies(infos[name], energy[name])
             original = lin.weight.data
             for tag in [tag_of(b) for b in spec.bits] + menu[name]:
                 lin.weight.data = qweights[tag][name].dequantize(original.dtype)  # [out, in]
@@ -588,7 +542,7 @@ def _validate(calib: Calibration, infos: dict, layers: dict, blocks, by_block: l
         return blocks[block_of[n]].get_submodule(n[len(f"{prefix}.{block_of[n]}.") :])
 
     hidden0, ctx = embed_inputs(model, ids)
-    scorer = _Scorer(partial(_head_logits, model),
+    scorer = Scorer(partial(head_logits, model),
                      _run_from(blocks, 0, hidden0, ctx, spec.batch_size), spec.chunk_rows)
     originals = {n: linear(n).weight.data for n in names}
 
@@ -637,18 +591,6 @@ def _run_from(blocks, i: int, hidden: torch.Tensor, ctx: BlockContext,
     for j in range(i, len(blocks)):
         hidden = run_block(blocks[j], hidden, ctx.for_layer(j), batch_size)
     return hidden
-
-
-def _proxies(info: dict, energy: tuple[float, int]) -> dict:
-    e_sum, tokens = energy
-    # tr(W H W^T) with H = 2 X^T X / tokens (calibration's convention) = 2 mean_t ||W x_t||^2
-    out_energy = 2.0 * e_sum / max(tokens, 1)
-    entry = {"out_energy": out_energy}
-    for tag in ("w4", "w8"):
-        loss = float(info[tag]["loss"])
-        entry[f"proxy_{tag}"] = loss
-        entry[f"proxy_norm_{tag}"] = loss / out_energy if out_energy > 0 else float("inf")
-    return entry
 
 
 def _correlations(layers: dict[str, dict], bits: tuple[int, ...]) -> dict[str, float]:

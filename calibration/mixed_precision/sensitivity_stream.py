@@ -54,12 +54,7 @@ from quantpipe.blocks.execute import embed_inputs, run_block
 from quantpipe.blocks.stream import ModelStream, output_head
 from quantpipe.calibration.artifact import Calibration
 from quantpipe.calibration.menu import tag_of
-from quantpipe.calibration.mixed_precision.sensitivity import (
-    SensitivitySpec,
-    _output_energy_hooks,
-    _proxies,
-    _Scorer,
-)
+from quantpipe.calibration.mixed_precision.scoring import Scorer, output_energy_hooks, proxies
 from quantpipe.core.experts import split_experts
 from quantpipe.core.families import family_for, get_path
 
@@ -100,7 +95,7 @@ def _replaced(calib: Calibration, block, block_name: str, choice: dict[str, str]
             lin.weight.data = originals[n]
 
 
-def _block_changes(spec: SensitivitySpec, calib: Calibration, block, block_name: str,
+def _block_changes(spec, calib: Calibration, block, block_name: str,
                    tags: dict[str, list[str]], hidden: torch.Tensor, out: torch.Tensor, bctx,
                    bar) -> dict[str, dict[str, float]]:
     """layer -> tag -> e: the change of ``block``'s output ``out`` with that layer alone at
@@ -124,9 +119,10 @@ def _change(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def measure_streamed(spec: SensitivitySpec, calib: Calibration, infos: dict,
+def measure_streamed(spec, calib: Calibration, infos: dict,
                      input_ids: torch.Tensor, menu: dict[str, list[str]]) -> tuple[dict, dict]:
-    """(layers, extra) for sensitivity.json: each layer's ``kld_<tag>`` estimated as in the
+    """(layers, extra) for sensitivity.json (``spec``: the SensitivitySpec of
+    :mod:`.sensitivity`, which calls this): each layer's ``kld_<tag>`` estimated as in the
     module docstring (and ``change_<tag>``, e), with the whole-model path's proxies; ``extra``:
     the method, each block's gain and the token counts. ``input_ids`` [n, seq_len]: the
     measured tokens (the probes take the first sequences); ``menu``: layer -> menu tags."""
@@ -162,7 +158,7 @@ def measure_streamed(spec: SensitivitySpec, calib: Calibration, infos: dict,
             if family.moe is not None:
                 split_experts(block, family.moe)
             short = {n[len(block_name) + 1:]: n for n in names}
-            handles = _output_energy_hooks(block, short, energy)
+            handles = output_energy_hooks(block, short, energy)
             try:
                 out = run_block(block, hidden, bctx, spec.batch_size)  # FP [n, L, d]
             finally:
@@ -183,13 +179,13 @@ def measure_streamed(spec: SensitivitySpec, calib: Calibration, infos: dict,
     bar.close()
 
     with output_head(stream) as head:
-        scorer = _Scorer(head, hidden[:n_probe], spec.chunk_rows)
+        scorer = Scorer(head, hidden[:n_probe], spec.chunk_rows)
         probe_kld = [scorer.mean_kld(p) for p in probes]
     gains = [k / c if c > 0 else 0.0 for k, c in zip(probe_kld, probe_change)]
     layers = {}
     for i, names in enumerate(by_block):
         for n in names:
-            entry = _proxies(infos[n], energy[n])
+            entry = proxies(infos[n], energy[n])
             for t, e in change[n].items():
                 entry[f"kld_{t}"] = gains[i] * e
                 entry[f"change_{t}"] = e
