@@ -80,22 +80,22 @@ class _FoldedStream(ModelStream):
 
 
 @contextlib.contextmanager
-def _replaced(calib: Calibration, block, block_name: str, choice: dict[str, str]):
+def _replaced(qweights: dict, block, block_name: str, choice: dict[str, str]):
     """``block``'s linears named in ``choice`` (full name -> entry tag) hold their dequantized
-    calibrated weights for the ``with`` body, their FP weights again afterwards."""
+    calibrated weights (``qweights[tag][name]``, read on access) for the ``with`` body, their
+    FP weights again afterwards."""
     linears = {n: block.get_submodule(n[len(block_name) + 1:]) for n in choice}
     originals = {n: lin.weight.data for n, lin in linears.items()}
-    weights = calib.weights(choice)
     try:
         for n, lin in linears.items():
-            lin.weight.data = weights[n].dequantize(originals[n].dtype)  # [out, in]
+            lin.weight.data = qweights[choice[n]][n].dequantize(originals[n].dtype)  # [out, in]
         yield
     finally:
         for n, lin in linears.items():
             lin.weight.data = originals[n]
 
 
-def _block_changes(spec, calib: Calibration, block, block_name: str,
+def _block_changes(spec, qweights: dict, block, block_name: str,
                    tags: dict[str, list[str]], hidden: torch.Tensor, out: torch.Tensor, bctx,
                    bar) -> dict[str, dict[str, float]]:
     """layer -> tag -> e: the change of ``block``'s output ``out`` with that layer alone at
@@ -104,7 +104,7 @@ def _block_changes(spec, calib: Calibration, block, block_name: str,
     for n, ts in tags.items():
         change[n] = {}
         for t in ts:
-            with _replaced(calib, block, block_name, {n: t}):
+            with _replaced(qweights, block, block_name, {n: t}):
                 change[n][t] = _change(run_block(block, hidden, bctx, spec.batch_size), out)
             bar.update()
     return change
@@ -167,10 +167,14 @@ def measure_streamed(spec, calib: Calibration, infos: dict,
             # the earlier probes through this FP block
             probes = [run_block(block, p, bctx, spec.batch_size) for p in probes]
             tags = {n: [tag_of(b) for b in spec.bits] + menu[n] for n in names}
-            change.update(_block_changes(spec, calib, block, block_name, tags, hidden, out,
+            # each entry's weights of the block, read from its block file as they are used
+            # (one lookup of the calibration's layer records per entry, not per run)
+            qweights = {t: calib.weights({n: t for n in names if t in tags[n]})
+                        for t in dict.fromkeys(t for ts in tags.values() for t in ts)}
+            change.update(_block_changes(spec, qweights, block, block_name, tags, hidden, out,
                                          bctx, bar))
             # this block's probe: every linear at the probe precision
-            with _replaced(calib, block, block_name, dict.fromkeys(names, probe_tag)):
+            with _replaced(qweights, block, block_name, dict.fromkeys(names, probe_tag)):
                 probe = run_block(block, hidden[:n_probe], bctx, spec.batch_size)
             probe_change.append(_change(probe, out[:n_probe]))
             probes.append(probe)
