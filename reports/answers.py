@@ -156,44 +156,21 @@ def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list
 
 def load_answering_model(folder: Path, dtype: torch.dtype):
     """(model, tokenizer, timed): an FP16 folder or a quantpipe-native one as ``serve`` loads
-    it (quantpipe's kernels: its speed is what a deployment gets, ``timed``); a GPTQ or
-    compressed-tensors folder verified and dequantized (its answers are its weights', its speed
-    would be fp32's, so it is not timed: quantpipe's runtime serves the native format)."""
+    it (quantpipe's kernels; an FP16 folder built tensor by tensor, its linear layers on their
+    fp16 weights with fp32 activations: its speed is what a deployment gets, ``timed``); a GPTQ
+    or compressed-tensors folder verified and dequantized (its answers are its weights', its
+    speed would be fp32's, so it is not timed: quantpipe's runtime serves the native format)."""
     from quantpipe.core.formats.loader import load_dequantized_model
     from quantpipe.core.sources import load_folder_tokenizer
     from quantpipe.reports.eval import model_config
     from quantpipe.runtime.engine import load_model_for_serving
 
     method = (model_config(folder).get("quantization_config") or {}).get("quant_method")
-    if method is None and dtype != torch.float32:
-        return (*_streamed_fp16(folder, dtype), True)
     if method in (None, "quantpipe"):
         return (*load_model_for_serving(folder, "cpu", dtype=dtype, head_dtype=HEAD_DTYPE),
                 True)
     log.info("%s: %s checkpoint answered dequantized (not timed)", folder, method)
     return load_dequantized_model(folder, dtype), load_folder_tokenizer(folder), False
-
-
-def _streamed_fp16(folder: Path, dtype: torch.dtype):
-    """(model, tokenizer) of an FP16 folder in ``dtype``, built tensor by tensor (each read
-    with its file mapped for that read only; the fp16 embedding table kept as stored, as the
-    fp16 head reads it). ``from_pretrained`` also kept the mapped shards resident: the
-    Llama-2-7B shape in bf16 peaked at 23.0 GB of RSS that way, 13.7 GB this way
-    (bench/report_memory.py; bench/results/report-answers-llama2-7b.json)."""
-    from quantpipe.core.formats.loader import model_tensors
-    from quantpipe.core.hf_model import build_causal_lm
-    from quantpipe.core.io import LazyTensors
-    from quantpipe.core.sources import load_folder_tokenizer
-    from quantpipe.reports.eval import model_config
-    from quantpipe.runtime.fp_head import set_half_head
-
-    cfg = model_config(folder)
-    lazy = LazyTensors.of_folder(folder)
-    model = build_causal_lm(cfg, model_tensors(cfg, ((k, lazy[k]) for k in lazy)), dtype,
-                            where=folder, keep_fp16_embeddings=True)
-    set_half_head(model, HEAD_DTYPE, act_dtype=dtype)
-    release_freed_memory()
-    return model, load_folder_tokenizer(folder)
 
 
 def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new_tokens: int,

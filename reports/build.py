@@ -211,16 +211,23 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
 
 
 def answer_dtype(reference: Path) -> tuple[torch.dtype, str]:
-    """(activation dtype of the answering models, why): fp32 where the reference in fp32
-    (twice its fp16 shards) fits (``quantpipe.core.heap.fits_in_memory``), else bf16 (a 7B model:
-    13.5 GB instead of 27), said on the page."""
-    need = 2 * weights_bytes(reference)
+    """(activation dtype of the answering models, why): fp32 where the reference answering in
+    fp32 fits (``quantpipe.core.heap.fits_in_memory``): its fp16 shards as they are where
+    quantpipe's CPU kernels run its linear layers on their fp16 weights
+    (``runtime.fp_head.set_half_linears``), else an fp32 copy (twice the shards); otherwise
+    bf16, said on the page."""
+    from quantpipe.runtime.kernels import cpu_ext
+
+    copies = 1 if cpu_ext.kernel_status()[0] else 2
+    need = copies * weights_bytes(reference)
     fits, have = fits_in_memory(need)
     if fits:
         return torch.float32, ""
+    held = "its fp16 weights" if copies == 1 else "an fp32 copy"
     return torch.bfloat16, (
-        f"Answers were generated with bf16 activations: the FP16 reference in fp32 needs "
-        f"{need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB were available.")
+        f"Answers were generated with bf16 activations: the FP16 reference with fp32 "
+        f"activations ({held}) needs {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB were "
+        f"available.")
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:

@@ -21,6 +21,7 @@ def build_causal_lm(
     modules: Iterable[tuple[str, torch.nn.Module]] = (),
     where: str | Path = "checkpoint",
     keep_fp16_embeddings: bool = False,
+    keep_fp16_linears: bool = False,
 ):
     """A transformers causal LM (eval mode) on ``device`` holding ``tensors`` and ``modules``.
 
@@ -34,6 +35,8 @@ def build_causal_lm(
     or never-loaded tensor is a ValueError naming ``where``. ``keep_fp16_embeddings``: an
     fp16 input embedding table or output head stays fp16 (the CPU runtime's fp16 head computes
     in fp32 from them: no fp32 copy of the largest tensors is ever made).
+    ``keep_fp16_linears``: the fp16 weights of every ``nn.Linear`` stay fp16 too (the CPU
+    runtime's ``set_half_linears`` runs them as stored, fp32 sums).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,6 +57,9 @@ def build_causal_lm(
         # the next layer is built, or the freed heap grows with the model (glibc keeps it)
         release_freed_memory()
     keep = _embedding_names(model) if keep_fp16_embeddings else set()
+    if keep_fp16_linears:
+        keep |= {f"{n}.weight" for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear)}
 
     def cast(name: str, v: torch.Tensor) -> torch.Tensor:
         if not v.is_floating_point() or (name in keep and v.dtype == torch.float16):

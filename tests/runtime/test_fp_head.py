@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantpipe.runtime import fp_head
-from quantpipe.runtime.fp_head import CastEmbedding, HalfHead, set_half_head
+from quantpipe.runtime.fp_head import CastEmbedding, HalfLinear, set_half_head
 from quantpipe.runtime.kernels import cpu_ext
 from tests.tiny_models import make_model
 
@@ -39,7 +39,7 @@ def test_half_head_matches_float64_reference_of_its_weights(mode, kernel, monkey
         monkeypatch.setattr(fp_head.cpu_ext, "kernel_status", lambda: (False, "test"))
     g = torch.Generator().manual_seed(0)
     w16 = (torch.randn(90, 40, generator=g) * 0.1).half()  # [out, in]; 90: padded to 96
-    head = HalfHead(w16, None, mode, torch.float32)
+    head = HalfLinear(w16, None, mode, torch.float32)
     assert head.kernel == kernel
     # auto: fp16 up to 2 rows with the AVX-512 kernels (bf16_mm is faster above), every M on
     # AVX2 (no bf16 dot product there), 1 row with torch
@@ -84,7 +84,7 @@ def test_set_half_head_shares_the_tied_fp16_table_and_keeps_outputs():
         want = model(ids).logits.double()
     set_half_head(model, "fp16")
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    assert isinstance(emb, CastEmbedding) and isinstance(head, HalfHead)
+    assert isinstance(emb, CastEmbedding) and isinstance(head, HalfLinear)
     assert emb.weight.dtype == torch.float16
     assert head.w16.data_ptr() == emb.weight.data_ptr()  # one fp16 table, shared
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_set_half_head_leaves_non_fp16_weights_alone(caplog):
     with pytest.raises(ValueError, match="head dtype"):
         set_half_head(model, "int4")
     with pytest.raises(ValueError, match="fp16 weight"):
-        HalfHead(torch.zeros(4, 4), None, "fp16", torch.float32)
+        HalfLinear(torch.zeros(4, 4), None, "fp16", torch.float32)
 
 
 def test_engine_decode_matches_hf_greedy_with_and_without_half_head():
@@ -185,7 +185,7 @@ def test_set_half_head_int8_keeps_the_fp16_table_and_falls_back_without_kernels(
     monkeypatch.setattr(fp_head.cpu_ext, "kernel_status", lambda: (False, "test says no"))
     with caplog.at_level(logging.WARNING, logger="quantpipe.runtime.fp_head"):
         set_half_head(model, "int8")
-    assert isinstance(model.get_output_embeddings(), HalfHead)
+    assert isinstance(model.get_output_embeddings(), HalfLinear)
     assert model.get_output_embeddings().mode == "fp16"
     assert "test says no" in caplog.text and "fp16 head instead" in caplog.text
 
@@ -256,7 +256,7 @@ def test_head_read_from_the_checkpoint_file_is_not_kept_resident(kernel, tmp_pat
         w = f.get_tensor("lm_head.weight")  # 16 MiB, a view of the file mapping
     assert _mapping(w)[1].endswith("h.safetensors")
     mode = "fp16" if kernel else "bf16"  # the modes that copy the weight
-    head = HalfHead(w, None, mode, torch.float32)
+    head = HalfLinear(w, None, mode, torch.float32)
     got = _unblock(head.w16, 8192) if kernel else head.w_bf16
     assert torch.equal(got, w_ref if kernel else w_ref.to(torch.bfloat16))
     assert _resident_kb(w) <= 16 * 1024 // 4  # released as it was copied (all 16 MiB read)
