@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantpipe.core.families import FAMILIES
 from quantpipe.runtime import fp_head
 from quantpipe.runtime.engine import load_model_for_serving, loading
 from quantpipe.runtime.fp_head import HalfLinear
@@ -31,7 +32,7 @@ def _linears(model):
 
 
 @pytest.mark.skipif(not KERNEL, reason="quantpipe's CPU kernels are not usable here")
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp16_folder_runs_its_linears_on_the_fp16_weights(family, tmp_path):
     folder, ref = _fp16_folder(family, tmp_path)
     model, _ = load_model_for_serving(folder, "cpu", torch.float32, head_dtype="fp16")
@@ -48,7 +49,8 @@ def test_fp16_folder_runs_its_linears_on_the_fp16_weights(family, tmp_path):
         if ref_layers[name].bias is not None:  # Qwen2's q/k/v biases
             assert torch.equal(m.bias.double(), ref_layers[name].bias), name
     fp32, _ = load_model_for_serving(folder, "cpu", torch.float32, head_dtype="fp32")
-    _check_logits(model, ref, fp32)
+    # torch's grouped matmul of the MoE experts takes no float64: those compare with fp32 only
+    _check_logits(model, None if FAMILIES[family].moe else ref, fp32)
 
 
 def _check_logits(model, ref, fp32=None):
@@ -56,9 +58,10 @@ def _check_logits(model, ref, fp32=None):
     1.4e-4 from it: its RoPE tables), and against ``fp32``, the same folder loaded in fp32."""
     with torch.no_grad():
         got = model(IDS).logits.double()
-        want = ref(IDS).logits
+        want = None if ref is None else ref(IDS).logits
         want32 = None if fp32 is None else fp32(IDS).logits.double()
-    assert (got - want).norm() / want.norm() < 1e-3
+    if want is not None:
+        assert (got - want).norm() / want.norm() < 1e-3
     if want32 is not None:  # only the order of fp32 sums differs: ~1e-6 relative
         rel = (got - want32).norm() / want32.norm()
         assert rel < 1e-5, float(rel)
