@@ -684,10 +684,12 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, device, head_dtype, ig
               help="Block by block (one block in memory; each layer's relative change of its "
                    "block's output times the block's measured gain, no validation split) or "
                    "the whole FP model (exact leave-one-in KLD) [default: block by block when "
-                   "the FP model in fp32 does not fit in memory].")
+                   "the FP model in fp32 does not fit in memory]. Block by block saves its "
+                   "state after each block and a killed run resumes where it stopped.")
 @click.option("--probe-tokens", default=512, show_default=True, type=int,
               help="Block by block: tokens each block's gain is measured on.")
-@click.option("--force", is_flag=True, help="Measure again even if the file exists.")
+@click.option("--force", is_flag=True,
+              help="Measure again even if the file (or a killed run's saved state) exists.")
 def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, stream, probe_tokens,
                     force):
     """Measure each linear's KLD when quantized alone; writes CALIB_DIR/sensitivity.json."""

@@ -487,15 +487,30 @@ def _needs_streaming(calib: Calibration) -> bool:
 
 def _measure_streamed(spec: SensitivitySpec, calib: Calibration, infos: dict,
                       input_ids: torch.Tensor | None, t0: float) -> SensitivityResult:
-    """The block-by-block measurement (sensitivity_stream), written like the whole-model one."""
+    """The block-by-block measurement (sensitivity_stream), written like the whole-model one.
+    It saves its state after each block beside the output file (stream_progress) and takes a
+    killed run's state up where the settings, calibration and tokens are the same; the file's
+    ``seconds`` are then those of every run together."""
     from quantpipe.calibration.mixed_precision.sensitivity_stream import measure_streamed
+    from quantpipe.calibration.mixed_precision.stream_progress import (
+        StreamProgress,
+        tokens_sha256,
+    )
 
     _check_fp16_source(calib, spec)
     if input_ids is None:
         input_ids = _calibration_ids(calib.fp16_dir, spec)  # every record: no validation
+    progress = StreamProgress(spec.path, {
+        "settings": spec.settings(), "calibration": calibration_identity(calib),
+        "tokens_sha256": tokens_sha256(input_ids), "batch_size": spec.batch_size})
+    if spec.force:
+        progress.discard()
     layers, extra = measure_streamed(spec, calib, infos, input_ids,
-                                     _measured_entries(spec, infos))
-    return _write(spec, calib, infos, layers, extra, t0)
+                                     _measured_entries(spec, infos), progress)
+    before = extra.get("resumed", {}).get("seconds_before", 0.0)
+    result = _write(spec, calib, infos, layers, extra, t0 - before)
+    progress.discard()
+    return result
 
 
 def _measured_entries(spec: SensitivitySpec, infos: dict) -> dict[str, list[str]]:

@@ -55,6 +55,7 @@ from quantpipe.blocks.stream import ModelStream, output_head
 from quantpipe.calibration.artifact import Calibration
 from quantpipe.calibration.menu import tag_of
 from quantpipe.calibration.mixed_precision.scoring import Scorer, output_energy_hooks, proxies
+from quantpipe.calibration.mixed_precision.stream_progress import StreamProgress, StreamState
 from quantpipe.core.experts import split_experts
 from quantpipe.core.families import family_for, get_path
 
@@ -119,13 +120,16 @@ def _change(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def measure_streamed(spec, calib: Calibration, infos: dict,
-                     input_ids: torch.Tensor, menu: dict[str, list[str]]) -> tuple[dict, dict]:
+def measure_streamed(spec, calib: Calibration, infos: dict, input_ids: torch.Tensor,
+                     menu: dict[str, list[str]],
+                     progress: StreamProgress | None = None) -> tuple[dict, dict]:
     """(layers, extra) for sensitivity.json (``spec``: the SensitivitySpec of
     :mod:`.sensitivity`, which calls this): each layer's ``kld_<tag>`` estimated as in the
     module docstring (and ``change_<tag>``, e), with the whole-model path's proxies; ``extra``:
-    the method, each block's gain and the token counts. ``input_ids`` [n, seq_len]: the
-    measured tokens (the probes take the first sequences); ``menu``: layer -> menu tags."""
+    the method, each block's gain and the token counts (and ``resumed``: the block a previous
+    run's saved state was taken up at, with the seconds it had spent). ``input_ids``
+    [n, seq_len]: the measured tokens (the probes take the first sequences); ``menu``: layer
+    -> menu tags; ``progress``: where the state is saved after each block and resumed from."""
     t0 = time.perf_counter()
     stream = _FoldedStream(calib)
     model = stream.model
@@ -142,14 +146,27 @@ def measure_streamed(spec, calib: Calibration, infos: dict,
     with stream.load(stream.embeddings_name):
         hidden, ctx = embed_inputs(model, input_ids)  # [n, L, d] fp32
 
-    probes: list[torch.Tensor] = []  # probe of block j: [n_probe, L, d], carried forward
-    probe_change: list[float] = []
-    energy: dict[str, tuple[float, int]] = {}
-    change: dict[str, dict[str, float]] = {}
-    by_block: list[list[str]] = []
-    bar = tqdm(total=sum(len(spec.bits) + len(menu[n]) for n in infos), desc="sensitivity",
-               unit="run")
-    for i in range(len(blocks)):
+    state = progress.load() if progress is not None else None
+    resumed = None
+    if state is not None:
+        if state.blocks_done > len(blocks) or tuple(state.hidden.shape) != tuple(hidden.shape):
+            raise ValueError(f"{progress.dir} does not fit this model; remove it or pass "
+                             "--force")
+        resumed = {"at_block": state.blocks_done, "seconds_before": round(state.seconds, 1)}
+        log.info("sensitivity: resuming at block %d/%d (%.0fs spent before)",
+                 state.blocks_done, len(blocks), state.seconds)
+        hidden = state.hidden
+    else:
+        state = StreamState()
+    # probes: probe of block j, [n_probe, L, d], carried forward
+    probes, probe_change, energy = state.probes, state.probe_change, state.energy
+    change, by_block = state.change, state.by_block
+    runs = {n: len(spec.bits) + len(menu[n]) for n in infos}
+    done_names = {n for names in by_block for n in names}
+    bar = tqdm(total=sum(runs.values()), desc="sensitivity", unit="run",
+               initial=sum(runs[n] for n in done_names if n in runs))
+    seconds_before = state.seconds
+    for i in range(state.blocks_done, len(blocks)):
         block_name = f"{prefix}.{i}"
         names = [n for n in infos if n.startswith(f"{block_name}.")]
         by_block.append(names)
@@ -179,6 +196,10 @@ def measure_streamed(spec, calib: Calibration, infos: dict,
             probe_change.append(_change(probe, out[:n_probe]))
             probes.append(probe)
         hidden = out
+        if progress is not None:
+            state.blocks_done, state.hidden, state.probes = i + 1, hidden, probes
+            state.seconds = seconds_before + time.perf_counter() - t0
+            progress.save(state)
         log.info("block %d/%d measured (%.0fs)", i + 1, len(blocks), time.perf_counter() - t0)
     bar.close()
 
@@ -201,4 +222,6 @@ def measure_streamed(spec, calib: Calibration, infos: dict,
         "gains": [{"block": i, "probe": probe_tag, "change": c, "kld": k, "gain": g}
                   for i, (c, k, g) in enumerate(zip(probe_change, probe_kld, gains))],
     }
+    if resumed is not None:
+        extra["resumed"] = resumed
     return layers, extra

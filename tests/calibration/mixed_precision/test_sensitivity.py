@@ -408,3 +408,106 @@ def test_streamed_when_the_model_does_not_fit(calib_dir, tmp_path, monkeypatch):
     assert again.reused and again.data["method"] == "stream"
     with pytest.raises(ValueError, match="--probe-tokens 0"):
         SensitivitySpec(calib_dir, probe_tokens=0)
+
+
+class _Killed(Exception):
+    pass
+
+
+def _kill_after_first_block(monkeypatch):
+    """StreamProgress.save writes the state after block 0, then the run dies."""
+    from quantpipe.calibration.mixed_precision.stream_progress import StreamProgress
+
+    real = StreamProgress.save
+
+    def save_then_die(self, state):
+        real(self, state)
+        raise _Killed
+
+    monkeypatch.setattr(StreamProgress, "save", save_then_die)
+
+
+def _block_runs(monkeypatch) -> list[str]:
+    """The names of the blocks whose layers are measured, in the order measured."""
+    from quantpipe.calibration.mixed_precision import sensitivity_stream
+
+    seen, real = [], sensitivity_stream._block_changes
+
+    def spy(spec, qweights, block, block_name, *args):
+        seen.append(block_name)
+        return real(spec, qweights, block, block_name, *args)
+
+    monkeypatch.setattr(sensitivity_stream, "_block_changes", spy)
+    return seen
+
+
+def test_streamed_killed_run_resumes_with_the_same_numbers(calib_dir, tmp_path, monkeypatch):
+    """A run killed after block 0 leaves its state beside the output; the next run measures
+    block 1 only and writes exactly the numbers of an uninterrupted run, then removes the
+    state. A state of other settings is not used; --force starts over."""
+    common = dict(**SPEC, stream=True, probe_tokens=64)
+    whole = measure_sensitivity(SensitivitySpec(calib_dir, **common,
+                                                out=tmp_path / "whole.json")).data
+    out = tmp_path / "resumed.json"
+    partial = tmp_path / ".resumed.json.partial"
+    with monkeypatch.context() as m:
+        _kill_after_first_block(m)
+        with pytest.raises(_Killed):
+            measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out))
+    assert not out.exists() and (partial / "progress.json").is_file()
+    assert json.loads((partial / "progress.json").read_text())["blocks_done"] == 1
+    with monkeypatch.context() as m:
+        runs = _block_runs(m)
+        data = measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out)).data
+    assert runs == ["model.layers.1"]
+    assert data["resumed"]["at_block"] == 1 and data["seconds"] >= data["resumed"][
+        "seconds_before"]
+    assert data["layers"] == whole["layers"] and data["gains"] == whole["gains"]
+    assert not partial.exists()
+
+    # a state left by other settings (probe tokens) is discarded, not mixed in
+    with monkeypatch.context() as m:
+        _kill_after_first_block(m)
+        with pytest.raises(_Killed):
+            measure_sensitivity(SensitivitySpec(calib_dir, **SPEC, stream=True,
+                                                probe_tokens=32, out=out, force=True))
+    with monkeypatch.context() as m:
+        runs = _block_runs(m)
+        data = measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out,
+                                                   force=True)).data
+    assert runs == ["model.layers.0", "model.layers.1"] and "resumed" not in data
+    assert data["layers"] == whole["layers"]
+
+    # --force ignores a matching state
+    with monkeypatch.context() as m:
+        _kill_after_first_block(m)
+        with pytest.raises(_Killed):
+            measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out, force=True))
+    with monkeypatch.context() as m:
+        runs = _block_runs(m)
+        data = measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out,
+                                                   force=True)).data
+    assert len(runs) == 2 and "resumed" not in data and not partial.exists()
+
+
+def test_streamed_unreadable_state_starts_over(calib_dir, tmp_path, monkeypatch):
+    """A state whose tensors are missing or whose record is not JSON is removed with a
+    warning and the measurement starts at block 0."""
+    common = dict(**SPEC, stream=True, probe_tokens=64)
+    out = tmp_path / "s.json"
+    partial = tmp_path / ".s.json.partial"
+    for damage in ("tensors", "record"):
+        with monkeypatch.context() as m:
+            _kill_after_first_block(m)
+            with pytest.raises(_Killed):
+                measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out, force=True))
+        if damage == "tensors":
+            for f in partial.glob("state-*.safetensors"):
+                f.unlink()
+        else:
+            (partial / "progress.json").write_text("{not json")
+        with monkeypatch.context() as m:
+            runs = _block_runs(m)
+            data = measure_sensitivity(SensitivitySpec(calib_dir, **common, out=out,
+                                                       force=True)).data
+        assert len(runs) == 2 and "resumed" not in data and not partial.exists()
