@@ -56,11 +56,13 @@ from quantpipe.core.families import (  # runtime.generate reads FAMILIES from he
 )
 from quantpipe.core.heap import mapped_zeros, release_freed_memory
 from quantpipe.runtime.engine.kv_cache import KVCacheSpec, slot_mapping
+from quantpipe.runtime.fp_head import BLOCK, HalfLinear
 from quantpipe.runtime.kernels import cpu_ext
 from quantpipe.runtime.kernels.cpu import (
     CpuW4A8,
     copy_w4a8_,
     empty_w4a8_stack,
+    joined_rows,
     w4a8_joined,
     w4a8_matmul,
     w4a8_rows,
@@ -266,16 +268,18 @@ def zero_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
 
 @dataclass(frozen=True)
 class FusedProjections:
-    """A layer's projections that share an input, as one W4A8 matmul each (None: not fused).
+    """A layer's projections that share an input, as one matmul each (None: not fused).
 
     The q/k/v projections (and gate/up) read the same normed input, so one kernel call
     quantizes it once and streams the stacked weights once; the MLP's act(gate) * up is then
     one op as well (:data:`GATED_ACTS`). Built only where every part is a bias-free W4A8 layer
-    of the same build (q/k/v: or every part has a bias).
+    of the same build, or every part an fp16 layer run by ``fp16_mm`` (an FP16 folder's,
+    ``runtime.fp_head.set_half_linears``): the stack is then the parts' blocked fp16 weights
+    one after another, ``[sum(out) / 16, hidden, 16]`` (q/k/v: or every part has a bias).
     """
 
-    qkv: CpuW4A8 | None  # [(H + 2 KV) * D, hidden]
-    gate_up: CpuW4A8 | None  # [2 * intermediate, hidden]
+    qkv: CpuW4A8 | torch.Tensor | None  # [(H + 2 KV) * D, hidden] (fp16: blocked)
+    gate_up: CpuW4A8 | torch.Tensor | None  # [2 * intermediate, hidden] (fp16: blocked)
     qkv_bias: torch.Tensor | None = None  # fp32 [(H + 2 KV) * D]: q/k/v biases (Qwen2)
 
 
@@ -315,6 +319,41 @@ def _fuse(mods, with_bias: bool = False) -> CpuW4A8 | None:
     return fused
 
 
+def _half_parts(mods, with_bias: bool = False) -> list[HalfLinear] | None:
+    """The parts when each is an fp16 layer that ``fp16_mm`` runs at every row count (mode
+    fp16, the kernels) with whole blocks of 16 output rows (no padded outputs; a stack has
+    none between parts), bias-free (``with_bias``: or each has a bias); else None."""
+    if not all(isinstance(m, HalfLinear) and m.kernel and m.mode == "fp16"
+               and m.out_features % BLOCK == 0 for m in mods):
+        return None
+    biased = [m.bias is not None for m in mods]
+    if any(biased) and not (with_bias and all(biased)):
+        return None
+    return list(mods)
+
+
+def _fuse_half(mods, with_bias: bool = False) -> torch.Tensor | None:
+    """The parts' blocked fp16 weights stacked, [sum(out) / 16, in, 16], each part's ``w16``
+    rebound to its rows of the stack (held once; written and released part by part as
+    :func:`_fuse` does); None where :func:`_half_parts` says no."""
+    parts = _half_parts(mods, with_bias)
+    if parts is None or len({m.in_features for m in parts}) != 1:
+        return None
+    joined = joined_rows([m.w16 for m in parts])  # stacked by an earlier runner
+    if joined is not None:
+        return joined
+    first = parts[0].w16  # [out / 16, in, 16] fp16
+    stack = torch.empty(sum(m.w16.shape[0] for m in parts), *first.shape[1:], dtype=first.dtype)
+    start = 0
+    for m in parts:
+        n = m.w16.shape[0]
+        stack[start:start + n].copy_(m.w16)
+        m.w16 = stack[start:start + n]  # the buffer rebound: the part's own tensor is freed
+        release_freed_memory()
+        start += n
+    return stack
+
+
 def fuse_projections(layer, hidden_act: str | None,
                      family: Family | None = None) -> FusedProjections:
     """Stack separate q/k/v (and gate/up of a :data:`GATED_ACTS` MLP) W4A8 layers; a family
@@ -326,11 +365,16 @@ def fuse_projections(layer, hidden_act: str | None,
     if not family.qkv_proj:
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
         qkv = _fuse(parts, with_bias=True)
+        if qkv is None:
+            qkv = _fuse_half(parts, with_bias=True)
         if qkv is not None and parts[0].bias is not None:
             bias = torch.cat([m.bias.float() for m in parts])
     gate_up = None
     if hidden_act in GATED_ACTS and not family.gate_up_proj and family.moe is None:
-        gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        parts = [mlp.gate_proj, mlp.up_proj]
+        gate_up = _fuse(parts)
+        if gate_up is None:
+            gate_up = _fuse_half(parts)
     return FusedProjections(qkv, gate_up, bias)
 
 
@@ -449,17 +493,15 @@ class ModelRunner:
     def _layer_op(self, layer, plan: LayerPlan, proj: FusedProjections) -> tuple | None:
         """decoder_layer's per-layer arguments (weights, group sizes, vnni, eps, window,
         activation), or None where the layer needs anything that op does not do: score
-        soft-capping, a part that is not W4A8 (8-bit or FP layers of a mixed plan), an MLP
-        other than a :data:`GATED_ACTS` one, a norm that is not an fp32 RMSNorm."""
+        soft-capping, parts that are not all W4A8 or all fp16 (8-bit or FP layers of a mixed
+        plan), an MLP other than a :data:`GATED_ACTS` one, a norm that is not an fp32
+        RMSNorm."""
         if (not self.fused or os.environ.get(LAYER_OP_ENV, "1") == "0"
                 or self.attn_softcap is not None or self.act not in GATED_ACTS
                 or proj.qkv is None or proj.gate_up is None):
             return None
-        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-        if _w4a8_parts([o, down]) is None:
-            return None
-        linears = [proj.qkv, o._w, proj.gate_up, down._w]
-        if len({w.vnni for w in linears}) != 1 or len({w.op for w in linears}) != 1:
+        operands = self._layer_linears(layer, proj)
+        if operands is None:
             return None
         norms = [layer.input_layernorm, plan.mlp_in_norm, *plan.optional_norms()]
         if any(n is not None and id(n) not in self.gains for n in norms):
@@ -467,11 +509,37 @@ class ModelRunner:
         gains = [None if n is None else self.gains[id(n)] for n in norms]
         weights = [gains[0][0], gains[1][0], proj.qkv_bias] + [None if g is None else g[0]
                                                                for g in gains[2:]]
-        for w in linears:
-            weights += [w.packed, w.scales, w.mz, w.perm]
+        for w in operands[0]:
+            weights += w
         eps = [0.0 if g is None else g[1] for g in gains]
-        return (weights, [w.group_size for w in linears], linears[0].vnni, eps,
-                self.scale, plan.window or 0, self.act)
+        return (weights, *operands[1:], eps, self.scale, plan.window or 0, self.act)
+
+    @staticmethod
+    def _layer_linears(layer, proj: FusedProjections
+                       ) -> tuple[list[list], list[int], bool] | None:
+        """decoder_layer's operands of the layer's qkv, o, gate_up and down (packed, scales,
+        mz, perm each; an fp16 layer: its blocked weight and three None), their group sizes
+        (0 for fp16) and vnni; None unless all four are W4A8 of one build or all fp16."""
+        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        if isinstance(proj.qkv, CpuW4A8) and isinstance(proj.gate_up, CpuW4A8):
+            if _w4a8_parts([o, down]) is None:
+                return None
+            linears = [proj.qkv, o._w, proj.gate_up, down._w]
+            if len({w.vnni for w in linears}) != 1 or len({w.op for w in linears}) != 1:
+                return None
+            return ([[w.packed, w.scales, w.mz, w.perm] for w in linears],
+                    [w.group_size for w in linears], linears[0].vnni)
+        if (isinstance(proj.qkv, torch.Tensor) and isinstance(proj.gate_up, torch.Tensor)
+                and _half_parts([o, down]) is not None):
+            stacks = [proj.qkv, o.w16, proj.gate_up, down.w16]
+            return [[w, None, None, None] for w in stacks], [0, 0, 0, 0], False
+        return None
+
+    def _stacked_matmul(self, x: torch.Tensor, w: CpuW4A8 | torch.Tensor) -> torch.Tensor:
+        """x [T, in] fp32 @ a stacked projection (W4A8, or blocked fp16: fp16_mm) -> [T, out]."""
+        if isinstance(w, CpuW4A8):
+            return w4a8_matmul(x, w)
+        return self.ops.fp16_mm(x.contiguous(), w)
 
     @staticmethod
     def _plan(layer, window: int | None, rope_key: str | None, family: Family) -> LayerPlan:
@@ -583,7 +651,7 @@ class ModelRunner:
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         fused = self.projections[i].qkv
         if fused is not None or self.family.qkv_proj:  # one matmul: [T, (H + 2 KV) * D]
-            qkv = w4a8_matmul(x, fused) if fused is not None else attn.qkv_proj(x)
+            qkv = self._stacked_matmul(x, fused) if fused is not None else attn.qkv_proj(x)
             if self.projections[i].qkv_bias is not None:
                 qkv = qkv + self.projections[i].qkv_bias
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=1)
@@ -655,7 +723,7 @@ class ModelRunner:
         fp = self.projections[i]
         if fp.gate_up is not None:  # [T, hidden] -> [T, 2 I] -> act(gate) * up [T, I]
             gated = getattr(self.ops, GATED_ACTS[self.act])
-            return layer.mlp.down_proj(gated(w4a8_matmul(x, fp.gate_up)))
+            return layer.mlp.down_proj(gated(self._stacked_matmul(x, fp.gate_up)))
         if self.family.moe is not None:  # transformers' MoE blocks take [batch, seq, hidden]
             return layer.mlp(x[None])[0]
         return layer.mlp(x)

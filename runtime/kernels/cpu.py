@@ -359,7 +359,7 @@ def copy_w4a8_(dst: CpuW4A8, src: CpuW4A8) -> None:
         dst.mz.copy_(w4a8_mz(src))
 
 
-def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
+def joined_rows(ts: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor of which ``ts`` are consecutive row slices, in order (views of one storage,
     each starting where the previous one ends), as a view spanning them; else None."""
     first, end = ts[0], ts[0].storage_offset()
@@ -376,12 +376,12 @@ def _joined(ts: list[torch.Tensor]) -> torch.Tensor | None:
 def w4a8_joined(ws: list[CpuW4A8]) -> CpuW4A8 | None:
     """The stacked layer when ``ws`` (w4a8_stackable) already are consecutive rows of one
     (a stack made earlier, e.g. by the loader), as views: nothing is copied; else None."""
-    packed, scales = _joined([w.packed for w in ws]), _joined([w.scales for w in ws])
+    packed, scales = joined_rows([w.packed for w in ws]), joined_rows([w.scales for w in ws])
     if packed is None or scales is None:
         return None
     if all(w.mz is None for w in ws):
         mz = None
-    elif any(w.mz is None for w in ws) or (mz := _joined([w.mz for w in ws])) is None:
+    elif any(w.mz is None for w in ws) or (mz := joined_rows([w.mz for w in ws])) is None:
         return None
     first = ws[0]
     return CpuW4A8(packed, scales, mz, first.perm, first.group_size, first.op, first.vnni)

@@ -44,7 +44,8 @@ def isa_env(request, monkeypatch):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """(family, symmetric) -> a quantized tiny model folder (every linear W4 g32)."""
+    """(family, symmetric) -> a quantized tiny model folder (every linear W4 g32); (family,
+    "fp16") -> its FP16 export."""
     out = {}
     for family in ("llama", "qwen2", "gemma3_text"):
         # gemma3_text: sliding window 8 on layer 0, full attention on layer 1 (FAMILY_CONFIGS)
@@ -52,6 +53,7 @@ def folders(tmp_path_factory):
         src = save_model(model, tok, tmp_path_factory.mktemp(f"src-{family}"))
         fp16 = tmp_path_factory.mktemp(f"fp16-{family}") / "fp16"
         export_fp16(Fp16ExportSpec(str(src), fp16))
+        out[family, "fp16"] = fp16
         for sym in (False, True) if family != "gemma3_text" else (False,):
             q = tmp_path_factory.mktemp(f"q-{family}-{sym}") / "q"
             quantize_folder(fp16, q, [QuantSpec(4, 32, sym)])
@@ -111,10 +113,15 @@ def test_layer_op_logits_equal_the_op_by_op_run(isa, isa_env, folders, family, s
         assert whole.act == "gelu_pytorch_tanh" and whole.scale == 32**-0.5
         assert all(w is not None for w in whole.layer_ops[0][0][3:7])  # q/k and sandwich norms
     monkeypatch.setenv(LAYER_OP_ENV, "0")
-    by_op = ModelRunner(model, 4, 16, kv_dtype)
+    _check_equal_to_op_by_op(whole, ModelRunner(model, 4, 16, kv_dtype), len(tok), seed=5)
+
+
+def _check_equal_to_op_by_op(whole: ModelRunner, by_op: ModelRunner, vocab: int, seed: int):
+    """``whole`` (every layer one decoder_layer call) and ``by_op`` (the layer op turned off)
+    give equal logits at every step of :func:`_steps` and hold equal KV caches after them."""
     assert all(args is None for args in by_op.layer_ops)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (9, 7)]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 7)]
     whole.ops = counting = CountingOps(whole.ops)
     for chunks in _steps(prompts):
         got, want = whole.forward(chunks), by_op.forward(chunks)
@@ -123,6 +130,33 @@ def test_layer_op_logits_equal_the_op_by_op_run(isa, isa_env, folders, family, s
         assert torch.equal(whole.k_pools[i], by_op.k_pools[i])
         assert torch.equal(whole.v_pools[i], by_op.v_pools[i])
     assert counting.calls == len(_steps(prompts)) * len(whole.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp16_folder_layers_run_as_one_call_equal_to_their_ops(isa, isa_env, folders, family,
+                                                                monkeypatch):
+    """An FP16 folder's linears run on fp16_mm (runtime.fp_head.set_half_linears): q/k/v and
+    gate/up are stacked (the parts' weights become views of the stack: held once), the layer
+    op takes the blocked fp16 weights, and a short step's logits and caches equal the op-by-op
+    run's; the stacked logits equal the unstacked HF modules' within fp32 rounding."""
+    model, tok = load_model_for_serving(folders[family, "fp16"], "cpu", torch.float32,
+                                        head_dtype="fp16")
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():  # the modules themselves, before any stacking
+        x = torch.randn(3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+        parts = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    whole = ModelRunner(model, 4, 16)
+    qkv = whole.projections[0].qkv
+    assert isinstance(qkv, torch.Tensor) and qkv.dtype == torch.float16  # blocked fp16 stack
+    assert attn.q_proj.w16.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    assert (whole.projections[0].qkv_bias is not None) == (family == "qwen2")
+    assert all(args is not None and args[1] == [0, 0, 0, 0] for args in whole.layer_ops)
+    with torch.no_grad():  # the parts, now views of the stack, give the same outputs
+        assert all(torch.equal(a, b) for a, b in zip(
+            parts, [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]))
+    monkeypatch.setenv(LAYER_OP_ENV, "0")
+    _check_equal_to_op_by_op(whole, ModelRunner(model, 4, 16), len(tok), seed=7)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -30,7 +30,7 @@ struct OpImpls {
 // What runtime/engine/model_runner.py does per layer for a decode step (or a prefill chunk the
 // paged kernel takes), in one call instead of about twenty torch ops and Python between them:
 //   x = add_rms_norm_(h, delta, gain_in)             h += delta (the last layer's MLP output)
-//   q, k, v = split(x @ Wqkv^T + bias)                the stacked q/k/v W4A8 layer
+//   q, k, v = split(x @ Wqkv^T + bias)                the stacked q/k/v W4A8 (or fp16) layer
 //   q, k = rms_norm per head (q_norm, k_norm)         where given (Gemma 3, Qwen3)
 //   rope_(q, k); k, v -> their paged slots            (rounded to bf16 for a bf16 cache)
 //   o = paged_attention(q, ..., window) @ Wo^T        window 0: full attention
@@ -43,8 +43,9 @@ struct OpImpls {
 // Gemma). weights (Tensor?[], 23): gain_in, gain_mlp, qkv bias, q_norm, k_norm, attn_out_norm,
 // mlp_out_norm (gains, or None where the layer has no such part), then for each of qkv, o,
 // gate_up, down: packed, scales, mz or None, perm or None (w4a8_mm's operands and the
-// act-order column order). group_sizes: the four layers'; eps (6): the norms', in the order of
-// their gains (an absent norm's is ignored).
+// act-order column order; an FP16 folder's layers: the blocked fp16 weight, then three None:
+// fp16_mm). group_sizes: the four layers'; eps (6): the norms', in the order of their gains
+// (an absent norm's is ignored).
 constexpr int64_t kLayerWeights = 23;
 constexpr int64_t kLayerNorms = 7;  // gains (and the qkv bias) before the linears' operands
 
@@ -52,12 +53,21 @@ namespace {
 
 OpImpls g_ops{};  // this build's entry points (impl_ops fills them; one copy per library)
 
-inline at::Tensor layer_w4a8(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w,
-                           int64_t i, int64_t group_size, bool vnni) {
+// linear i of the layer: W4A8 (packed, scales, mz, perm), or an fp16 layer (its blocked fp16
+// weight [out / 16, in, 16] in packed's place, the other three None: fp16_mm, whose output has
+// no padding because the runner passes only layers of whole 16-row blocks)
+inline at::Tensor layer_linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w,
+                               int64_t i, int64_t group_size, bool vnni) {
   const int64_t base = kLayerNorms + 4 * i;
   const c10::optional<at::Tensor> packed = w.get(base), scales = w.get(base + 1);
   const c10::optional<at::Tensor> mz = w.get(base + 2), perm = w.get(base + 3);
-  TORCH_CHECK(packed.has_value() && scales.has_value(), "decoder_layer: linear ", i,
+  TORCH_CHECK(packed.has_value(), "decoder_layer: linear ", i, " needs its weights");
+  if (packed->scalar_type() == at::kHalf) {
+    TORCH_CHECK(!scales.has_value() && !mz.has_value() && !perm.has_value(),
+                "decoder_layer: the fp16 linear ", i, " takes no scales, mz or perm");
+    return g_ops.fp16_mm(x.contiguous(), *packed);
+  }
+  TORCH_CHECK(scales.has_value(), "decoder_layer: linear ", i,
               " needs packed weights and scales");
   const at::Tensor xin = perm.has_value() ? x.index_select(1, *perm) : x.contiguous();
   return g_ops.w4a8_mm(xin, *packed, *scales, mz, group_size, vnni);
@@ -138,7 +148,7 @@ at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
   TORCH_CHECK(k_pool.dim() == 4, "k_pool must be [blocks, block_size, KV, D]");
   const int64_t T = h.size(0), KV = k_pool.size(2), D = k_pool.size(3);
   at::Tensor x = g_ops.add_rms_norm_(h, delta, *w.get(0), eps[0]);
-  at::Tensor qkv = layer_w4a8(x, w, 0, group_sizes[0], vnni);  // [T, (H + 2 KV) D]
+  at::Tensor qkv = layer_linear(x, w, 0, group_sizes[0], vnni);  // [T, (H + 2 KV) D]
   if (w.get(2).has_value()) qkv.add_(*w.get(2));
   auto [q, k, v] = split_qkv(qkv, KV, D);
   const int64_t H = q.size(1);
@@ -149,11 +159,11 @@ at::Tensor decoder_layer(at::Tensor& h, const c10::optional<at::Tensor>& delta,
   write_slots(v, v_pool, slots);
   const at::Tensor o = g_ops.paged_attention(q, k_pool, v_pool, block_tables, ctx_lens, q_lens,
                                              scale, window);
-  const at::Tensor attn = optional_norm(layer_w4a8(o.view({T, H * D}), w, 1, group_sizes[1], vnni),
-                                        w, 5, eps[4]);
+  const at::Tensor attn = optional_norm(
+      layer_linear(o.view({T, H * D}), w, 1, group_sizes[1], vnni), w, 5, eps[4]);
   x = g_ops.add_rms_norm_(h, attn, *w.get(1), eps[1]);
-  const at::Tensor gu = layer_w4a8(x, w, 2, group_sizes[2], vnni);
-  return optional_norm(layer_w4a8(gated_act(gu, activation), w, 3, group_sizes[3], vnni), w, 6,
+  const at::Tensor gu = layer_linear(x, w, 2, group_sizes[2], vnni);
+  return optional_norm(layer_linear(gated_act(gu, activation), w, 3, group_sizes[3], vnni), w, 6,
                        eps[5]);
 }
 
