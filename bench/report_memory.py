@@ -5,7 +5,7 @@
 
 `quantpipe report` answers the held-out prompts with one model loaded at a time
 (``reports.answers``), in fp32, or in bf16 where the reference in fp32 would take more than
-60% of the available memory (``reports.build.answer_dtype``). This writes the shape's random
+60% of the available memory (``reports.build.answer_precision``). This writes the shape's random
 FP16 source (``bench/scale.py``'s ``make_source``, tensor by tensor), then answers ``--prompts``
 shipped held-out prompts with it in a child process exactly as the report does, and records
 the dtype chosen, the child's peak RSS (``VmHWM``), load and answer seconds and the engine's
@@ -32,14 +32,15 @@ from pathlib import Path
 from quantpipe.core.heap import peak_rss
 from quantpipe.prompts.sets import load_prompt_records
 from quantpipe.reports.answers import answer_prompts
-from quantpipe.reports.build import answer_dtype, spread
+from quantpipe.reports.build import answer_precision, spread
 folder, n, new = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-dtype, why = answer_dtype(folder)
+precision = answer_precision(folder, new)
 t0 = time.perf_counter()
 ans = answer_prompts(folder, "FP16", spread(load_prompt_records("business-eval"), n), new,
-                     dtype, json_new_tokens=new)
+                     precision, json_new_tokens=new)
 sp = ans.speed
-print(json.dumps({"dtype": str(dtype).removeprefix("torch."), "why": why,
+print(json.dumps({"dtype": str(precision.activations).removeprefix("torch."),
+                  "kv_dtype": precision.kv_dtype, "why": precision.note,
                   "seconds": round(time.perf_counter() - t0, 1), "load_s": round(sp.load_s, 1),
                   "answer_tokens": list(ans.tokens), "weight_bytes": sp.weight_bytes,
                   "peak_rss_mb": round(peak_rss() / 2**20, 1),

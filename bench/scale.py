@@ -17,6 +17,15 @@ llama2-7b (32 layers, 4096 / 11008, MHA), qwen2.5-7b (28 layers, 3584 / 18944, G
 bias), llama3-70b-slice (2 layers of a 70B: 8192 / 28672, GQA 64/8), mixtral-8x7b (32 layers,
 4096, 8 experts of 14336, GQA 32/8; stored per expert under the hub's names).
 
+The report on a 7B pair (issue 33: the FP16 reference and a W4 candidate, one resident at a
+time; ~31 GB under --work). ``--stages report`` writes the W4 candidate's RTN codes directly
+from the FP16 folder (``direct_rtn_checkpoint``: no calibration passes, whose hour on this shape
+says nothing about the report), then runs ``quantpipe report`` with ``--report-args``:
+
+    python bench/scale.py --shapes llama2-7b --stages report --keep \
+        --report-args "--max-prompts 16 --eval-max-tokens 1024" \
+        --json bench/results/scale-llama2-7b-32-report.json
+
 The MoE export-fp16 memory check (issue 27; ~6 GB source, ~6 GB output under --work):
 
     python bench/scale.py --shapes mixtral-8x7b --layers 2 --stages export-fp16 \
@@ -29,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -211,12 +221,15 @@ def run_stage(args: list[str], log_path: Path, poll_s: float = 5.0) -> dict:
         rc = proc.returncode
     seconds = time.perf_counter() - t0
     lines = log_path.read_text(errors="replace").strip().splitlines()
-    peak_kb = int(peak_file.read_text()) if peak_file.is_file() else sampled_kb
+    # the larger of the two: a stage that resets its high-water mark (report, per model) ends
+    # with a lower VmHWM than the polls saw
+    peak_kb = max(int(peak_file.read_text()) if peak_file.is_file() else 0, sampled_kb)
     rec = {"cmd": " ".join(["quantpipe", *args]), "rc": rc,
            "seconds": round(seconds, 2), "peak_rss_mb": round(peak_kb / 1024, 1)}
     if rc != 0:
         rec["error"] = lines[-1] if lines else ""
-    print(f"  {args[0]:<12} rc={rec['rc']} {rec['seconds']:8.1f}s  peak RSS "
+    name = next(a for a in args if not a.startswith("-"))
+    print(f"  {name:<12} rc={rec['rc']} {rec['seconds']:8.1f}s  peak RSS "
           f"{rec['peak_rss_mb']:8.0f} MB" + (f"  {rec.get('error', '')}" if rec["rc"] else ""),
           flush=True)
     return rec
@@ -252,14 +265,77 @@ def _fp16_folder(shape: str, base: Path, reuse: bool,
     return res, fp16
 
 
+def direct_rtn_checkpoint(fp16_dir: Path, out: Path, group_size: int = 128) -> dict:
+    """Write a native W4 (sym, ``group_size``) checkpoint of every decoder linear by plain
+    round-to-nearest straight from the FP16 folder, one layer read at a time (the writer streams
+    a :class:`~quantpipe.core.qformat.LazyWeights`). A stand-in for a calibration where only the
+    checkpoint's shape matters (memory and speed of the later stages); returns its manifest."""
+    from quantpipe.calibration.rtn import rtn
+    from quantpipe.core.formats.common import read_fp_state
+    from quantpipe.core.formats.writers import write_checkpoint
+    from quantpipe.core.qformat import LazyWeights, QuantSpec
+
+    state = read_fp_state(fp16_dir)
+    shapes = {k.removesuffix(".weight"): state.shape(k) for k in state
+              if k.endswith(".weight") and ".layers." in k and len(state.shape(k)) == 2}
+    spec = QuantSpec(4, group_size, True)
+    return write_checkpoint(
+        "native", out, fp16_dir,
+        LazyWeights({n: spec for n in shapes}, shapes,
+                    lambda n: rtn(state[f"{n}.weight"], spec).weight),
+        force=True)
+
+
+def run_report(shape: str, base: Path, fp16: Path, report_args: list[str],
+               reuse: bool = False) -> dict:
+    """``--stages report``: the RTN W4 candidate written directly (``reuse``: a finished one
+    of an earlier run kept), then ``quantpipe report`` of it against the FP16 folder as a
+    child process (its peak RSS and seconds)."""
+    qdir = base / "int4-direct-rtn"
+    stages: dict[str, dict] = {}
+    if not (reuse and (qdir / "quantpipe.json").is_file()):
+        print(f"{shape}: writing the W4 candidate (direct RTN)", flush=True)
+        t0 = time.perf_counter()
+        direct_rtn_checkpoint(fp16, qdir)
+        stages["write-int4-direct-rtn"] = {
+            "seconds": round(time.perf_counter() - t0, 1),
+            "bytes": sum(p.stat().st_size for p in qdir.glob("*.safetensors"))}
+    stages["report"] = run_stage(["-v", "report", "--reference", str(fp16), "--candidate",
+                                  str(qdir), "--out", str(base / "report" / "report.html"),
+                                  *report_args], base / "report.log")
+    stages["report"]["report_args"] = report_args
+    stages["report"].update(report_peaks(base / "report" / "report.json"))
+    return stages
+
+
+def report_peaks(report_json: Path) -> dict:
+    """The report's own peak RSS per answering model: it resets the process's high-water mark
+    before each model loads (``core.heap.reset_peak_rss``), so VmHWM at exit is the last
+    model's, not the stage's; the stage's peak is the largest of them (eval's block-by-block
+    step, before the first reset, is far below the FP16 reference's)."""
+    if not report_json.is_file():
+        return {}
+    speeds = json.loads(report_json.read_text()).get("model_speed") or []
+    by_model = {m["name"]: round(m["peak_rss_bytes"] / 2**20, 1) for m in speeds
+                if m.get("peak_rss_bytes")}
+    return {"peak_rss_mib_by_model": by_model,
+            "activation_dtype": {m["name"]: m.get("activation_dtype") for m in speeds},
+            "kv_dtype": {m["name"]: m.get("kv_dtype") for m in speeds}} if by_model else {}
+
+
 def run_shape(shape: str, algos: list[str], work: Path, samples: int, seq_len: int,
               keep: bool, reuse: bool = False, stages: str = "all",
-              fp16_dir: Path | None = None) -> dict:
+              fp16_dir: Path | None = None, report_args: list[str] | None = None) -> dict:
     base = work / shape
     base.mkdir(parents=True, exist_ok=True)
     res, fp16 = _fp16_folder(shape, base, reuse, fp16_dir)
     st = res["stages"]
     if st["export-fp16"]["rc"] != 0 or stages == "export-fp16":
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+        return res
+    if stages == "report":
+        st.update(run_report(shape, base, fp16, report_args or [], reuse))
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
         return res
@@ -320,15 +396,18 @@ def main() -> None:
                          "widths (peak RSS is reached within one block; named SHAPE-N)")
     ap.add_argument("--stages", default="all",
                     help="all; calibrate or export-fp16: stop after that stage (memory of "
-                         "one stage)")
+                         "one stage); report: a directly written RTN W4 candidate, then "
+                         "`quantpipe report` against the FP16 folder (no calibration)")
+    ap.add_argument("--report-args", default="",
+                    help="with --stages report: options for `quantpipe report`, one string")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
-    if args.stages not in ("all", "calibrate", "export-fp16"):
-        ap.error("--stages is all, calibrate or export-fp16")
+    if args.stages not in ("all", "calibrate", "export-fp16", "report"):
+        ap.error("--stages is all, calibrate, export-fp16 or report")
     if args.fp16 is not None and len(shapes) != 1:
         ap.error("--fp16 is the FP16 folder of one shape: pass one --shapes")
     if args.layers:
@@ -342,7 +421,8 @@ def main() -> None:
            "results": {}}
     for shape in shapes:
         out["results"][shape] = run_shape(shape, algos, args.work, args.samples, args.seq_len,
-                                          args.keep, args.reuse_fp16, args.stages, args.fp16)
+                                          args.keep, args.reuse_fp16, args.stages, args.fp16,
+                                          shlex.split(args.report_args))
         out["loadavg_after"] = os.getloadavg()
         write_json_atomic(args.json, out)  # after every shape: a long run keeps what it has
     print(f"wrote {args.json}")

@@ -735,6 +735,10 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, stream
 @click.option("--memory-budget", default=None,
               help="Memory for the speed table's 'KV tokens that fit' (e.g. 16GB) "
                    "[default: this host's RAM].")
+@click.option("--kv-cache-memory", default=None,
+              help="KV pool of the engine that answers, at most (e.g. 1GiB): on a big model, "
+                   "fewer requests at a time for less memory [default: what 8 requests need, "
+                   f"up to {DEFAULTS.kv_memory_fraction:.0%} of the free memory].")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="reports/NAME.html (NAME.json is written beside it).")
 @click.option("--allow-other-source", is_flag=True,
@@ -745,8 +749,8 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, stream
 @click.option("--max-size", default=None,
               help="Recommend only a candidate whose weights take at most this (e.g. 4GB).")
 def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens,
-               json_new_tokens, eval_max_tokens, speed, memory_budget, out, allow_other_source,
-               max_kld, max_size):
+               json_new_tokens, eval_max_tokens, speed, memory_budget, kv_cache_memory, out,
+               allow_other_source, max_kld, max_size):
     """Self-contained HTML quality (and speed) report of candidates vs the FP16 reference."""
     from quantpipe.core.io import parse_size
     from quantpipe.reports.build import ReportSpec, build_report
@@ -758,6 +762,9 @@ def report_cmd(reference, candidates, prompts, text, max_prompts, max_new_tokens
                                        max_prompts, max_new_tokens, eval_max_tokens,
                                        tuple(speed), memory_budget=budget,
                                        json_new_tokens=json_new_tokens,
+                                       kv_cache_memory=(parse_size(kv_cache_memory,
+                                                                   "--kv-cache-memory")
+                                                        if kv_cache_memory else None),
                                        allow_other_source=allow_other_source,
                                        constraint=limit))
     click.echo(f"wrote {html} and {js}")

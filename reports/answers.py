@@ -94,7 +94,8 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     """Answer ``prompts`` greedily (at most ``max_new_tokens[i]`` tokens for prompt ``i``) with
     at most ``concurrency`` in flight (the next prompt is sent when one finishes); returns
     (each prompt's output token ids, the loop's timings: ``ttft_ms`` / ``tpot_ms``
-    percentiles, ``output_tokens_per_s``, ``requests``)."""
+    percentiles, ``output_tokens_per_s``, ``requests``, the KV pool's tokens and the
+    preemptions it caused)."""
     from quantpipe.runtime.engine import SamplingParams
     from quantpipe.runtime.loadgen import latency_stats
 
@@ -103,6 +104,7 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     toks: list[list[int]] = [[] for _ in prompts]
     timing: dict[int, _Timing] = {}
     bar = tqdm(total=len(prompts), desc=desc, unit="answer", disable=desc is None)
+    preempted = engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     while waiting or ids:
         while waiting and len(ids) < concurrency:
@@ -131,6 +133,11 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     tpots = [(t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1]
     stats = {"requests": len(prompts), "concurrency": concurrency,
              "output_tokens_per_s": sum(t.tokens for t in done) / wall if wall > 0 else 0.0,
+             # a pool too small for `concurrency` requests runs fewer and may recompute one
+             "kv_pool_tokens": engine.pool.num_blocks * engine.config.block_size,
+             "preemptions": engine.scheduler.num_preemptions - preempted,
+             "kv_pool_limited": engine.pool.num_blocks < _blocks_at_once(
+                 prompts, max_new_tokens, engine.config.block_size, concurrency),
              # milliseconds: mean and percentiles as `bench-serve` (and vLLM) compute them
              "ttft_ms": asdict(latency_stats(ttfts)) if ttfts else {},
              "tpot_ms": asdict(latency_stats(tpots)) if tpots else {}}
@@ -140,18 +147,52 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
 # ------------------------------------------------------------------------------ one model
 
 
-def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list[int]):
-    """An engine whose KV pool holds ``BATCH_CONCURRENCY`` of the longest request, prefix
-    caching off (each prompt is timed as a fresh one)."""
+@dataclass(frozen=True)
+class AnswerPrecision:
+    """How every model of a report answers (``reports.build.answer_precision``: the
+    reference's memory decides)."""
+
+    activations: torch.dtype  # activation dtype of the answering models
+    kv_dtype: str  # the engine's KV cache elements: "model" (activation dtype) or "bf16"
+    note: str = ""  # said on the page where it is not fp32 throughout
+
+
+def _request_blocks(prompts: list[list[int]], max_new_tokens: list[int], block_size: int
+                    ) -> list[int]:
+    """KV blocks of each request at its longest (prompt + budget), largest first."""
+    return sorted((-(-(len(p) + n) // block_size) for p, n in zip(prompts, max_new_tokens)),
+                  reverse=True)
+
+
+def _blocks_at_once(prompts: list[list[int]], max_new_tokens: list[int], block_size: int,
+                    concurrency: int) -> int:
+    """A pool in which any ``concurrency`` of the requests run at once, none waiting."""
+    return sum(_request_blocks(prompts, max_new_tokens, block_size)[:concurrency]) + 1
+
+
+def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list[int],
+                kv_cache_memory: int | None = None, kv_dtype: str = "model"):
+    """An engine whose KV pool holds the ``BATCH_CONCURRENCY`` largest requests at once (no
+    request waits for blocks) or what ``kv_cache_memory`` bytes hold (default: the engine's
+    share of the free memory), whichever is less: a smaller pool runs fewer requests at a time
+    (and may preempt one: it is recomputed, greedy answers do not change). Prefix caching off
+    (each prompt is timed as a fresh one)."""
     from quantpipe.runtime.config import DEFAULTS
     from quantpipe.runtime.engine import EngineConfig, LLMEngine
 
     bs = DEFAULTS.block_size
-    longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
-    blocks = BATCH_CONCURRENCY * -(-longest // bs) + 1
-    return LLMEngine(model, tokenizer, EngineConfig(
-        block_size=bs, max_num_seqs=BATCH_CONCURRENCY, num_kv_blocks=blocks,
-        enable_prefix_caching=False, max_model_len=None))
+    blocks = _request_blocks(prompts, max_new_tokens, bs)
+    engine = LLMEngine(model, tokenizer, EngineConfig(
+        block_size=bs, max_num_seqs=BATCH_CONCURRENCY, kv_cache_memory=kv_cache_memory,
+        max_kv_blocks=_blocks_at_once(prompts, max_new_tokens, bs, BATCH_CONCURRENCY),
+        kv_dtype=kv_dtype, enable_prefix_caching=False, max_model_len=None))
+    if engine.pool.num_blocks < blocks[0]:
+        per_block = engine.runner.kv_spec.bytes_per_block
+        raise ValueError(
+            f"the longest prompt with its answer needs {blocks[0] * per_block / 2**20:,.0f} MiB "
+            f"of KV cache but the pool holds {engine.pool.num_blocks * per_block / 2**20:,.0f} "
+            "MiB: raise --kv-cache-memory (or free memory) or lower --max-new-tokens")
+    return engine
 
 
 def load_answering_model(folder: Path, dtype: torch.dtype):
@@ -174,14 +215,16 @@ def load_answering_model(folder: Path, dtype: torch.dtype):
 
 
 def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new_tokens: int,
-                   dtype: torch.dtype = torch.float32, json_new_tokens: int | None = None
-                   ) -> Answers:
+                   precision: AnswerPrecision = AnswerPrecision(torch.float32, "model"),
+                   json_new_tokens: int | None = None,
+                   kv_cache_memory: int | None = None) -> Answers:
     """Load ``folder`` alone, answer every record greedily (at most ``max_new_tokens`` each,
     ``json_new_tokens`` for a record that expects a JSON object: an object cut off cannot be
-    compared), time it, release it."""
+    compared), time it, release it. ``precision``: activation and KV cache dtypes;
+    ``kv_cache_memory``: bytes for the engine's KV pool at most (``_engine_for``)."""
     reset = reset_peak_rss()
     t0 = time.perf_counter()
-    model, tokenizer, timed = load_answering_model(Path(folder), dtype)
+    model, tokenizer, timed = load_answering_model(Path(folder), precision.activations)
     load_s = time.perf_counter() - t0
     limit = getattr(model.config, "max_position_embeddings", None) or 2048  # as the engine's
     rendered = render_prompts(tokenizer, records)
@@ -193,29 +236,32 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
             "with their answer: they keep their last tokens." if clipped else "")
     if note:
         log.info("%s: %s", name, note)  # and on the page (Answers.note)
-    texts, tokens, runs, kv_bytes = _answer(model, tokenizer, prompts, budget, name)
+    texts, tokens, runs, kv_bytes, kv_dtype = _answer(model, tokenizer, prompts, budget, name,
+                                                      kv_cache_memory, precision.kv_dtype)
     speed = None
     if runs and timed:
         speed = ModelSpeed(
             name=name, weight_bytes=weights_bytes(folder), peak_rss_bytes=peak_rss(),
             peak_rss_reset=reset, kv_bytes_per_token=kv_bytes, load_s=load_s,
             by_concurrency=runs,
-            activation_dtype=str(dtype).removeprefix("torch."), head_dtype=HEAD_DTYPE)
+            activation_dtype=str(precision.activations).removeprefix("torch."),
+            head_dtype=HEAD_DTYPE, kv_dtype=str(kv_dtype).removeprefix("torch."))
     del model, tokenizer
     release_freed_memory()  # the next model loads into the memory this one held
     return Answers(texts, tokens, speed, note)
 
 
-def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name: str
-            ) -> tuple[tuple[str, ...], tuple[int, ...], dict[int, dict], int]:
+def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name: str,
+            kv_cache_memory: int | None = None, kv_dtype: str = "model"
+            ) -> tuple[tuple[str, ...], tuple[int, ...], dict[int, dict], int, str]:
     """(texts, output tokens, the engine loops' timings by concurrency, the engine's KV bytes
-    per token); no timings where Hugging Face generate answered."""
+    per token and element dtype); no timings where Hugging Face generate answered."""
     from quantpipe.runtime.engine.model_runner import FAMILIES
 
     if model.config.model_type not in FAMILIES:
         answers = _hf_answers(model, tokenizer, prompts, budget, name)
-        return tuple(t for t, _ in answers), tuple(n for _, n in answers), {}, 0
-    engine = _engine_for(model, tokenizer, prompts, budget)
+        return tuple(t for t, _ in answers), tuple(n for _, n in answers), {}, 0, ""
+    engine = _engine_for(model, tokenizer, prompts, budget, kv_cache_memory, kv_dtype)
     closed_loop(engine, prompts[:1], [4], 1)  # warm-up: first-call costs stay out
     toks, batch = closed_loop(engine, prompts, budget, BATCH_CONCURRENCY,
                               desc=f"report: {name} answers")
@@ -225,7 +271,7 @@ def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name:
                             [budget[i] for i in single_idx], 1)
     texts = tuple(tokenizer.decode(t, skip_special_tokens=True) for t in toks)
     return (texts, tuple(len(t) for t in toks), {1: single, BATCH_CONCURRENCY: batch},
-            engine.runner.kv_spec.bytes_per_token)
+            engine.runner.kv_spec.bytes_per_token, str(engine.runner.kv_dtype))
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import torch
 from quantpipe.core.heap import fits_in_memory
 from quantpipe.core.io import check_output_file, weights_bytes
 from quantpipe.prompts.sets import SHIPPED_SETS, PromptRecord, load_prompt_records
-from quantpipe.reports.answers import answer_prompts
+from quantpipe.reports.answers import BATCH_CONCURRENCY, AnswerPrecision, answer_prompts
 from quantpipe.reports.data import (
     CalibrationFacts,
     CandidateData,
@@ -33,6 +33,7 @@ from quantpipe.reports.eval import (
     EvalSpec,
     check_candidate,
     load_texts,
+    model_config,
     read_json_file,
     run_eval,
 )
@@ -56,6 +57,8 @@ class ReportSpec:
     evals: tuple[Path, ...] = field(default_factory=tuple)  # `eval --json` results to reuse
     memory_budget: int | None = None  # bytes for "KV tokens that fit" (None: this host's RAM)
     json_new_tokens: int = 256  # greedy tokens for a prompt expecting JSON (room to close it)
+    kv_cache_memory: int | None = None  # answering engine's KV pool bytes at most (None: share
+    # of the free memory; the pool never exceeds what 8 requests at once need)
     title: str = ""
     allow_other_source: bool = False  # report candidates made from other FP16 weights too
     constraint: Constraint = field(default_factory=Constraint)  # for the recommendation
@@ -71,6 +74,8 @@ class ReportSpec:
                              "--json-new-tokens >= 1")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"--memory-budget {self.memory_budget} bytes must be positive")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory {self.kv_cache_memory} bytes must be positive")
         if self.eval_max_tokens < 0:
             raise ValueError(f"--eval-max-tokens {self.eval_max_tokens} must be >= 0 (0: all)")
         names = [c.name for c in self.candidates]
@@ -210,24 +215,40 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
     return _Inputs(records, speed, reuse, facts, title)
 
 
-def answer_dtype(reference: Path) -> tuple[torch.dtype, str]:
-    """(activation dtype of the answering models, why): fp32 where the reference answering in
-    fp32 fits (``quantpipe.core.heap.fits_in_memory``): its fp16 shards as they are where
-    quantpipe's CPU kernels run its linear layers on their fp16 weights
-    (``runtime.fp_head.set_half_linears``), else an fp32 copy (twice the shards); otherwise
-    bf16, said on the page."""
-    from quantpipe.runtime.kernels import cpu_ext
+# prompt tokens assumed per request when the answering engine's KV pool is sized in advance
+KV_PROMPT_TOKENS = 512
 
-    copies = 1 if cpu_ext.kernel_status()[0] else 2
-    need = copies * weights_bytes(reference)
+
+def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
+    """fp32 activations and KV cache where the reference answering so fits
+    (``quantpipe.core.heap.fits_in_memory``): its weights, plus an fp32 KV pool of
+    ``BATCH_CONCURRENCY`` requests of ``KV_PROMPT_TOKENS`` + ``new_tokens`` tokens. Where
+    quantpipe's CPU kernels run its linear layers on their fp16 weights
+    (``runtime.fp_head.set_half_linears``) the weights take the shards' bytes whatever the
+    activations, so a reference that does not fit keeps fp32 activations (exact products, the
+    kernels' speed) and halves its KV cache to bf16: bf16 activations would hold a bf16 copy of
+    the same size and run on torch's slower bf16 matmuls. Without the kernels an fp32 copy
+    takes twice the shards: bf16 activations then. Said on the page."""
+    from quantpipe.runtime.kernels import cpu_ext
+    from quantpipe.runtime.memory_plan import ModelDims, kv_bytes_per_token
+
+    kernels = cpu_ext.kernel_status()[0]
+    # K and V of every layer in fp32, per token (the serving memory planner's count)
+    kv_token = kv_bytes_per_token(ModelDims.from_config(model_config(reference), "float32"))
+    kv = BATCH_CONCURRENCY * (KV_PROMPT_TOKENS + new_tokens) * kv_token
+    need = (1 if kernels else 2) * weights_bytes(reference) + kv
     fits, have = fits_in_memory(need)
     if fits:
-        return torch.float32, ""
-    held = "its fp16 weights" if copies == 1 else "an fp32 copy"
-    return torch.bfloat16, (
-        f"Answers were generated with bf16 activations: the FP16 reference with fp32 "
-        f"activations ({held}) needs {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB were "
-        f"available.")
+        return AnswerPrecision(torch.float32, "model")
+    held = "its fp16 weights" if kernels else "an fp32 copy"
+    why = (f"the FP16 reference with fp32 activations ({held}) and an fp32 KV cache for "
+           f"{BATCH_CONCURRENCY} requests needs {need / 2**30:.1f} GiB and "
+           f"{have / 2**30:.1f} GiB were available.")
+    if kernels:
+        return AnswerPrecision(torch.float32, "bf16",
+                               f"Answers were generated with a bf16 KV cache: {why}")
+    return AnswerPrecision(torch.bfloat16, "model",
+                           f"Answers were generated with bf16 activations: {why}")
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:
@@ -243,14 +264,15 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
         log.info("%s: KLD mean %.5f", qdir, ev["kld"]["mean"])
         evals[str(Path(qdir).resolve())] = ev
     chosen = spread(inputs.records, spec.max_prompts)
-    dtype, dtype_note = answer_dtype(spec.reference)
+    precision = answer_precision(spec.reference,
+                                 max(spec.max_new_tokens, spec.json_new_tokens))
     # one model resident at a time: the reference answers, is released, then each candidate
-    ref = answer_prompts(spec.reference, "FP16", chosen, spec.max_new_tokens, dtype,
-                         spec.json_new_tokens)
+    ref = answer_prompts(spec.reference, "FP16", chosen, spec.max_new_tokens, precision,
+                         spec.json_new_tokens, spec.kv_cache_memory)
     candidates, speeds = [], [ref.speed]
     for qdir in spec.candidates:
-        ans = answer_prompts(qdir, Path(qdir).name, chosen, spec.max_new_tokens, dtype,
-                             spec.json_new_tokens)
+        ans = answer_prompts(qdir, Path(qdir).name, chosen, spec.max_new_tokens, precision,
+                             spec.json_new_tokens, spec.kv_cache_memory)
         speeds.append(ans.speed)
         candidates.append(CandidateData(
             name=Path(qdir).name, path=str(qdir),
@@ -271,7 +293,7 @@ def build_report(spec: ReportSpec) -> tuple[Path, Path]:
         machine=machine,
         created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         notes=reference_notes(spec.reference) + tuple(
-            n for n in (dtype_note, ref.note) if n),
+            n for n in (precision.note, ref.note) if n),
         constraint=spec.constraint,
     )
     paths = write_report(data, spec.out)

@@ -302,6 +302,7 @@ class ModelSpeed:
     by_concurrency: dict[int, dict[str, Any]]
     activation_dtype: str = "float32"
     head_dtype: str = "fp16"
+    kv_dtype: str = ""  # the KV cache's elements ("": the activation dtype; older reports)
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelSpeed:

@@ -517,9 +517,19 @@ def _model_speed(data: ReportData) -> str:
                             "—" if rate is None else fmt(float(rate), 1), ratio])
     first = data.model_speed[0]
     kv = (f"KV tokens in budget: ({_gb(budget)} - weights) / KV bytes per token "
-          f"({fmt(first.kv_bytes_per_token)} B in the engine's {esc(first.activation_dtype)} "
+          f"({fmt(first.kv_bytes_per_token)} B in the engine's "
+          f"{esc(first.kv_dtype or first.activation_dtype)} "
           "cache). " if budget else "")
     reset = all(m.peak_rss_reset for m in data.model_speed)
+    # a KV pool capped by memory (--kv-cache-memory) ran fewer than c requests at a time
+    small = [f"{esc(m.name)}: {fmt(st['kv_pool_tokens'])} tokens, "
+             f"{fmt(st.get('preemptions', 0))} recomputed"
+             for m in data.model_speed for c, st in sorted(m.by_concurrency.items())
+             if c > 1 and st.get("kv_pool_tokens") and
+             (st.get("preemptions") or st.get("kv_pool_limited"))]
+    kv += ("KV pool smaller than the largest requests at once (fewer in flight, so tokens/s "
+           "is lower than a bigger pool gives; answers unchanged): " + "; ".join(small) + ". "
+           if small else "")
     rates = {f"{m.name} (c={c})": float(m.by_concurrency[c]["output_tokens_per_s"])
              for c in levels for m in data.model_speed if c in m.by_concurrency}
     return ('<h3>Measured in this report</h3><p class="lead">Every model answered the held-out '

@@ -43,6 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens  # tokens per step
     kv_cache_memory: int | None = None  # KV pool bytes; None -> kv_memory_fraction of free
     num_kv_blocks: int | None = None  # KV pool size in blocks, instead of kv_cache_memory
+    max_kv_blocks: int | None = None  # at most this many blocks in a pool sized from memory
     kv_dtype: str = DEFAULTS.kv_dtype  # KV cache elements: "model" (activation dtype) or "bf16"
     kv_memory_fraction: float = DEFAULTS.kv_memory_fraction  # of free memory, when no bytes
     enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching  # reuse full KV blocks
@@ -55,6 +56,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (self.num_kv_blocks < 1 or self.kv_cache_memory):
             raise ValueError(f"num_kv_blocks must be >= 1 and replaces kv_cache_memory; got "
                              f"{self.num_kv_blocks} blocks and {self.kv_cache_memory} bytes")
+        if self.max_kv_blocks is not None and self.max_kv_blocks < 2:
+            raise ValueError(f"max_kv_blocks must be >= 2, got {self.max_kv_blocks}")
         if not 0.0 < self.kv_memory_fraction <= 0.95:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got "
                              f"{self.kv_memory_fraction}")
@@ -120,6 +123,7 @@ class LLMEngine:
                 free_memory_bytes(probe.device) * config.kv_memory_fraction)
             num_blocks = probe.kv_spec.num_blocks_for(kv_bytes)
             del probe
+            num_blocks = min(num_blocks, config.max_kv_blocks or num_blocks)
         self.runner = ModelRunner(model, config.block_size, num_blocks, kv_dtype)
         block_bytes = self.runner.kv_spec.bytes_per_block
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)

@@ -95,6 +95,55 @@ def test_answer_prompts_loads_one_folder_and_gives_json_prompts_their_budget(
     assert sp.kv_tokens(sp.weight_bytes // 2) == 0
 
 
+def test_answering_kv_pool_holds_the_largest_requests_or_what_memory_allows(tiny,
+                                                                           tiny_llama_dir):
+    """The pool is as large as the 8 largest requests at once, no larger; a memory cap gives a
+    smaller pool whose answers are the same tokens (requests wait or are recomputed), and a
+    cap below the longest request is a clear error before anything is answered."""
+    from quantpipe.reports.answers import _engine_for
+
+    model, tok = tiny
+    prompts = [[5] * n for n in (3, 40, 17, 70, 9, 30, 25, 60, 12, 50)]
+    budgets = [8] * len(prompts)
+    blocks = sorted(-(-(len(p) + 8) // 16) for p in prompts)[::-1]  # block size 16
+    engine = _engine_for(model, tok, prompts, budgets)
+    assert engine.pool.num_blocks == sum(blocks[:8]) + 1
+    per_block = engine.runner.kv_spec.bytes_per_block
+    small = _engine_for(model, tok, prompts, budgets, kv_cache_memory=(blocks[0] + 1) * per_block)
+    assert small.pool.num_blocks == blocks[0] + 1
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        _engine_for(model, tok, prompts, budgets, kv_cache_memory=(blocks[0] - 1) * per_block)
+
+    full = answer_prompts(tiny_llama_dir, "FP16", RECORDS, 12, json_new_tokens=20)
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4 * 16
+    longest = max(-(-(len(p) + (20 if r.expect_json else 12)) // 16)
+                  for p, r in zip(render_prompts(tok, RECORDS), RECORDS))
+    tight = answer_prompts(tiny_llama_dir, "FP16", RECORDS, 12, json_new_tokens=20,
+                           kv_cache_memory=(longest + 1) * per_block)
+    assert tight.texts == full.texts and tight.tokens == full.tokens
+    batch = tight.speed.by_concurrency[8]
+    assert batch["kv_pool_tokens"] == (longest + 1) * 16 < full.speed.by_concurrency[8][
+        "kv_pool_tokens"]
+    assert batch["preemptions"] >= 0 and full.speed.by_concurrency[8]["preemptions"] == 0
+    assert batch["kv_pool_limited"] and not full.speed.by_concurrency[8]["kv_pool_limited"]
+
+
+def test_page_says_when_a_capped_kv_pool_ran_fewer_requests_at_once():
+    data = sample_report()
+    fp16 = data.model_speed[0]
+    loop = dict(fp16.by_concurrency[8], kv_pool_tokens=1_024, preemptions=3,
+                kv_pool_limited=True)
+    capped = dataclasses.replace(fp16, by_concurrency={**fp16.by_concurrency, 8: loop})
+    page = render_quality_report(dataclasses.replace(
+        data, model_speed=(capped, *data.model_speed[1:])))
+    speed = page[page.index('id="speed"'):page.index('id="thresholds"')]
+    assert "KV pool smaller than the largest requests at once" in speed
+    assert "FP16: 1,024 tokens, 3 recomputed" in speed
+    assert "KV pool smaller" not in render_quality_report(data)
+
+
 def test_hf_fallback_cuts_each_answer_to_its_budget(tiny):
     model, tok = tiny
     g = torch.Generator().manual_seed(3)
@@ -200,35 +249,56 @@ def test_a_gptq_candidate_is_answered_dequantized_and_not_timed(tmp_path_factory
     assert native.speed is not None and native.speed.weight_bytes > 0
 
 
-def test_bf16_answers_when_the_reference_in_fp32_would_not_fit(tiny_llama_dir, monkeypatch):
+def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_dir, monkeypatch):
     """The reference answering with fp32 activations holds its fp16 weights where quantpipe's
-    kernels run them (an fp32 copy, twice the bytes, without them); where that would not fit
-    (a 7B model without the kernels on a 24 GB host: 27 GB) every model answers with bf16
-    activations, and the page says why."""
+    kernels run them (an fp32 copy, twice the bytes, without them) and an fp32 KV pool for 8
+    requests. Where that would not fit:
+    with the kernels, fp32 activations on the same fp16 weights and a bf16 KV cache (bf16
+    activations would hold a copy of the same size); without them (a 7B model on a 24 GB host:
+    27 GB in fp32) bf16 activations. The page says which and why."""
     import psutil
 
-    from quantpipe.reports.build import answer_dtype
+    from quantpipe.reports.answers import AnswerPrecision
+    from quantpipe.reports.build import answer_precision
     from quantpipe.runtime.kernels import cpu_ext
 
-    copies = 1 if cpu_ext.kernel_status()[0] else 2
-    fp32 = copies * sum(f.stat().st_size for f in tiny_llama_dir.glob("*.safetensors"))
+    shards = sum(f.stat().st_size for f in tiny_llama_dir.glob("*.safetensors"))
     real = psutil.virtual_memory
 
     def available(n):
         monkeypatch.setattr(psutil, "virtual_memory",
                             lambda: real()._replace(available=n))
 
-    available(2 * fp32)
-    assert answer_dtype(tiny_llama_dir) == (torch.float32, "")
-    available(fp32)
-    dtype, note = answer_dtype(tiny_llama_dir)
-    assert dtype == torch.bfloat16 and "bf16 activations" in note
-    monkeypatch.undo()
-    ans = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4, torch.bfloat16)
-    assert len(ans.texts) == 2 and all(0 < n <= 4 for n in ans.tokens)
-    assert ans.speed.activation_dtype == "bfloat16"
+    from quantpipe.reports.build import BATCH_CONCURRENCY, KV_PROMPT_TOKENS
+
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    # K and V of every layer in bf16: half of the fp32 cache's bytes
-    assert ans.speed.kv_bytes_per_token == 2 * cfg["num_hidden_layers"] * \
-        cfg["num_key_value_heads"] * head_dim * 2
+    per_token_bf16 = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    # the fp32 KV pool of 8 requests of 512 prompt + 64 new tokens counts beside the weights
+    kv32 = BATCH_CONCURRENCY * (KV_PROMPT_TOKENS + 64) * 2 * per_token_bf16
+    kernels = cpu_ext.kernel_status()[0]
+    available(2 * (shards + kv32))
+    assert answer_precision(tiny_llama_dir, 64) == AnswerPrecision(torch.float32, "model")
+    available(shards + kv32)  # the weights alone would fit in 60% of it; with the pool not
+    assert 0.6 * (shards + kv32) >= shards
+    tight = answer_precision(tiny_llama_dir, 64)
+    if kernels:
+        assert (tight.activations, tight.kv_dtype) == (torch.float32, "bf16")
+        assert "bf16 KV cache" in tight.note and "its fp16 weights" in tight.note
+    with monkeypatch.context() as mp:  # no kernels: an fp32 copy would take twice the shards
+        mp.setattr(cpu_ext, "kernel_status", lambda: (False, "test says no"))
+        available(3 * shards)
+        slow = answer_precision(tiny_llama_dir, 64)
+    assert (slow.activations, slow.kv_dtype) == (torch.bfloat16, "model")
+    assert "bf16 activations" in slow.note and "an fp32 copy" in slow.note
+    monkeypatch.undo()
+    full = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4)
+    for precision in (slow, AnswerPrecision(torch.float32, "bf16")):
+        ans = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4, precision)
+        assert len(ans.texts) == 2 and all(0 < n <= 4 for n in ans.tokens)
+        assert ans.speed.activation_dtype == str(precision.activations).removeprefix("torch.")
+        # K and V of every layer in bf16: half of the fp32 cache's bytes
+        assert ans.speed.kv_bytes_per_token == per_token_bf16
+        assert ans.speed.kv_dtype == "bfloat16"
+    assert full.speed.kv_bytes_per_token == 2 * per_token_bf16
+    assert full.speed.kv_dtype == "float32"
