@@ -531,10 +531,13 @@ def _attention_reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale, win
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("d", [64, 36])  # 36: the path for head sizes not a multiple of 16 / 8
-def test_paged_attention_matches_float64_reference_decode_and_chunks(isa, d, ops):
+# d 36: the path for head sizes not a multiple of 16 / 8; 64, 128, 256 with 3 or 6 query heads
+# per KV head: the outputs held in registers for 4, 8 or 16 vectors per head, in one or several
+# groups of heads (a last group part full), and 32 AVX2 vectors: the per-key path
+@pytest.mark.parametrize("d,heads", [(64, 6), (36, 6), (64, 12), (128, 12), (256, 12)])
+def test_paged_attention_matches_float64_reference_decode_and_chunks(isa, d, heads, ops):
     gen = torch.Generator().manual_seed(0)
-    heads, kv, bs = 6, 2, 4
+    kv, bs = 2, 4
     k_pool = torch.randn(30, bs, kv, d, generator=gen)
     v_pool = torch.randn(30, bs, kv, d, generator=gen)
     ctx_lens, q_lens = [1, 9, 4, 17, 6], [1, 1, 4, 5, 2]  # decodes, a whole prompt, chunks

@@ -344,6 +344,8 @@ inline std::vector<int64_t> check_paged(const at::Tensor& q, const at::Tensor& k
 
 // Row pointers of keys (or values) of one KV head, walking the block table (no division per
 // key): slot = table[j / BS] * BS + j % BS, row = pool + (slot * KV + kvh) * D
+constexpr int64_t kPrefetchBlocks = 1;  // how far ahead the K/V walks ask for rows
+
 template <typename T>
 struct PagedRows {
   const T* pool;
@@ -351,6 +353,22 @@ struct PagedRows {
   int64_t BS, KV, kvh, D;
   const T* row(int64_t blk, int64_t off) const {
     return pool + ((table[blk] * BS + off) * KV + kvh) * D;
+  }
+  // Asks for this head's row `off` of block blk (of `blocks` in the table) to be brought into
+  // the caches, kPrefetchBlocks blocks ahead of its use (the walks below ask for the first
+  // blocks whole with prefetch_first). The blocks lie anywhere in a pool far larger than the
+  // caches, so the hardware prefetcher cannot see the next one coming: without this a decode
+  // step waits on memory at every block. (inline asm: GCC drops __builtin_prefetch here.)
+  void prefetch(int64_t blk, int64_t off, int64_t blocks) const {
+    if (blk >= blocks) return;
+    const char* r = reinterpret_cast<const char*>(row(blk, off));
+    for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64)
+      asm volatile("prefetcht0 %0" : : "m"(r[i]));
+  }
+  // rows first .. of the first kPrefetchBlocks blocks a walk from key `first` to n reads
+  void prefetch_first(int64_t first, int64_t n) const {
+    const int64_t blocks = (n + BS - 1) / BS, last = first / BS + kPrefetchBlocks;
+    for (int64_t j = first; j < std::min(n, last * BS); ++j) prefetch(j / BS, j % BS, blocks);
   }
 };
 
@@ -411,18 +429,35 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   return out;
 }
 
+// out_g += sum_j w_g[j] v_j over first <= j < n, key by key (w_g[j] = p[g * cnt + j - first] *
+// inv[g], the softmax weights; cnt = n - first), each value row brought in a block ahead:
+// axpy(alpha, v_j, out_g, D) per key and head. The ISA file's weighted_values does the same
+// sums (same FMAs in the same order) with the heads' outputs held in registers.
+template <typename T, typename Axpy>
+inline void axpy_values(const float* p, const float* inv, int64_t G, const PagedRows<T>& values,
+                        int64_t first, int64_t n, float* out, const Axpy& axpy) {
+  const int64_t D = values.D, BS = values.BS, cnt = n - first, blocks = (n + BS - 1) / BS;
+  for (int64_t blk = first / BS; blk * BS < n; ++blk) {  // block by block
+    for (int64_t j = std::max(first, blk * BS); j < std::min(n, (blk + 1) * BS); ++j) {
+      values.prefetch(blk + kPrefetchBlocks, j - blk * BS, blocks);
+      const T* vr = values.row(blk, j - blk * BS);
+      for (int64_t g = 0; g < G; ++g) axpy(p[g * cnt + j - first] * inv[g], vr, out + g * D, D);
+    }
+  }
+}
+
 // out_g = softmax(scale * q_g . k_j over first <= j < n) . v_j for the G query heads of one KV
 // head (out zeroed by the caller); p: [G, n - first] scratch. The ISA's kernels: scores(q, G,
 // keys, first, n, scale, p) for D a multiple of Lanes, else dot(q_g, k_j, D) per key;
-// softmax_numerators(p_g, cnt) (p_g <- exp(p_g - max), returns the sum); axpy(alpha, v_j,
-// out_g, D). Called from a target-specific function of the ISA file, so that the kernels
-// inline into its loops.
+// softmax_numerators(p_g, cnt) (p_g <- exp(p_g - max), returns the sum); weigh(p, inv, G,
+// values, first, n, out) (axpy_values' sums). Called from a target-specific function of the
+// ISA file, so that the kernels inline into its loops.
 template <int64_t Lanes, typename T, typename Scores, typename Dot, typename Softmax,
-          typename Axpy>
+          typename Weigh>
 inline void attend_heads(const float* q, int64_t G, const PagedRows<T>& keys,
                          const PagedRows<T>& values, int64_t first, int64_t n, float scale,
                          float* p, float* out, const Scores& scores, const Dot& dot,
-                         const Softmax& softmax_numerators, const Axpy& axpy) {
+                         const Softmax& softmax_numerators, const Weigh& weigh) {
   const int64_t D = keys.D, BS = keys.BS, cnt = n - first;
   if (D % Lanes == 0) {
     scores(q, G, keys, first, n, scale, p);
@@ -432,15 +467,11 @@ inline void attend_heads(const float* q, int64_t G, const PagedRows<T>& keys,
       for (int64_t g = 0; g < G; ++g) p[g * cnt + j - first] = dot(q + g * D, kr, D) * scale;
     }
   }
+  // the first block of values on its way while the softmax runs
+  values.prefetch_first(first, n);
   float inv[64];
   for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / softmax_numerators(p + g * cnt, cnt);
-  for (int64_t blk = first / BS; blk * BS < n; ++blk) {  // block by block
-    for (int64_t j = std::max(first, blk * BS); j < std::min(n, (blk + 1) * BS); ++j) {
-      const T* vr = values.row(blk, j - blk * BS);
-      for (int64_t g = 0; g < G; ++g)
-        axpy(p[g * cnt + j - first] * inv[g], vr, out + g * D, D);
-    }
-  }
+  weigh(p, inv, G, values, first, n, out);
 }
 
 // add_rms_norm_'s checks; returns out (empty like h)

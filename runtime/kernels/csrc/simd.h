@@ -336,9 +336,12 @@ QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64
   const int64_t D = keys.D, stride = n - first;
   const T* rows[V::L];
   int64_t blk = first / keys.BS, off = first % keys.BS;  // position of key j0 in the table
+  const int64_t blocks = (n + keys.BS - 1) / keys.BS;
+  keys.prefetch_first(first, n);
   for (int64_t j0 = first; j0 < n; j0 += V::L) {
     const int64_t cnt = std::min<int64_t>(V::L, n - j0);
     for (int64_t jj = 0; jj < cnt; ++jj) {
+      keys.prefetch(blk + kPrefetchBlocks, off, blocks);  // the same row, blocks ahead
       rows[jj] = keys.row(blk, off);
       if (++off == keys.BS) off = 0, ++blk;
     }
@@ -357,6 +360,54 @@ QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64
   }
 }
 
+// common.h's axpy_values with the outputs of up to kAcc / NV heads (D = NV * L) held in
+// registers while the keys go by: each value row is loaded once per such group of heads and
+// the outputs are loaded and stored once, not once per key (the same FMAs in the same order:
+// the same sums, bit for bit).
+template <class V, int NV, typename T>
+QP_TARGET void weighted_values_nv(const float* p, const float* inv, int64_t G,
+                                  const PagedRows<T>& values, int64_t first, int64_t n,
+                                  float* out) {
+  constexpr int kAcc = V::L == 16 ? 16 : 8;  // accumulators: half the vector registers
+  constexpr int GT = NV >= kAcc ? 1 : kAcc / NV;
+  using F = typename V::F;
+  const int64_t D = values.D, BS = values.BS, cnt = n - first, blocks = (n + BS - 1) / BS;
+  for (int64_t g0 = 0; g0 < G; g0 += GT) {
+    const int64_t gt = std::min<int64_t>(GT, G - g0);
+    F acc[GT][NV];
+    for (int g = 0; g < GT; ++g)
+      for (int v = 0; v < NV; ++v)
+        acc[g][v] = g < gt ? V::load(out + (g0 + g) * D + v * V::L) : V::zero();
+    for (int64_t blk = first / BS; blk * BS < n; ++blk) {
+      for (int64_t j = std::max(first, blk * BS); j < std::min(n, (blk + 1) * BS); ++j) {
+        if (g0 == 0) values.prefetch(blk + kPrefetchBlocks, j - blk * BS, blocks);
+        const T* vr = values.row(blk, j - blk * BS);
+        for (int g = 0; g < GT; ++g) {
+          if (g >= gt) break;
+          const F w = V::set1(p[(g0 + g) * cnt + j - first] * inv[g0 + g]);
+          for (int v = 0; v < NV; ++v) acc[g][v] = V::fmadd(w, V::load(vr + v * V::L), acc[g][v]);
+        }
+      }
+    }
+    for (int g = 0; g < gt; ++g)
+      for (int v = 0; v < NV; ++v) V::store(out + (g0 + g) * D + v * V::L, acc[g][v]);
+  }
+}
+
+// the register-held sums where D is 4, 8 or 16 vectors; else common.h's axpy_values
+template <class V, typename T>
+QP_TARGET void weighted_values(const float* p, const float* inv, int64_t G,
+                               const PagedRows<T>& values, int64_t first, int64_t n, float* out) {
+  switch (values.D == 4 * V::L ? 4 : values.D == 8 * V::L ? 8 : values.D == 16 * V::L ? 16 : 0) {
+    case 4: return weighted_values_nv<V, 4>(p, inv, G, values, first, n, out);
+    case 8: return weighted_values_nv<V, 8>(p, inv, G, values, first, n, out);
+    case 16: return weighted_values_nv<V, 16>(p, inv, G, values, first, n, out);
+    default:
+      axpy_values(p, inv, G, values, first, n, out,
+                  [](const auto&... a) { axpy<V>(a...); });
+  }
+}
+
 // paged_attention's per-KV-head work (common.h's attend_heads), one target-specific function
 // with everything inlined, so that the vector helpers inline into its loops.
 template <class V, typename T>
@@ -367,7 +418,7 @@ QP_TARGET __attribute__((flatten)) void attend(const float* q, int64_t G,
   attend_heads<V::L>(q, G, keys, values, first, n, scale, p, out,
                      [](const auto&... a) { scores<V>(a...); },
                      [](const auto&... a) { return dot<V>(a...); }, &softmax_numerators<V>,
-                     [](const auto&... a) { axpy<V>(a...); });
+                     [](const auto&... a) { weighted_values<V>(a...); });
 }
 
 // --- silu_mul: the gated MLP's activation ------------------------------------------------------
