@@ -244,6 +244,7 @@ def run_pipeline(spec: RunSpec) -> RunResult:
     from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
     from quantpipe.reports.build import ReportSpec, build_report
     from quantpipe.reports.eval import EvalSpec, load_texts, run_eval
+    from quantpipe.runtime.kernels import cpu_ext
     from quantpipe.stages.export import (
         ExportSpec,
         check_budget_size_reachable,
@@ -285,6 +286,10 @@ def run_pipeline(spec: RunSpec) -> RunResult:
         fn()
         stages[name] = time.perf_counter() - t0
 
+    if not (out / "report.html").is_file():
+        # the report answers on quantpipe's CPU kernels; a first build takes 15-30 s of one
+        # core, which the FP16 export (mostly one thread) leaves idle
+        cpu_ext.build_in_background()
     stage("export-fp16", _done(fp16), lambda: export_fp16(fp16_spec))
     if spec.budget_size is not None and not _done(calib):  # before hours of calibration
         check_budget_size_reachable(fp16, parse_size(spec.budget_size))

@@ -123,9 +123,19 @@ def library_name(isa: str) -> str:
     return f"quantpipe_cpu_{isa}_{digest[:12]}"
 
 
-@functools.cache
+# one chooser / builder at a time: a build started in the background (build_in_background) and
+# the first kernel call then wait for one another instead of compiling twice
+_LOCK = threading.RLock()
+
+
 def build_status(isa: str) -> tuple[bool, str]:
     """(usable, reason) of one ISA's build; compiles and loads it on the first call."""
+    with _LOCK:
+        return _build_status(isa)
+
+
+@functools.cache
+def _build_status(isa: str) -> tuple[bool, str]:
     b = ISAS[isa]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"quantpipe's CPU kernels are x86-64 only (this is {platform.machine()})"
@@ -210,22 +220,43 @@ def _status() -> tuple[str | None, bool, str]:
     return None, False, "the CPU lacks AVX2, FMA or F16C (quantpipe's CPU kernels need them)"
 
 
+def _chosen() -> tuple[str | None, bool, str]:
+    with _LOCK:
+        return _status()
+
+
 def kernel_status() -> tuple[bool, str]:
     """(usable, reason) for the chosen ISA. Builds and loads its library on the first call."""
-    _, usable, why = _status()
+    _, usable, why = _chosen()
     return usable, why
+
+
+def build_in_background() -> threading.Thread:
+    """Choose and build (or load) the kernels on a daemon thread, so that a pipeline compiles
+    them while an earlier stage leaves a core idle; the first kernel call waits for it. An
+    environment error (a bad QUANTPIPE_CPU_KERNELS) is left for that call to raise."""
+    def build() -> None:
+        try:
+            _chosen()
+        except ValueError:
+            pass  # not cached: kernel_status() raises it again where it is used
+
+    thread = threading.Thread(target=build, name="quantpipe-cpu-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def reset() -> None:
     """Forget the cached choice and build statuses (tests that change the environment); a
     library already loaded stays loaded and is found again without compiling."""
-    _status.cache_clear()
-    build_status.cache_clear()
+    with _LOCK:
+        _status.cache_clear()
+        _build_status.cache_clear()
 
 
 def active_isa() -> str | None:
     """The ISA whose build the CPU path uses, or None (torch's kernels)."""
-    isa, usable, _ = _status()
+    isa, usable, _ = _chosen()
     return isa if usable else None
 
 
