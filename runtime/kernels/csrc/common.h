@@ -342,10 +342,11 @@ inline std::vector<int64_t> check_paged(const at::Tensor& q, const at::Tensor& k
   return q_off;
 }
 
+constexpr int64_t kPrefetchBlocks = 1;  // how far ahead the K/V walks ask for rows (2 and 4:
+                                        // no faster on the Zen 4 host, docs/runtime.md)
+
 // Row pointers of keys (or values) of one KV head, walking the block table (no division per
 // key): slot = table[j / BS] * BS + j % BS, row = pool + (slot * KV + kvh) * D
-constexpr int64_t kPrefetchBlocks = 1;  // how far ahead the K/V walks ask for rows
-
 template <typename T>
 struct PagedRows {
   const T* pool;
@@ -358,7 +359,8 @@ struct PagedRows {
   // the caches, kPrefetchBlocks blocks ahead of its use (the walks below ask for the first
   // blocks whole with prefetch_first). The blocks lie anywhere in a pool far larger than the
   // caches, so the hardware prefetcher cannot see the next one coming: without this a decode
-  // step waits on memory at every block. (inline asm: GCC drops __builtin_prefetch here.)
+  // step waits on memory at every block. (inline asm: GCC 12 emitted no instruction for
+  // __builtin_prefetch in these loops at -O1 and above.)
   void prefetch(int64_t blk, int64_t off, int64_t blocks) const {
     if (blk >= blocks) return;
     const char* r = reinterpret_cast<const char*>(row(blk, off));
