@@ -155,6 +155,8 @@ class AnswerPrecision:
     activations: torch.dtype  # activation dtype of the answering models
     kv_dtype: str  # the engine's KV cache elements: "model" (activation dtype) or "bf16"
     note: str = ""  # said on the page where it is not fp32 throughout
+    step_tokens: int | None = None  # prompt tokens per engine step (None: the engine default;
+    # fewer: smaller activations in each prefill step, for a model that only just fits)
 
 
 def _request_blocks(prompts: list[list[int]], max_new_tokens: list[int], block_size: int
@@ -171,12 +173,14 @@ def _blocks_at_once(prompts: list[list[int]], max_new_tokens: list[int], block_s
 
 
 def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list[int],
-                kv_cache_memory: int | None = None, kv_dtype: str = "model"):
+                kv_cache_memory: int | None = None, kv_dtype: str = "model",
+                step_tokens: int | None = None):
     """An engine whose KV pool holds the ``BATCH_CONCURRENCY`` largest requests at once (no
     request waits for blocks) or what ``kv_cache_memory`` bytes hold (default: the engine's
     share of the free memory), whichever is less: a smaller pool runs fewer requests at a time
-    (and may preempt one: it is recomputed, greedy answers do not change). Prefix caching off
-    (each prompt is timed as a fresh one)."""
+    (and may preempt one: it is recomputed, greedy answers do not change). ``step_tokens``:
+    tokens per step (default: the engine's). Prefix caching off (each prompt is timed as a
+    fresh one)."""
     from quantpipe.runtime.config import DEFAULTS
     from quantpipe.runtime.engine import EngineConfig, LLMEngine
 
@@ -184,6 +188,7 @@ def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list
     blocks = _request_blocks(prompts, max_new_tokens, bs)
     engine = LLMEngine(model, tokenizer, EngineConfig(
         block_size=bs, max_num_seqs=BATCH_CONCURRENCY, kv_cache_memory=kv_cache_memory,
+        max_num_batched_tokens=step_tokens or DEFAULTS.max_num_batched_tokens,
         max_kv_blocks=_blocks_at_once(prompts, max_new_tokens, bs, BATCH_CONCURRENCY),
         kv_dtype=kv_dtype, enable_prefix_caching=False, max_model_len=None))
     if engine.pool.num_blocks < blocks[0]:
@@ -237,7 +242,7 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
     if note:
         log.info("%s: %s", name, note)  # and on the page (Answers.note)
     texts, tokens, runs, kv_bytes, kv_dtype = _answer(model, tokenizer, prompts, budget, name,
-                                                      kv_cache_memory, precision.kv_dtype)
+                                                      kv_cache_memory, precision)
     speed = None
     if runs and timed:
         speed = ModelSpeed(
@@ -252,7 +257,7 @@ def answer_prompts(folder: Path, name: str, records: list[PromptRecord], max_new
 
 
 def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name: str,
-            kv_cache_memory: int | None = None, kv_dtype: str = "model"
+            kv_cache_memory: int | None, precision: AnswerPrecision
             ) -> tuple[tuple[str, ...], tuple[int, ...], dict[int, dict], int, str]:
     """(texts, output tokens, the engine loops' timings by concurrency, the engine's KV bytes
     per token and element dtype); no timings where Hugging Face generate answered."""
@@ -261,7 +266,8 @@ def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name:
     if model.config.model_type not in FAMILIES:
         answers = _hf_answers(model, tokenizer, prompts, budget, name)
         return tuple(t for t, _ in answers), tuple(n for _, n in answers), {}, 0, ""
-    engine = _engine_for(model, tokenizer, prompts, budget, kv_cache_memory, kv_dtype)
+    engine = _engine_for(model, tokenizer, prompts, budget, kv_cache_memory, precision.kv_dtype,
+                         precision.step_tokens)
     closed_loop(engine, prompts[:1], [4], 1)  # warm-up: first-call costs stay out
     toks, batch = closed_loop(engine, prompts, budget, BATCH_CONCURRENCY,
                               desc=f"report: {name} answers")

@@ -217,6 +217,9 @@ def check_report_inputs(spec: ReportSpec) -> _Inputs:
 
 # prompt tokens assumed per request when the answering engine's KV pool is sized in advance
 KV_PROMPT_TOKENS = 512
+# prompt tokens per engine step where the reference only just fits: a 2,048-token prefill step
+# of a 7B model holds ~0.4 GB of fp32 activations (gate/up alone: 2,048 x 22,016 x 4 bytes)
+TIGHT_STEP_TOKENS = 512
 
 
 def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
@@ -228,7 +231,9 @@ def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
     activations, so a reference that does not fit keeps fp32 activations (exact products, the
     kernels' speed) and halves its KV cache to bf16: bf16 activations would hold a bf16 copy of
     the same size and run on torch's slower bf16 matmuls. Without the kernels an fp32 copy
-    takes twice the shards: bf16 activations then. Said on the page."""
+    takes twice the shards: bf16 activations then. Either way such a reference (and every
+    candidate) reads prompts ``TIGHT_STEP_TOKENS`` per engine step, not the engine's 2,048:
+    smaller activations per step, the same answers. Said on the page."""
     from quantpipe.runtime.kernels import cpu_ext
     from quantpipe.runtime.memory_plan import ModelDims, kv_bytes_per_token
 
@@ -244,11 +249,14 @@ def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
     why = (f"the FP16 reference with fp32 activations ({held}) and an fp32 KV cache for "
            f"{BATCH_CONCURRENCY} requests needs {need / 2**30:.1f} GiB and "
            f"{have / 2**30:.1f} GiB were available.")
+    steps = f" Prompts were read {TIGHT_STEP_TOKENS} tokens per step."
     if kernels:
         return AnswerPrecision(torch.float32, "bf16",
-                               f"Answers were generated with a bf16 KV cache: {why}")
+                               f"Answers were generated with a bf16 KV cache: {why}{steps}",
+                               TIGHT_STEP_TOKENS)
     return AnswerPrecision(torch.bfloat16, "model",
-                           f"Answers were generated with bf16 activations: {why}")
+                           f"Answers were generated with bf16 activations: {why}{steps}",
+                           TIGHT_STEP_TOKENS)
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:

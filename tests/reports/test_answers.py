@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quantpipe.prompts.sets import PromptRecord
+from quantpipe.reports import answers as answers_module
 from quantpipe.reports import charts
 from quantpipe.reports.answers import (
     _hf_answers,
@@ -269,7 +270,7 @@ def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_di
         monkeypatch.setattr(psutil, "virtual_memory",
                             lambda: real()._replace(available=n))
 
-    from quantpipe.reports.build import BATCH_CONCURRENCY, KV_PROMPT_TOKENS
+    from quantpipe.reports.build import BATCH_CONCURRENCY, KV_PROMPT_TOKENS, TIGHT_STEP_TOKENS
 
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -282,6 +283,7 @@ def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_di
     available(shards + kv32)  # the weights alone would fit in 60% of it; with the pool not
     assert 0.6 * (shards + kv32) >= shards
     tight = answer_precision(tiny_llama_dir, 64)
+    assert tight.step_tokens == TIGHT_STEP_TOKENS and "512 tokens per step" in tight.note
     if kernels:
         assert (tight.activations, tight.kv_dtype) == (torch.float32, "bf16")
         assert "bf16 KV cache" in tight.note and "its fp16 weights" in tight.note
@@ -289,13 +291,23 @@ def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_di
         mp.setattr(cpu_ext, "kernel_status", lambda: (False, "test says no"))
         available(3 * shards)
         slow = answer_precision(tiny_llama_dir, 64)
-    assert (slow.activations, slow.kv_dtype) == (torch.bfloat16, "model")
+    assert (slow.activations, slow.kv_dtype, slow.step_tokens) == (torch.bfloat16, "model",
+                                                                    TIGHT_STEP_TOKENS)
     assert "bf16 activations" in slow.note and "an fp32 copy" in slow.note
     monkeypatch.undo()
     full = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4)
     for precision in (slow, AnswerPrecision(torch.float32, "bf16")):
         ans = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4, precision)
         assert len(ans.texts) == 2 and all(0 < n <= 4 for n in ans.tokens)
+        if precision.step_tokens:  # prompts read a few tokens per step: the same answers
+            steps = []
+            with monkeypatch.context() as mp:
+                real = answers_module._engine_for
+                mp.setattr(answers_module, "_engine_for", lambda *a: steps.append(
+                    (e := real(*a)).config.max_num_batched_tokens) or e)
+                short = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4,
+                                       AnswerPrecision(slow.activations, slow.kv_dtype, "", 8))
+            assert steps == [8] and short.texts == ans.texts and short.tokens == ans.tokens
         assert ans.speed.activation_dtype == str(precision.activations).removeprefix("torch.")
         # K and V of every layer in bf16: half of the fp32 cache's bytes
         assert ans.speed.kv_bytes_per_token == per_token_bf16
