@@ -157,6 +157,8 @@ class AnswerPrecision:
     note: str = ""  # said on the page where it is not fp32 throughout
     step_tokens: int | None = None  # prompt tokens per engine step (None: the engine default;
     # fewer: smaller activations in each prefill step, for a model that only just fits)
+    kv_cache_memory: int | None = None  # KV pool bytes at most unless --kv-cache-memory says
+    # (None: what 8 requests need), never less than the longest request needs
 
 
 def _request_blocks(prompts: list[list[int]], max_new_tokens: list[int], block_size: int
@@ -173,25 +175,33 @@ def _blocks_at_once(prompts: list[list[int]], max_new_tokens: list[int], block_s
 
 
 def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list[int],
-                kv_cache_memory: int | None = None, kv_dtype: str = "model",
-                step_tokens: int | None = None):
+                kv_cache_memory: int | None = None,
+                precision: AnswerPrecision = AnswerPrecision(torch.float32, "model")):
     """An engine whose KV pool holds the ``BATCH_CONCURRENCY`` largest requests at once (no
-    request waits for blocks) or what ``kv_cache_memory`` bytes hold (default: the engine's
-    share of the free memory), whichever is less: a smaller pool runs fewer requests at a time
-    (and may preempt one: it is recomputed, greedy answers do not change). ``step_tokens``:
-    tokens per step (default: the engine's). Prefix caching off (each prompt is timed as a
-    fresh one)."""
+    request waits for blocks) or what ``kv_cache_memory`` bytes hold (default: the
+    precision's cap, else the engine's share of the free memory), whichever is less: a smaller
+    pool runs fewer requests at a time (and may preempt one: it is recomputed, greedy answers
+    do not change). The precision's cap (not a user's) grows to hold the longest request.
+    Activations, KV dtype and tokens per step: ``precision``'s. Prefix caching off (each
+    prompt is timed as a fresh one)."""
     from quantpipe.runtime.config import DEFAULTS
     from quantpipe.runtime.engine import EngineConfig, LLMEngine
 
     bs = DEFAULTS.block_size
     blocks = _request_blocks(prompts, max_new_tokens, bs)
-    engine = LLMEngine(model, tokenizer, EngineConfig(
-        block_size=bs, max_num_seqs=BATCH_CONCURRENCY, kv_cache_memory=kv_cache_memory,
-        max_num_batched_tokens=step_tokens or DEFAULTS.max_num_batched_tokens,
-        max_kv_blocks=_blocks_at_once(prompts, max_new_tokens, bs, BATCH_CONCURRENCY),
-        kv_dtype=kv_dtype, enable_prefix_caching=False, max_model_len=None))
+
+    def build(memory: int | None, num_blocks: int | None = None) -> LLMEngine:
+        return LLMEngine(model, tokenizer, EngineConfig(
+            block_size=bs, max_num_seqs=BATCH_CONCURRENCY, kv_cache_memory=memory,
+            num_kv_blocks=num_blocks,
+            max_num_batched_tokens=precision.step_tokens or DEFAULTS.max_num_batched_tokens,
+            max_kv_blocks=_blocks_at_once(prompts, max_new_tokens, bs, BATCH_CONCURRENCY),
+            kv_dtype=precision.kv_dtype, enable_prefix_caching=False, max_model_len=None))
+
+    engine = build(kv_cache_memory or precision.kv_cache_memory)
     if engine.pool.num_blocks < blocks[0]:
+        if kv_cache_memory is None and precision.kv_cache_memory is not None:
+            return build(None, blocks[0] + 1)  # the longest request, one at a time if need be
         per_block = engine.runner.kv_spec.bytes_per_block
         raise ValueError(
             f"the longest prompt with its answer needs {blocks[0] * per_block / 2**20:,.0f} MiB "
@@ -266,8 +276,7 @@ def _answer(model, tokenizer, prompts: list[list[int]], budget: list[int], name:
     if model.config.model_type not in FAMILIES:
         answers = _hf_answers(model, tokenizer, prompts, budget, name)
         return tuple(t for t, _ in answers), tuple(n for _, n in answers), {}, 0, ""
-    engine = _engine_for(model, tokenizer, prompts, budget, kv_cache_memory, precision.kv_dtype,
-                         precision.step_tokens)
+    engine = _engine_for(model, tokenizer, prompts, budget, kv_cache_memory, precision)
     closed_loop(engine, prompts[:1], [4], 1)  # warm-up: first-call costs stay out
     toks, batch = closed_loop(engine, prompts, budget, BATCH_CONCURRENCY,
                               desc=f"report: {name} answers")

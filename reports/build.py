@@ -220,6 +220,10 @@ KV_PROMPT_TOKENS = 512
 # prompt tokens per engine step where the reference only just fits: a 2,048-token prefill step
 # of a 7B model holds ~0.4 GB of fp32 activations (gate/up alone: 2,048 x 22,016 x 4 bytes)
 TIGHT_STEP_TOKENS = 512
+# and its KV pool holds at most this (at least the longest request): the weights of a model that
+# only just fits leave little beside them, and a pool for 8 long requests is gigabytes (2.5 GiB
+# in bf16 for 16 business-eval prompts on a Llama-2-7B shape); fewer requests then run at once
+TIGHT_KV_MEMORY = 2**30
 
 
 def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
@@ -232,8 +236,10 @@ def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
     kernels' speed) and halves its KV cache to bf16: bf16 activations would hold a bf16 copy of
     the same size and run on torch's slower bf16 matmuls. Without the kernels an fp32 copy
     takes twice the shards: bf16 activations then. Either way such a reference (and every
-    candidate) reads prompts ``TIGHT_STEP_TOKENS`` per engine step, not the engine's 2,048:
-    smaller activations per step, the same answers. Said on the page."""
+    candidate) reads prompts ``TIGHT_STEP_TOKENS`` per engine step, not the engine's 2,048,
+    into a KV pool of at most ``TIGHT_KV_MEMORY`` unless ``--kv-cache-memory`` says otherwise:
+    smaller activations and pool, fewer requests at once, the same answers. Said on the
+    page."""
     from quantpipe.runtime.kernels import cpu_ext
     from quantpipe.runtime.memory_plan import ModelDims, kv_bytes_per_token
 
@@ -249,14 +255,15 @@ def answer_precision(reference: Path, new_tokens: int = 0) -> AnswerPrecision:
     why = (f"the FP16 reference with fp32 activations ({held}) and an fp32 KV cache for "
            f"{BATCH_CONCURRENCY} requests needs {need / 2**30:.1f} GiB and "
            f"{have / 2**30:.1f} GiB were available.")
-    steps = f" Prompts were read {TIGHT_STEP_TOKENS} tokens per step."
+    steps = (f" Prompts were read {TIGHT_STEP_TOKENS} tokens per step, and the KV cache held "
+             f"at most {TIGHT_KV_MEMORY / 2**30:g} GiB (the longest request at least).")
     if kernels:
         return AnswerPrecision(torch.float32, "bf16",
                                f"Answers were generated with a bf16 KV cache: {why}{steps}",
-                               TIGHT_STEP_TOKENS)
+                               TIGHT_STEP_TOKENS, TIGHT_KV_MEMORY)
     return AnswerPrecision(torch.bfloat16, "model",
                            f"Answers were generated with bf16 activations: {why}{steps}",
-                           TIGHT_STEP_TOKENS)
+                           TIGHT_STEP_TOKENS, TIGHT_KV_MEMORY)
 
 
 def build_report(spec: ReportSpec) -> tuple[Path, Path]:

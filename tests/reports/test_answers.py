@@ -270,7 +270,12 @@ def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_di
         monkeypatch.setattr(psutil, "virtual_memory",
                             lambda: real()._replace(available=n))
 
-    from quantpipe.reports.build import BATCH_CONCURRENCY, KV_PROMPT_TOKENS, TIGHT_STEP_TOKENS
+    from quantpipe.reports.build import (
+        BATCH_CONCURRENCY,
+        KV_PROMPT_TOKENS,
+        TIGHT_KV_MEMORY,
+        TIGHT_STEP_TOKENS,
+    )
 
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -284,6 +289,7 @@ def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_di
     assert 0.6 * (shards + kv32) >= shards
     tight = answer_precision(tiny_llama_dir, 64)
     assert tight.step_tokens == TIGHT_STEP_TOKENS and "512 tokens per step" in tight.note
+    assert tight.kv_cache_memory == TIGHT_KV_MEMORY and "at most 1 GiB" in tight.note
     if kernels:
         assert (tight.activations, tight.kv_dtype) == (torch.float32, "bf16")
         assert "bf16 KV cache" in tight.note and "its fp16 weights" in tight.note
@@ -305,9 +311,17 @@ def test_answer_precision_when_the_reference_in_fp32_would_not_fit(tiny_llama_di
                 real = answers_module._engine_for
                 mp.setattr(answers_module, "_engine_for", lambda *a: steps.append(
                     (e := real(*a)).config.max_num_batched_tokens) or e)
-                short = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4,
-                                       AnswerPrecision(slow.activations, slow.kv_dtype, "", 8))
+                # and a cap of 2 blocks, under the longest request's: the pool grows to it
+                two_blocks = 2 * 16 * ans.speed.kv_bytes_per_token
+                short = answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4, AnswerPrecision(
+                    slow.activations, slow.kv_dtype, "", 8, two_blocks))
             assert steps == [8] and short.texts == ans.texts and short.tokens == ans.tokens
+            pool = short.speed.by_concurrency[BATCH_CONCURRENCY]
+            assert pool["kv_pool_limited"] and pool["kv_pool_tokens"] < ans.speed.by_concurrency[
+                BATCH_CONCURRENCY]["kv_pool_tokens"]
+            with pytest.raises(ValueError, match="raise --kv-cache-memory"):  # a user's cap holds
+                answer_prompts(tiny_llama_dir, "FP16", RECORDS[:2], 4, slow,
+                               kv_cache_memory=two_blocks)
         assert ans.speed.activation_dtype == str(precision.activations).removeprefix("torch.")
         # K and V of every layer in bf16: half of the fp32 cache's bytes
         assert ans.speed.kv_bytes_per_token == per_token_bf16
