@@ -743,7 +743,8 @@ def sensitivity_cmd(calib_dir, tokens, seq_len, bits, seed, out, entries, stream
 @click.option("--kv-cache-memory", default=None,
               help="KV pool of the engine that answers, at most (e.g. 1GiB): on a big model, "
                    "fewer requests at a time for less memory [default: what 8 requests need, "
-                   f"up to {DEFAULTS.kv_memory_fraction:.0%} of the free memory].")
+                   f"up to {DEFAULTS.kv_memory_fraction:.0%} of the free memory; 1 GiB (at "
+                   "least the longest request) where the FP16 reference only just fits].")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="reports/NAME.html (NAME.json is written beside it).")
 @click.option("--allow-other-source", is_flag=True,

@@ -30,3 +30,14 @@ def test_cli_sets_a_passive_openmp_wait_policy_before_torch_loads(preset, want):
                          text=True, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"policy": want, "torch_before": False}
+
+
+def test_report_help_states_the_kv_cap_of_a_reference_that_only_just_fits():
+    """The help's default for --kv-cache-memory is the library's (reports.build)."""
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+    from quantpipe.reports.build import TIGHT_KV_MEMORY
+
+    out = " ".join(CliRunner().invoke(main, ["report", "--help"]).output.split())
+    assert f"{TIGHT_KV_MEMORY / 2**30:g} GiB (at least the longest request)" in out
