@@ -265,11 +265,13 @@ def _fp16_folder(shape: str, base: Path, reuse: bool,
     return res, fp16
 
 
-def direct_rtn_checkpoint(fp16_dir: Path, out: Path, group_size: int = 128) -> dict:
-    """Write a native W4 (sym, ``group_size``) checkpoint of every decoder linear by plain
+def direct_rtn_checkpoint(fp16_dir: Path, out: Path, group_size: int = 128,
+                          fmt: str = "native") -> dict:
+    """Write a W4 (sym, ``group_size``) checkpoint in ``fmt`` of every decoder linear by plain
     round-to-nearest straight from the FP16 folder, one layer read at a time (the writer streams
     a :class:`~quantpipe.core.qformat.LazyWeights`). A stand-in for a calibration where only the
-    checkpoint's shape matters (memory and speed of the later stages); returns its manifest."""
+    checkpoint's shape and format matter (memory and speed of the later stages, what vLLM loads);
+    returns its manifest."""
     from quantpipe.calibration.rtn import rtn
     from quantpipe.core.formats.common import read_fp_state
     from quantpipe.core.formats.writers import write_checkpoint
@@ -280,7 +282,7 @@ def direct_rtn_checkpoint(fp16_dir: Path, out: Path, group_size: int = 128) -> d
               if k.endswith(".weight") and ".layers." in k and len(state.shape(k)) == 2}
     spec = QuantSpec(4, group_size, True)
     return write_checkpoint(
-        "native", out, fp16_dir,
+        fmt, out, fp16_dir,
         LazyWeights({n: spec for n in shapes}, shapes,
                     lambda n: rtn(state[f"{n}.weight"], spec).weight),
         force=True)

@@ -16,9 +16,6 @@ vLLM release that loads one fails this test and the rule is revisited.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,22 +29,19 @@ from tests.vllm_cases import (
     GPTQ_MOE_PLAN,
     GPTQ_PLANS,
     MAX_MODEL_LEN,
-    NEW_TOKENS,
     Case,
+    VllmWorker,
     compare,
     prompts,
     runtime_greedy,
     uniform,
+    vllm_python,
     w4,
     write_case,
 )
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "vllm_worker.py"
-PYTHON_ENV = "QUANTPIPE_VLLM_PYTHON"
-WORKER_TIMEOUT_S = 1200
 # every family of the registry: a new family is covered by this test at once
 DENSE = tuple(f for f, fam in FAMILIES.items() if fam.moe is None)
 MOE = tuple(f for f, fam in FAMILIES.items() if fam.moe is not None)
@@ -95,34 +89,12 @@ def _runs_here(case: Case) -> bool:
     return not case.moe or _amx()
 
 
-def vllm_python() -> Path | None:
-    """The python of the vLLM venv: $QUANTPIPE_VLLM_PYTHON (an error when it cannot import
-    vllm) or .venv-vllm/bin/python (None when absent)."""
-    named = os.environ.get(PYTHON_ENV)
-    python = Path(named) if named else REPO / ".venv-vllm" / "bin" / "python"
-    if not python.exists():
-        if named:
-            raise FileNotFoundError(f"${PYTHON_ENV}={named} does not exist")
-        return None
-    probe = subprocess.run(
-        [str(python), "-c", "import importlib.util, sys; "
-         "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
-    if probe.returncode != 0:
-        if named:
-            raise RuntimeError(f"${PYTHON_ENV}={named} cannot import vllm")
-        return None
-    return python
-
-
 @pytest.fixture(scope="session")
 def vllm_run(tmp_path_factory):
     """Every case written, loaded by one vLLM worker process and run by quantpipe's engine
     (while the worker runs): case id -> (case, vLLM's result, prompts, quantpipe's outputs,
     quantpipe's engine)."""
     python = vllm_python()
-    if python is None:
-        pytest.skip("no vLLM venv: run tools/vllm_venv.sh (README command 2 does) or set "
-                    f"${PYTHON_ENV} to a python that imports vllm")
     root = tmp_path_factory.mktemp("vllm")
     cases = [c for c in LOADABLE + REFUSED if _runs_here(c)]
     jobs, written = [], {}
@@ -131,26 +103,10 @@ def vllm_run(tmp_path_factory):
         vocab = json.loads((qdir / "config.json").read_text())["vocab_size"]
         written[case.id] = (native, qdir, prompts(vocab))
         jobs.append({"path": str(qdir), "prompts": written[case.id][2]})
-    job = root / "job.json"
-    job.write_text(json.dumps({"checkpoints": jobs, "max_tokens": NEW_TOKENS,
-                               "max_model_len": MAX_MODEL_LEN}))
-    log = root / "worker.log"
-    with open(log, "wb") as out:
-        worker = subprocess.Popen([str(python), str(WORKER), str(job), str(root / "res.json")],
-                                  stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                       "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    with VllmWorker(python, root, jobs, MAX_MODEL_LEN) as worker:
         ours = {c.id: runtime_greedy(written[c.id][0], written[c.id][2])
                 for c in cases if c.refused is None}
-        try:
-            rc = worker.wait(timeout=WORKER_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            raise
-    tail = log.read_text(errors="replace")[-3000:]
-    assert rc == 0, f"the vLLM worker failed (exit {rc}); its log ends:\n{tail}"
-    results = json.loads((root / "res.json").read_text())["results"]
-    assert len(results) == len(cases), tail
+    results = worker.results
     return {c.id: (c, r, written[c.id][2], *ours.get(c.id, (None, None)))
             for c, r in zip(cases, results)}
 

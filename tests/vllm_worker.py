@@ -4,9 +4,12 @@ checkpoint of a job in vLLM's offline ``LLM`` in turn and writes what it generat
     python tests/vllm_worker.py JOB.json RESULT.json
 
 JOB: ``{"checkpoints": [{"path": DIR, "prompts": [[token ids], ...]}], "max_tokens": 32,
-"max_model_len": 64}``. RESULT: ``{"results": [{"path": DIR, "ok": true, "outputs":
-[{"tokens": [...], "logprobs": [...]}], "seconds": S} | {"path": DIR, "ok": false, "error":
-"..."}]}``: greedy tokens (temperature 0, EOS ignored) and each chosen token's logprob, or
+"max_model_len": 64}`` (a checkpoint may name its own ``max_model_len``). RESULT:
+``{"results": [{"path": DIR, "ok": true, "outputs":
+[{"tokens": [...], "logprobs": [...]}], "dtype": "float16", "seconds": S} | {"path": DIR,
+"ok": false, "error": "..."}]}``: greedy tokens (temperature 0, EOS ignored), each chosen
+token's logprob and the dtype vLLM computed in (it runs Gemma 3 in bfloat16 whatever the
+checkpoint says), or
 vLLM's own words (and the file and line that raised them) when a load fails; one failing
 checkpoint does not stop the others.
 
@@ -47,8 +50,9 @@ def run_one(ckpt: dict, max_tokens: int, max_model_len: int) -> dict:
         # logprobs=0: each step's dict holds the chosen token
         lps = [float(step[t].logprob) for t, step in zip(tokens, comp.logprobs)]
         outputs.append({"tokens": tokens, "logprobs": lps})
+    dtype = str(llm.model_config.dtype).removeprefix("torch.")  # what vLLM computed in
     del llm
-    return {"path": ckpt["path"], "ok": True, "outputs": outputs,
+    return {"path": ckpt["path"], "ok": True, "outputs": outputs, "dtype": dtype,
             "seconds": time.perf_counter() - start}
 
 
@@ -81,7 +85,7 @@ def main(job_path: str, result_path: str) -> None:
     for ckpt in job["checkpoints"]:
         try:
             results.append(run_one(ckpt, job.get("max_tokens", 32),
-                                   job.get("max_model_len", 64)))
+                                   ckpt.get("max_model_len", job.get("max_model_len", 64))))
         except Exception as exc:  # vLLM refused this checkpoint: record why, go on
             traceback.print_exc()
             results.append({"path": ckpt["path"], "ok": False, "error": refusal(exc)})
