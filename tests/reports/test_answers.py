@@ -127,8 +127,37 @@ def test_answering_kv_pool_holds_the_largest_requests_or_what_memory_allows(tiny
     batch = tight.speed.by_concurrency[8]
     assert batch["kv_pool_tokens"] == (longest + 1) * 16 < full.speed.by_concurrency[8][
         "kv_pool_tokens"]
-    assert batch["preemptions"] >= 0 and full.speed.by_concurrency[8]["preemptions"] == 0
+    # the loop sends no more than the pool holds at their longest: nothing is recomputed
+    assert batch["preemptions"] == 0 and full.speed.by_concurrency[8]["preemptions"] == 0
+    assert batch["most_in_flight"] < full.speed.by_concurrency[8]["most_in_flight"] == len(RECORDS)
     assert batch["kv_pool_limited"] and not full.speed.by_concurrency[8]["kv_pool_limited"]
+
+
+def test_closed_loop_sends_only_what_the_pool_holds_so_nothing_is_recomputed(tiny):
+    """In a pool of about two requests at their longest, 8 in flight would make the engine
+    preempt (and recompute) requests; the loop keeps to what fits, answers unchanged."""
+    from quantpipe.reports.answers import _engine_for
+    from quantpipe.runtime.engine import SamplingParams
+
+    model, tok = tiny
+    prompts = [[5 + i] * n for i, n in enumerate((40, 33, 47, 38, 45, 36))]
+    budgets = [24] * len(prompts)
+    need = [-(-(len(p) + 24) // 16) for p in prompts]  # 4-5 blocks each
+    per_block = _engine_for(model, tok, prompts, budgets).runner.kv_spec.bytes_per_block
+    memory = (max(need) * 2 + 1) * per_block
+    engine = _engine_for(model, tok, prompts, budgets, kv_cache_memory=memory)
+    toks, stats = closed_loop(engine, prompts, budgets, 8)
+    assert stats["preemptions"] == 0 and 1 < stats["most_in_flight"] <= 2
+    ref = _engine_for(model, tok, prompts, budgets)
+    want, full = closed_loop(ref, prompts, budgets, 8)
+    assert toks == want and full["most_in_flight"] == 6
+    # the same pool, every request sent at once: the engine preempts (what the loop avoids)
+    raw = _engine_for(model, tok, prompts, budgets, kv_cache_memory=memory)
+    for p in prompts:
+        raw.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+    while raw.has_work():
+        raw.step()
+    assert raw.scheduler.num_preemptions > 0
 
 
 def test_page_says_when_a_capped_kv_pool_ran_fewer_requests_at_once():
