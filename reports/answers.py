@@ -110,8 +110,7 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     ids: dict[str, int] = {}
     toks: list[list[int]] = [[] for _ in prompts]
     timing: dict[int, _Timing] = {}
-    bs = engine.config.block_size
-    need = [-(-(len(p) + n) // bs) for p, n in zip(prompts, max_new_tokens)]
+    need = _request_need(prompts, max_new_tokens, engine.config.block_size)
     capacity = engine.pool.num_blocks - 1  # as _blocks_at_once counts
     bar = tqdm(total=len(prompts), desc=desc, unit="answer", disable=desc is None)
     preempted = engine.scheduler.num_preemptions
@@ -148,7 +147,7 @@ def closed_loop(engine, prompts: list[list[int]], max_new_tokens: list[int], con
     tpots = [(t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1]
     stats = {"requests": len(prompts), "concurrency": concurrency,
              "output_tokens_per_s": sum(t.tokens for t in done) / wall if wall > 0 else 0.0,
-             # a pool too small for `concurrency` requests runs fewer and may recompute one
+             # a pool too small for `concurrency` requests runs fewer at once
              "kv_pool_tokens": engine.pool.num_blocks * engine.config.block_size,
              "preemptions": engine.scheduler.num_preemptions - preempted,
              "most_in_flight": most_in_flight,
@@ -177,11 +176,16 @@ class AnswerPrecision:
     # (None: what 8 requests need), never less than the longest request needs
 
 
+def _request_need(prompts: list[list[int]], max_new_tokens: list[int], block_size: int
+                  ) -> list[int]:
+    """KV blocks of each request at its longest (prompt + budget), in the prompts' order."""
+    return [-(-(len(p) + n) // block_size) for p, n in zip(prompts, max_new_tokens)]
+
+
 def _request_blocks(prompts: list[list[int]], max_new_tokens: list[int], block_size: int
                     ) -> list[int]:
-    """KV blocks of each request at its longest (prompt + budget), largest first."""
-    return sorted((-(-(len(p) + n) // block_size) for p, n in zip(prompts, max_new_tokens)),
-                  reverse=True)
+    """:func:`_request_need`, largest first."""
+    return sorted(_request_need(prompts, max_new_tokens, block_size), reverse=True)
 
 
 def _blocks_at_once(prompts: list[list[int]], max_new_tokens: list[int], block_size: int,
@@ -195,9 +199,9 @@ def _engine_for(model, tokenizer, prompts: list[list[int]], max_new_tokens: list
                 precision: AnswerPrecision = AnswerPrecision(torch.float32, "model")):
     """An engine whose KV pool holds the ``BATCH_CONCURRENCY`` largest requests at once (no
     request waits for blocks) or what ``kv_cache_memory`` bytes hold (default: the
-    precision's cap, else the engine's share of the free memory), whichever is less: a smaller
-    pool runs fewer requests at a time (and may preempt one: it is recomputed, greedy answers
-    do not change). The precision's cap (not a user's) grows to hold the longest request.
+    precision's cap, else the engine's share of the free memory), whichever is less: in a
+    smaller pool :func:`closed_loop` runs fewer requests at a time (greedy answers do not
+    change). The precision's cap (not a user's) grows to hold the longest request.
     Activations, KV dtype and tokens per step: ``precision``'s. Prefix caching off (each
     prompt is timed as a fresh one)."""
     from quantpipe.runtime.config import DEFAULTS
