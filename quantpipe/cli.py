@@ -832,7 +832,10 @@ def run_cmd(source, out, bits, budget_bits, budget_size, overrides, algo, group_
                    f"({kld_ci}p99 {k['p99']:.4f}), same top token "
                    f"{100 * ev['same_top_rate']:.2f}%, PPL {ev['ppl_candidate']:.3f} "
                    f"vs FP16 {ev['ppl_reference']:.3f}")
-    click.echo("stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.stages.items()))
+    click.echo("stages: " + ", ".join(
+        f"{k} {v:.0f}s" + (f" (peak RSS {res.peaks[k] / 2**20:,.0f} MiB)"
+                           if res.peaks.get(k) else "")
+        for k, v in res.stages.items()))
     doc = json.loads(res.report.with_suffix(".json").read_text())
     for cand in doc["candidates"]:
         verdict = cand["verdict"]

@@ -20,6 +20,7 @@ forced: nothing in WORKDIR that quantpipe run did not make is modified.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -30,6 +31,7 @@ from pathlib import Path
 from quantpipe.calibration.config import DEFAULTS as CALIB
 from quantpipe.calibration.menu import DEFAULT_MENU, parse_menu
 from quantpipe.calibration.mixed_precision.plan import check_budget_bits
+from quantpipe.core.heap import peak_rss, reset_peak_rss
 from quantpipe.core.io import MANIFEST_NAME, parse_size, write_json_atomic
 from quantpipe.core.qformat import check_bits
 from quantpipe.core.sources import resolve_source
@@ -110,6 +112,9 @@ class RunResult:
     eval: dict  # the first candidate's
     stages: dict[str, float]  # stage -> seconds (0.0 when reused)
     evals: dict[str, dict] = field(default_factory=dict)  # candidate folder name -> its eval
+    # stage -> the process's resident-memory peak while it ran, in bytes (the high-water mark
+    # is reset before each stage); None when reused, or where the mark cannot be reset
+    peaks: dict[str, int | None] = field(default_factory=dict)
 
 
 RUN_FILE = "run.json"  # WORKDIR's record of the run's settings (see the module docstring)
@@ -275,16 +280,20 @@ def run_pipeline(spec: RunSpec) -> RunResult:
         write_json_atomic(out / RUN_FILE, {"version": RUN_FILE_VERSION, "source": spec.source,
                                            "settings": settings, "source_keys": source_keys})
     stages: dict[str, float] = {}
+    peaks: dict[str, int | None] = {}
 
     def stage(name: str, done: bool, fn) -> None:
         if done:
             log.info("stage %s: reusing %s", name, out)
-            stages[name] = 0.0
+            stages[name], peaks[name] = 0.0, None
             return
+        gc.collect()  # what the previous stage left unreferenced is not counted as this one's
+        measured = reset_peak_rss()
         t0 = time.perf_counter()
         log.info("stage %s ...", name)  # -v; by default the stage's progress bars show
         fn()
         stages[name] = time.perf_counter() - t0
+        peaks[name] = peak_rss() if measured else None
 
     if not (out / "report.html").is_file():
         # the report answers on quantpipe's CPU kernels; a first build takes 15-30 s of one
@@ -322,4 +331,4 @@ def run_pipeline(spec: RunSpec) -> RunResult:
         max_new_tokens=spec.max_new_tokens, speed=spec.speed,
         evals=tuple(eval_files.values()))))
     evals = {name: json.loads(path.read_text()) for name, path in eval_files.items()}
-    return RunResult(out, report, next(iter(evals.values())), stages, evals)
+    return RunResult(out, report, next(iter(evals.values())), stages, evals, peaks)

@@ -3,6 +3,7 @@ run with another source or other options, or into folders quantpipe did not make
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -205,6 +206,14 @@ def test_run_with_several_candidates_reports_them_together(tiny_llama_dir, tmp_p
                                   "--eval-tokens", "512"])
     assert r.exit_code == 0, r.output
     assert "stages: export-fp16" in r.output and "export int8" in r.output
+    from quantpipe.core.heap import reset_peak_rss
+
+    if reset_peak_rss():  # Linux: every stage's own peak, from its own reset high-water mark
+        line = next(x for x in r.output.splitlines() if x.startswith("stages: "))
+        peaks = re.findall(r"(\S+(?: int\d)?) \d+s \(peak RSS ([\d,]+) MiB\)", line)
+        assert [n for n, _ in peaks] == ["export-fp16", "calibrate", "export int4", "eval int4",
+                                         "export int8", "eval int8", "report"]
+        assert all(int(mb.replace(",", "")) > 50 for _, mb in peaks)  # python + torch alone
     assert "int4: KLD mean" in r.output and "int8: KLD mean" in r.output
     assert "verdict int4: " in r.output and "verdict int8: " in r.output
     doc = json.loads((out / "report.json").read_text())
