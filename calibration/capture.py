@@ -65,10 +65,11 @@ class GroupStats:
                 in zip(buf.split(sizes), self._bounds())]
 
     def add_xtx(self, x: torch.Tensor) -> None:
-        """x: [tokens, in] fp32: add x^T x ([in, in] fp32, symmetric) to the fp64 sum."""
-        P = x.T @ x  # [in, in] fp32
+        """x: [tokens, in] fp32: add x^T x (symmetric) to the fp64 sum, one upper strip at a
+        time: half the products of the full [in, in] matrix, and no [in, in] temporary."""
         for (r0, r1), strip in zip(self._bounds(), self._strips):
-            strip.add_(P[r0:r1, r0:])  # fp64 += fp32, elementwise as a full matrix would be
+            # [r1 - r0, tokens] @ [tokens, in - r0] fp32; fp64 += fp32 elementwise
+            strip.add_(x[:, r0:r1].T @ x[:, r0:])
 
     def _full(self, scale: float | None, dtype: torch.dtype, consume: bool) -> torch.Tensor:
         """The symmetric [in, in] matrix from the strips (times ``scale``), in ``dtype``."""

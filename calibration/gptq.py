@@ -471,12 +471,32 @@ def gptaq_correction(dXXT: torch.Tensor, factor: HessianFactor,
     perm, U = factor.perm, factor.Hinv  # [in] int64, [in, in] fp32 upper (p-order)
     D_p = dXXT[perm[:, None], perm].float()  # [in, in] fp32 in p-order
     D_p[:, factor.dead[perm]] = 0.0  # dead X_q inputs carry nothing (their H_ii was set to 1)
-    # [in, in] @ [in, in]^T -> strictly upper part -> @ [in, in]: P [in, in] fp32, p-order
-    P = torch.triu(D_p @ U.t(), diagonal=1) @ U
-    P.mul_(alpha)
+    P = _strict_upper_product(D_p, U).mul_(alpha)  # [in, in] fp32, p-order
     M = torch.empty_like(P)
     M[perm[:, None], perm] = P  # back to the original column order: M = Pi P Pi^T
     return M
+
+
+def _strict_upper_product(D: torch.Tensor, U: torch.Tensor,
+                          rows: int = FACTOR_PANEL) -> torch.Tensor:
+    """triu(D U^T, 1) U for U upper triangular: D, U [n, n] -> [n, n] (D's dtype).
+
+    A block of rows i0..i1 needs only the trailing square U[i0:, i0:]: (D U^T)[i, j] for
+    j >= i0 sums over k >= j (U[j, k] is zero below the diagonal), and the product with U
+    reads the strictly upper part (k > i >= i0), whose rows of U are zero left of column i0,
+    so the block's columns < i0 are zero. Skipping only exact zeros, this is the full product
+    in 4 n^3 / 3 flops instead of 4 n^3 (n = 8960, a 1.5B model's MLP down_proj: 1 TFLOP
+    instead of 2.9, per linear group).
+    """
+    n = U.shape[0]
+    P = torch.zeros(n, n, dtype=D.dtype, device=D.device)
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        U_t = U[i0:, i0:]  # [n - i0, n - i0] upper
+        # [b, n - i0] @ [n - i0, n - i0]^T, then its strictly upper part (row r is i0 + r)
+        A = torch.triu(D[i0:i1, i0:] @ U_t.t(), diagonal=1)
+        torch.mm(A, U_t, out=P[i0:i1, i0:])  # [b, n - i0] @ [n - i0, n - i0]
+    return P
 
 
 def gptaq(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, dXXT: torch.Tensor,

@@ -26,7 +26,7 @@ def full_sum(xs: list[torch.Tensor]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n_in", [7, 64, 100])  # one strip, exact strips, a short last strip
-def test_strips_give_the_full_sum_bit_for_bit(n_in, monkeypatch):
+def test_strips_give_the_full_sum(n_in, monkeypatch):
     monkeypatch.setattr(capture, "XTX_STRIP_ROWS", 16)
     xs = batches(n_in, seed=n_in)
     st = GroupStats(n_in)
@@ -35,16 +35,13 @@ def test_strips_give_the_full_sum_bit_for_bit(n_in, monkeypatch):
         st.tokens += x.shape[0]
     ref = full_sum(xs)
     tokens = sum(x.shape[0] for x in xs)
-    upper = torch.ones(n_in, n_in, dtype=torch.bool).triu()
-    # on and above the diagonal: the same fp64 sums of the same fp32 products, bit for bit
-    assert torch.equal(st.xtx[upper], ref[upper])
-    # below it the strips' values are mirrored. An fp32 x^T x need not be bit-symmetric (MKL
-    # on AMD Zen 4 rounds its two triangles differently for some widths), so the whole matrix
-    # is compared with a float64 product, within fp32's rounding of the products
+    # each strip is its own fp32 product (the upper triangle only), so the sums round as a
+    # full fp32 x^T x would to within fp32's rounding of the products, not bit for bit; below
+    # the strips their values are mirrored
     exact = sum(x.double().T @ x.double() for x in xs)  # [in, in] fp64
     torch.testing.assert_close(st.xtx, exact, rtol=0, atol=2e-6 * exact.abs().max().item())
+    torch.testing.assert_close(st.xtx, ref, rtol=0, atol=2e-6 * exact.abs().max().item())
     H = st.H  # [in, in] fp32: 2 X^T X / tokens, scaled in fp64 and rounded once
-    assert torch.equal(H[upper], (2.0 * ref / tokens).float()[upper])
     assert torch.equal(H, (2.0 * st.xtx / tokens).float())
     assert torch.equal(st.H, H)  # H does not consume the sum
     assert torch.equal(st.take_hessian(), H)
