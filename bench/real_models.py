@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,6 +101,20 @@ def serve_stage(qdir: Path, log_path: Path, port: int, timeout_s: float = 900.0)
     return rec
 
 
+def run_stage_lines(log_path: Path) -> dict[str, dict]:
+    """`quantpipe run`'s own per-stage record from its "stages: ..." line: {stage: {seconds,
+    peak_rss_mib}} (the peak is the process's high-water mark over that stage alone)."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    line = next((x for x in text.splitlines() if x.startswith("stages: ")), "")
+    out = {}
+    for m in re.finditer(r"([^,:]+?) (\d+)s(?: \(peak RSS ([\d,]+) MiB\))?(?:,|$)",
+                         line.removeprefix("stages: ")):
+        out[m.group(1).strip()] = {
+            "seconds": int(m.group(2)),
+            "peak_rss_mib": int(m.group(3).replace(",", "")) if m.group(3) else None}
+    return out
+
+
 def stage_plan(source: str, work: Path, algos: list[str], samples: int,
                budget: float, eval_tokens: int) -> list[tuple[str, list[str]]]:
     """(name, quantpipe argv) of every stage, in order; later stages read earlier outputs."""
@@ -166,6 +181,8 @@ def main() -> None:
             rec = serve_stage(work / "w4-native", work / "serve.log", args.port)
         else:
             rec = run_stage(argv, work / f"{name}.log")
+        if name == "run":
+            rec["run_stages"] = run_stage_lines(work / "run.log")
         res["stages"][name] = rec
         res["loadavg_after"] = os.getloadavg()
         write_json_atomic(out_json, res)

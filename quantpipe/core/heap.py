@@ -45,11 +45,19 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape), buf
 
 
+# the high-water mark (bytes) each reset discarded, in order: a measurement that spans
+# another's reset (a pipeline stage around the report's per-model ones) still sees its peak
+_discarded: list[int] = []
+
+
 def reset_peak_rss() -> bool:
     """Reset the process's RSS high-water mark (Linux ``clear_refs`` 5); False where not
     possible (then :func:`peak_rss` is the peak since the process started). Some kernels and
     sandboxes accept the write and keep the old mark, so the reset is checked: the mark must
     have come down to the resident size."""
+    before = _proc_status_kib("VmHWM").get("VmHWM")
+    if before is not None:
+        _discarded.append(before * 1024)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -89,6 +97,21 @@ def peak_rss() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+class PeakSince:
+    """The process's RSS peak from now on, whatever resets happen meanwhile (nested
+    measurements reset the mark for their own): ``PeakSince().bytes()`` after the work.
+    ``measured`` is False where the mark could not be reset (then nothing is reported)."""
+
+    def __init__(self) -> None:
+        self.measured = reset_peak_rss()
+        self._first = len(_discarded)
+
+    def bytes(self) -> int | None:
+        if not self.measured:
+            return None
+        return max([peak_rss() or 0, *_discarded[self._first:]])
 
 
 # whole models held at once (eval's pair, report's answering model, sensitivity's FP model)

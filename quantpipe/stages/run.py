@@ -31,7 +31,7 @@ from pathlib import Path
 from quantpipe.calibration.config import DEFAULTS as CALIB
 from quantpipe.calibration.menu import DEFAULT_MENU, parse_menu
 from quantpipe.calibration.mixed_precision.plan import check_budget_bits
-from quantpipe.core.heap import peak_rss, reset_peak_rss
+from quantpipe.core.heap import PeakSince
 from quantpipe.core.io import MANIFEST_NAME, parse_size, write_json_atomic
 from quantpipe.core.qformat import check_bits
 from quantpipe.core.sources import resolve_source
@@ -288,12 +288,12 @@ def run_pipeline(spec: RunSpec) -> RunResult:
             stages[name], peaks[name] = 0.0, None
             return
         gc.collect()  # what the previous stage left unreferenced is not counted as this one's
-        measured = reset_peak_rss()
+        peak = PeakSince()
         t0 = time.perf_counter()
         log.info("stage %s ...", name)  # -v; by default the stage's progress bars show
         fn()
         stages[name] = time.perf_counter() - t0
-        peaks[name] = peak_rss() if measured else None
+        peaks[name] = peak.bytes()
 
     if not (out / "report.html").is_file():
         # the report answers on quantpipe's CPU kernels; a first build takes 15-30 s of one
