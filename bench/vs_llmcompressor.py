@@ -302,17 +302,19 @@ def reused_calibrations(dirs: list[Path]) -> dict[tuple[str, str], Path]:
     return reuse
 
 
-def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer, ref_model,
+def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer,
                reuse: dict[tuple[str, str], Path]) -> dict:
     """llm-compressor's GPTQ and each quantpipe algorithm for one scheme, on every corpus.
 
     Every calibration first, then all candidates scored together: one reference forward per
-    window serves them all (``evaluate_many``)."""
+    window serves them all (``evaluate_many``). The reference loads only then: the
+    calibrations (llm-compressor's holds the whole FP32 model) do not share memory with it."""
     ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
     qp = {}
     for algo in args.algo_list:
         qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, algo, args, tokens, reuse)
         qp[algo] = {"dir": str(qdir), **qp_info}
+    ref_model = load_eval_model(args.fp16)
     llmc_model = load_llmc_model(ldir, args.llmc_loader)
     agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
                  else None)
@@ -326,7 +328,7 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer, ref_mode
         ev_l[c] = evs[0].to_dict()
         for q, ev in zip(qp.values(), evs[1:]):
             q.setdefault("eval", {})[c] = ev.to_dict()
-    del models, llmc_model
+    del models, llmc_model, ref_model
     ratio = {a: {c: q["eval"][c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
                  for c in args.corpus_list} for a, q in qp.items()}
     for a in qp:
@@ -384,8 +386,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     texts = {c: eval_texts(c, args.fp16, tokenizer) for c in args.corpus_list}
-    ref_model = load_eval_model(args.fp16)
-    results = [run_scheme(scheme, args, tokens, texts, tokenizer, ref_model, reuse)
+    results = [run_scheme(scheme, args, tokens, texts, tokenizer, reuse)
                for scheme in args.scheme_list]
     text = table(results, args.corpus_list)
     print(text, flush=True)

@@ -98,6 +98,9 @@ class _Window(NamedTuple):
     tokens: int
 
 
+ACC_ROWS = 64  # positions per pass over the vocabulary in _Accumulator.add
+
+
 @dataclass
 class _Accumulator:
     """Per-token values gathered window by window (O(tokens) floats), and each window's sums;
@@ -115,17 +118,32 @@ class _Accumulator:
 
         log-softmax in fp32 (a float64 pass over the vocabulary costs several times more on
         CPU), sums over tokens in float64; the KLD follows quantpipe.core.metrics' policy.
+        Every value is a row's own, so rows go :data:`ACC_ROWS` at a time: the [rows, V]
+        temporaries stay small beside a 150k-260k vocabulary (a [T, V] fp32 copy of a
+        511-token window is 0.5 GB on Gemma-3's 262k, and the pass made several).
         """
-        logp_ref = torch.log_softmax(logits_ref.float(), dim=-1)  # [T, V] fp32
-        logp_cand = torch.log_softmax(logits_cand.float(), dim=-1)  # [T, V] fp32
-        kld = token_kld(logits_ref, logits_cand, p_ref=logp_ref.exp())  # [T] fp32
-        lp_ref_t = logp_ref.gather(-1, targets[:, None]).squeeze(-1).double()  # [T]
-        lp_cand_t = logp_cand.gather(-1, targets[:, None]).squeeze(-1).double()  # [T]
+        parts = [self._rows(logits_ref[r:r + ACC_ROWS], logits_cand[r:r + ACC_ROWS],
+                            targets[r:r + ACC_ROWS])
+                 for r in range(0, targets.numel(), ACC_ROWS)]
+        kld, lp_ref_t, lp_cand_t = (torch.cat([p[i] for p in parts]) for i in range(3))
+        same = sum(p[3] for p in parts)
         self.kld.append(kld)
         self.dp.append((lp_cand_t.exp() - lp_ref_t.exp()).float())
-        same = int((logp_ref.argmax(-1) == logp_cand.argmax(-1)).sum())
         self.windows.append(_Window(float(kld.double().sum()), same, -float(lp_ref_t.sum()),
                                     -float(lp_cand_t.sum()), int(targets.numel())))
+
+    @staticmethod
+    def _rows(logits_ref: torch.Tensor, logits_cand: torch.Tensor, targets: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """[r, V] logits of r positions -> (KLD [r] fp32, the targets' log-probabilities under
+        each model [r] fp64 twice, positions whose top tokens agree)."""
+        logp_ref = torch.log_softmax(logits_ref.float(), dim=-1)  # [r, V] fp32
+        logp_cand = torch.log_softmax(logits_cand.float(), dim=-1)  # [r, V] fp32
+        kld = token_kld(logits_ref, logits_cand, p_ref=logp_ref.exp())  # [r] fp32
+        lp_ref_t = logp_ref.gather(-1, targets[:, None]).squeeze(-1).double()  # [r]
+        lp_cand_t = logp_cand.gather(-1, targets[:, None]).squeeze(-1).double()  # [r]
+        same = int((logp_ref.argmax(-1) == logp_cand.argmax(-1)).sum())
+        return kld, lp_ref_t, lp_cand_t, same
 
 
 def _quantiles(values: torch.Tensor, qs: dict[str, float]) -> dict[str, float]:
