@@ -103,14 +103,14 @@ def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch
     calls = []
 
     def fake_many(ref, models, tok, spec, names):
+        assert ref == Path(args.fp16).name  # the reference, loaded once the candidates exist
         calls.append((models, spec.max_tokens, names))
         scale = 1.0 if spec.texts == ("b",) else 2.0
         return [SimpleNamespace(to_dict=lambda m=m: {"kld": {"mean": scale * kld[m]}})
                 for m in models]
 
     monkeypatch.setattr(vs, "evaluate_many", fake_many)
-    out = vs.run_scheme("asym", args, {}, {"business-eval": ("b",), "sotu": ("s",)}, None,
-                        "ref", {})
+    out = vs.run_scheme("asym", args, {}, {"business-eval": ("b",), "sotu": ("s",)}, None, {})
     assert [(m, t) for m, t, _ in calls] == [(["llmc", "gptq", "gptaq"], 4096),
                                              (["llmc", "gptq", "gptaq"], 0)]
     assert calls[0][2] == [str(tmp_path / n) for n in ("llmc", "gptq", "gptaq")]

@@ -1,6 +1,7 @@
 """quantpipe.core.heap: the peak resident size every stage reports, and its reset between
 the models of one process (the report answers with each model in turn)."""
 
+import mmap
 import sys
 
 import numpy as np
@@ -36,8 +37,11 @@ def test_a_peak_spans_the_resets_inside_it():
     if not outer.measured:
         pytest.skip("this kernel keeps the RSS high-water mark through clear_refs")
     base = peak_rss()
-    block = np.ones(256 * 2**20 // 8)  # 256 MiB, every page touched
-    del block
+    # 256 MiB of fresh pages, every one touched, then unmapped (an allocator could serve a
+    # numpy array from pages it already holds resident, and the mark would not move)
+    buf = mmap.mmap(-1, 256 * 2**20)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 1
+    buf.close()
     inner = PeakSince()  # resets the mark: the block is no longer in it
     assert inner.bytes() < base + 200 * 2**20
     assert outer.bytes() >= base + 250 * 2**20
