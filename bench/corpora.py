@@ -99,21 +99,26 @@ def parse_corpora(text: str) -> list[str]:
 def score_folders(fp16: Path, tokenizer, folders: dict[str, str], corpora: list[str],
                   max_tokens: int, ctx: int) -> dict[str, dict[str, object]]:
     """Every candidate folder against the FP16 reference on each corpus, one reference
-    forward per window (``reports.eval.evaluate_many``); business-eval is cut to its first
+    forward per window for all the candidates that fit in memory at once
+    (``reports.eval.candidate_batches``, ``evaluate_many``); business-eval is cut to its first
     ``max_tokens`` scored tokens (0: all), the other corpora are scored whole.
     Returns corpus -> candidate name -> EvalResult."""
-    from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
+    from quantpipe.reports.eval import EvalSpec, candidate_batches, evaluate_many, load_eval_model
 
     ref = load_eval_model(fp16)
-    cands = [load_eval_model(p) for p in folders.values()]
-    out: dict[str, dict[str, object]] = {}
-    for c in corpora:
-        limit = max_tokens if c == "business-eval" else 0
-        evals = evaluate_many(ref, cands, tokenizer,
-                              EvalSpec(fp16, fp16, eval_texts(c, fp16, tokenizer), limit, ctx),
-                              names=list(folders))
-        out[c] = dict(zip(folders, evals))
-    return out
+    names = list(folders)
+    texts = {c: eval_texts(c, fp16, tokenizer) for c in corpora}
+    out: dict[str, dict[str, object]] = {c: {} for c in corpora}
+    for batch in candidate_batches(fp16, len(names)):
+        cands = [load_eval_model(folders[names[i]]) for i in batch]
+        for c in corpora:
+            limit = max_tokens if c == "business-eval" else 0
+            evals = evaluate_many(ref, cands, tokenizer,
+                                  EvalSpec(fp16, fp16, texts[c], limit, ctx),
+                                  names=[names[i] for i in batch])
+            out[c].update(zip((names[i] for i in batch), evals))
+        del cands
+    return {c: {name: out[c][name] for name in names} for c in corpora}
 
 
 def score_results(fp16: Path, tokenizer, results: dict[str, dict], corpora: list[str],

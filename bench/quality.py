@@ -31,13 +31,12 @@ import platform
 import time
 from pathlib import Path
 
-from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
+from corpora import parse_corpora, score_folders  # bench/corpora.py (the script's folder)
 
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.grid import clip_search_settings
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
-from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 
@@ -181,14 +180,11 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     labels = [(r, k) for r in results for k in r["models"]]
-    cands = [load_eval_model(r["models"][k]["path"]) for r, k in labels]
-    ref = load_eval_model(args.fp16)
+    paths = [r["models"][k]["path"] for r, k in labels]
+    scored = score_folders(args.fp16, tokenizer, {p: p for p in paths}, corpora,
+                           args.max_tokens, args.ctx)
     for corpus in corpora:
-        texts = eval_texts(corpus, args.fp16, tokenizer)
-        limit = args.max_tokens if corpus == "business-eval" else 0
-        evals = evaluate_many(ref, cands, tokenizer,
-                              EvalSpec(args.fp16, args.fp16, texts, limit, args.ctx),
-                              names=[r["models"][k]["path"] for r, k in labels])
+        evals = [scored[corpus][p] for p in paths]
         print(f"\n{corpus}: {'model':16s} {'bpw':>6s} {'KLD mean':>9s} {'median':>8s} "
               f"{'p99':>7s} {'same-top':>8s} {'PPL':>7s}")
         for (r, k), ev in zip(labels, evals):

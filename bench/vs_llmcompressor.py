@@ -34,6 +34,7 @@ Finished steps found in --work are reused (delete a folder to recompute it).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -53,7 +54,7 @@ from quantpipe.calibration.config import ALGO_OPTIONS
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
 from quantpipe.prompts.sets import CalibDataSpec, build_calibration_set, load_prompt_records
-from quantpipe.reports.eval import EvalSpec, evaluate_many, load_eval_model
+from quantpipe.reports.eval import EvalSpec, candidate_batches, evaluate_many, load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
@@ -307,28 +308,37 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer,
     """llm-compressor's GPTQ and each quantpipe algorithm for one scheme, on every corpus.
 
     Every calibration first, then all candidates scored together: one reference forward per
-    window serves them all (``evaluate_many``). The reference loads only then: the
-    calibrations (llm-compressor's holds the whole FP32 model) do not share memory with it."""
+    window serves all the candidates that fit in memory beside it (``candidate_batches``,
+    ``evaluate_many``). The reference loads only then: the calibrations (llm-compressor's
+    holds the whole FP32 model) do not share memory with it."""
     ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
     qp = {}
     for algo in args.algo_list:
         qdir, qp_info = quantpipe_side(args.fp16, args.work, scheme, algo, args, tokens, reuse)
         qp[algo] = {"dir": str(qdir), **qp_info}
-    ref_model = load_eval_model(args.fp16)
-    llmc_model = load_llmc_model(ldir, args.llmc_loader)
-    agreement = (loader_agreement(llmc_model, ldir) if args.llmc_loader == "quantpipe"
-                 else None)
-    models = [llmc_model] + [load_eval_model(Path(q["dir"])) for q in qp.values()]
+    agreement = None
+    if args.llmc_loader == "quantpipe":  # before the reference: two copies of one model at most
+        agreement = loader_agreement(load_llmc_model(ldir, "quantpipe"), ldir)
+    loaders = [functools.partial(load_llmc_model, ldir, args.llmc_loader)] + [
+        functools.partial(load_eval_model, Path(q["dir"])) for q in qp.values()]
     names = [str(ldir)] + [q["dir"] for q in qp.values()]
-    ev_l = {}
+    evs: dict[str, list] = {c: [None] * len(loaders) for c in args.corpus_list}
+    ref_model = load_eval_model(args.fp16)
+    for batch in candidate_batches(args.fp16, len(loaders)):  # what fits beside the reference
+        models = [loaders[i]() for i in batch]
+        for c in args.corpus_list:
+            limit = args.max_tokens if c == "business-eval" else 0
+            got = evaluate_many(ref_model, models, tokenizer,
+                                EvalSpec(args.fp16, ldir, texts[c], limit, args.ctx),
+                                [names[i] for i in batch])
+            for i, ev in zip(batch, got):
+                evs[c][i] = ev
+        del models
+    del ref_model
+    ev_l = {c: evs[c][0].to_dict() for c in args.corpus_list}
     for c in args.corpus_list:
-        limit = args.max_tokens if c == "business-eval" else 0
-        evs = evaluate_many(ref_model, models, tokenizer,
-                            EvalSpec(args.fp16, ldir, texts[c], limit, args.ctx), names)
-        ev_l[c] = evs[0].to_dict()
-        for q, ev in zip(qp.values(), evs[1:]):
+        for q, ev in zip(qp.values(), evs[c][1:]):
             q.setdefault("eval", {})[c] = ev.to_dict()
-    del models, llmc_model, ref_model
     ratio = {a: {c: q["eval"][c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
                  for c in args.corpus_list} for a, q in qp.items()}
     for a in qp:

@@ -275,6 +275,21 @@ def evaluate_models(ref_model, cand_model, tokenizer, spec: EvalSpec) -> EvalRes
     return evaluate_many(ref_model, [cand_model], tokenizer, spec)[0]
 
 
+def candidate_batches(reference: str | Path, n: int) -> list[range]:
+    """Split ``n`` whole candidates into groups that fit in memory beside the loaded reference.
+
+    Call with the reference loaded. Each candidate in fp32 takes about twice the reference's
+    fp16 shards; a group holds as many as fit in ``WHOLE_MODELS_MEMORY_FRACTION`` of the memory
+    available now (at least one). Scoring group by group costs one more reference forward per
+    window and group, and gives every candidate the numbers it gets in one group (each has its
+    own accumulator; the reference's logits do not depend on the group)."""
+    each = 2 * weights_bytes(reference)
+    size = 1
+    while size < n and fits_in_memory((size + 1) * each)[0]:
+        size += 1
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 def use_streaming(spec: EvalSpec) -> tuple[bool, str]:
     """(run block by block, why): as asked, else when the reference and the candidate in fp32
     (twice the reference's fp16 shards each) would not fit (:func:`fits_in_memory`)."""

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 corpora = pytest.importorskip("corpora")
@@ -52,3 +53,30 @@ def test_sotu_dev_texts_are_other_addresses():
     assert len(dev) == corpora.SOTU_DEV_DOCS
     assert not set(dev) & set(test)
     assert corpora.parse_corpora("sotu-dev,sotu") == ["sotu-dev", "sotu"]
+
+
+def test_score_folders_gives_the_same_numbers_in_any_grouping(tmp_path, monkeypatch):
+    """Candidates scored one group at a time (memory short) get the numbers they get all in
+    one group: each has its own accumulator, and the reference's logits are the same."""
+    from quantpipe.reports import eval as qeval
+    from tests.tiny_models import make_model, save_model
+
+    ref, tok = make_model("llama")
+    fp16 = save_model(ref, tok, tmp_path / "fp16", torch.float16)
+    folders = {f"c{s}": str(save_model(make_model("llama", seed=s)[0], tok, tmp_path / f"c{s}",
+                                       torch.float16)) for s in (1, 2, 3)}
+
+    def score(fits):
+        monkeypatch.setattr(qeval, "fits_in_memory", lambda need: (fits(need), 0))
+        return corpora.score_folders(fp16, tok, folders, ["sotu"], 0, 64)["sotu"]
+
+    each = 2 * qeval.weights_bytes(fp16)
+    assert [list(b) for b in qeval.candidate_batches(fp16, 3)] == [[0, 1, 2]]  # tiny models
+    monkeypatch.setattr(qeval, "fits_in_memory", lambda need: (need <= 2 * each, 0))
+    assert [list(b) for b in qeval.candidate_batches(fp16, 5)] == [[0, 1], [2, 3], [4]]
+    together, alone = score(lambda need: True), score(lambda need: False)
+    assert list(together) == list(alone) == list(folders)
+    for name in folders:
+        a, b = together[name].to_dict(), alone[name].to_dict()
+        a.pop("seconds"), b.pop("seconds")
+        assert a == b and a["kld"]["mean"] > 0

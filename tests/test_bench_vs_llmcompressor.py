@@ -88,9 +88,12 @@ def test_table_has_a_row_and_a_ratio_per_algo():
     assert "gptq / gptq" not in text
 
 
-def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch, tmp_path):
-    """Plumbing of one scheme: every candidate in one evaluate_many call per corpus, the
-    results and ratios filed under the right algorithm (calibration and models faked)."""
+@pytest.mark.parametrize("groups", [[range(0, 3)], [range(0, 1), range(1, 3)]])
+def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch, tmp_path,
+                                                                     groups):
+    """Plumbing of one scheme: the candidates that fit in memory together in one evaluate_many
+    call per corpus, the results and ratios filed under the right algorithm (calibration and
+    models faked)."""
     args = vs.parse_args(["--qp-algos", "gptq,gptaq", "--max-tokens", "4096",
                           "--work", str(tmp_path)])
     kld = {"llmc": 0.2, "gptq": 0.14, "gptaq": 0.1}
@@ -100,6 +103,7 @@ def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch
     monkeypatch.setattr(vs, "load_llmc_model", lambda d, loader: "llmc")
     monkeypatch.setattr(vs, "loader_agreement", lambda m, d: {"max_rel_diff": 0.0})
     monkeypatch.setattr(vs, "load_eval_model", lambda d: Path(d).name)
+    monkeypatch.setattr(vs, "candidate_batches", lambda ref, n: groups if n == 3 else None)
     calls = []
 
     def fake_many(ref, models, tok, spec, names):
@@ -111,9 +115,11 @@ def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch
 
     monkeypatch.setattr(vs, "evaluate_many", fake_many)
     out = vs.run_scheme("asym", args, {}, {"business-eval": ("b",), "sotu": ("s",)}, None, {})
-    assert [(m, t) for m, t, _ in calls] == [(["llmc", "gptq", "gptaq"], 4096),
-                                             (["llmc", "gptq", "gptaq"], 0)]
-    assert calls[0][2] == [str(tmp_path / n) for n in ("llmc", "gptq", "gptaq")]
+    every = ["llmc", "gptq", "gptaq"]
+    assert [(m, t) for m, t, _ in calls] == [([every[i] for i in g], t)
+                                             for g in groups for t in (4096, 0)]
+    assert [n for _, _, n in calls[::2]] == [[str(tmp_path / every[i]) for i in g]
+                                             for g in groups]
     assert out["quantpipe"]["gptaq"]["eval"]["sotu"]["kld"]["mean"] == pytest.approx(0.2)
     assert out["llmcompressor"]["eval"]["business-eval"]["kld"]["mean"] == pytest.approx(0.2)
     assert out["kld_mean_ratio_quantpipe_over_llmc"] == {
