@@ -16,6 +16,8 @@ Given a calibration made with ``calibrate --menu`` (e.g. ``--menu default``), th
    ``--budgets`` (``same`` = the bits of uniform INT4) with the menu, and the same budgets
    planned with INT4 / INT8 / FP16 only
    (the previous planner, unvalidated: an override per layer);
+   ``--damage proxy`` skips step 1 and 2: every plan minimises the layers' calibration losses
+   (``quantpipe plan --damage proxy``), for models whose sensitivity takes hours;
 4. prints the KLD ratio of each plan to uniform INT4 and the entries chosen per layer type,
    and writes everything to ``--json``.
 
@@ -109,13 +111,14 @@ def allocation(bits: dict, specs_of: dict) -> dict[str, dict[str, int]]:
     return out
 
 
-def legacy_plan(calib, budget: float, sens_path: Path) -> dict:
+def legacy_plan(calib, budget: float, sens_path: Path, damage_kind: str = "auto") -> dict:
     """The budget plan with INT4 / INT8 / FP16 only (no menu entries), unvalidated."""
     infos = calib.layer_infos()
     names = list(infos)
     shapes = {n: tuple(infos[n]["w4"]["shape"]) for n in names}
     specs = primary_entries(layer_specs(infos))
-    damage, _ = damage_table(calib, PlanSpec(budget_bits=budget, sensitivity=sens_path))
+    damage, _ = damage_table(calib, PlanSpec(budget_bits=budget, sensitivity=sens_path,
+                                             damage=damage_kind))
     return greedy_budget_plan(names, shapes, specs, damage, {}, budget)
 
 
@@ -134,6 +137,10 @@ def main() -> None:
                     help="Menu entries also scored as uniform settings (every layer), beside "
                          "uniform INT4 and INT8: a comma list, e.g. w4g32,w5g64,w6g64.")
     ap.add_argument("--sens-tokens", type=int, default=1024)
+    ap.add_argument("--damage", choices=("kld", "proxy"), default="kld",
+                    help="What the plans minimise: kld (measure sensitivity first) or proxy "
+                         "(each layer's calibration loss, no measurement: `plan --damage "
+                         "proxy`, for models whose sensitivity takes hours here).")
     ap.add_argument("--corpora", default="sotu,business-eval")
     ap.add_argument("--max-tokens", type=int, default=4096,
                     help="Scored business-eval tokens (0: all); sotu is always 8 x 511.")
@@ -159,17 +166,21 @@ def main() -> None:
         ids = {"input_ids": corpus_ids(tok, args.fp16, "sotu", spec.tokens, spec.seq_len),
                "validate_ids": corpus_ids(tok, args.fp16, "sotu-dev", spec.validate_tokens,
                                           spec.seq_len)}
-    sens = measure_sensitivity(spec, **ids)
+    sens = measure_sensitivity(spec, **ids) if args.damage == "kld" else None
     calib = read_calibration(args.calib)
     infos = calib.layer_infos()
     specs_of = layer_specs(infos)
-    check = scaling_check(infos, sens.data["layers"])
-    print("menu-entry rule on INT8:", json.dumps(check), flush=True)
-    per_entry = entry_check(infos, sens.data["layers"])
-    for tag, row in per_entry.items():
-        print(f"menu-entry rule on {tag}: {json.dumps(row)}", flush=True)
+    check, per_entry = None, {}
+    if sens is None:
+        sens_path = None  # the plans read no measurement (PlanSpec.damage "proxy")
+    else:
+        check = scaling_check(infos, sens.data["layers"])
+        print("menu-entry rule on INT8:", json.dumps(check), flush=True)
+        per_entry = entry_check(infos, sens.data["layers"])
+        for tag, row in per_entry.items():
+            print(f"menu-entry rule on {tag}: {json.dumps(row)}", flush=True)
 
-    uniform = make_plan(calib, PlanSpec(bits=4, sensitivity=sens_path))
+    uniform = make_plan(calib, PlanSpec(bits=4, sensitivity=sens_path, damage=args.damage))
     configs: dict[str, dict] = {
         "uniform-w4": {"bits": 4},
         **{f"uniform-{t}": {"overrides": (f"re:.*={t}",)} for t in args.uniform.split(",") if t},
@@ -178,7 +189,7 @@ def main() -> None:
     for b in args.budgets.split(","):
         budget = uniform.effective_bits() + 1e-9 if b == "same" else float(b)
         configs[f"menu-{b}"] = {"budget_bits": budget}
-        legacy = legacy_plan(calib, budget, sens_path)
+        legacy = legacy_plan(calib, budget, sens_path, args.damage)
         configs[f"int4-8-16-{b}"] = {"overrides": tuple(
             f"{n}={'fp16' if e is None else e}" for n, e in legacy.items())}
     results = {}
@@ -187,7 +198,8 @@ def main() -> None:
         exp = export_quantized(ExportSpec(args.calib, qdir, bits=cfg.get("bits", 4),
                                           budget_bits=cfg.get("budget_bits"),
                                           overrides=cfg.get("overrides", ()),
-                                          sensitivity=sens_path, force=True))
+                                          sensitivity=sens_path, damage=args.damage,
+                                          force=True))
         results[name] = {
             "budget_bits": cfg.get("budget_bits"),
             "path": str(qdir),
@@ -223,8 +235,9 @@ def main() -> None:
                         "menu": calib.manifest["settings"].get("menu"),
                         "samples": calib.manifest["settings"]["samples"],
                         "seconds": calib.manifest.get("seconds")},
-        "sensitivity": {k: sens.data.get(k) for k in ("settings", "tokens_scored", "seconds",
-                                                      "spearman", "validation")},
+        "sensitivity": None if sens is None else {
+            k: sens.data.get(k) for k in ("settings", "tokens_scored", "seconds", "spearman",
+                                          "validation")},
         "menu_rule_on_int8": check,
         "menu_rule_per_entry": per_entry,
         "results": results,

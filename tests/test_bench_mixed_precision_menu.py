@@ -43,3 +43,38 @@ def test_allocation_counts_entries_per_layer_type():
     bits = dict(zip(specs_of, ("w4g32", None, 8)))
     assert mpm.allocation(bits, specs_of) == {"mlp.down_proj": {"w4g32": 1, "fp16": 1},
                                               "self_attn.k_proj": {"w8pc": 1}}
+
+
+from tests.calibration.test_pipeline import _spec, fp16_dir, prompt_file  # noqa: E402,F401
+
+
+def test_proxy_damage_plans_without_a_sensitivity_measurement(fp16_dir, prompt_file,  # noqa: F811
+                                                              tmp_path, monkeypatch):
+    """--damage proxy: no sensitivity file is written or read, every plan is made on the
+    calibration losses, exported and scored."""
+    import json
+
+    from quantpipe.calibration.pipeline import calibrate
+
+    calib = tmp_path / "calib"
+    calibrate(_spec(fp16_dir, prompt_file, calib, algo="gptq", group_size=64,
+                    menu=("w4g32", "w4g64-asym")))
+    out = tmp_path / "menu.json"
+    monkeypatch.setattr(sys, "argv", [
+        "mixed_precision_menu.py", "--fp16", str(fp16_dir), "--calib", str(calib), "--work",
+        str(tmp_path / "work"), "--budgets", "same,5.0", "--uniform", "w4g64-asym",
+        "--damage", "proxy", "--corpora", "business-eval", "--max-tokens", "64", "--ctx", "32",
+        "--json", str(out)])
+    mpm.main()
+    data = json.loads(out.read_text())
+    assert data["sensitivity"] is None and not list(tmp_path.rglob("sensitivity*.json"))
+    res = data["results"]
+    assert set(res) == {"uniform-w4", "uniform-w4g64-asym", "uniform-w8", "menu-same",
+                        "int4-8-16-same", "menu-5.0", "int4-8-16-5.0"}
+    assert res["uniform-w4g64-asym"]["entries"] == {"w4g64-asym": sum(
+        res["uniform-w4"]["entries"].values())}
+    assert res["menu-5.0"]["effective_bits_per_weight"] <= 5.0 + 1e-6
+    assert res["menu-5.0"]["effective_bits_per_weight"] > res["uniform-w4"][
+        "effective_bits_per_weight"]
+    kld = data["kld_mean"]["business-eval"]
+    assert kld["uniform-w8"] < kld["uniform-w4"]
