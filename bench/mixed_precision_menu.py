@@ -141,6 +141,9 @@ def main() -> None:
                     help="What the plans minimise: kld (measure sensitivity first) or proxy "
                          "(each layer's calibration loss, no measurement: `plan --damage "
                          "proxy`, for models whose sensitivity takes hours here).")
+    ap.add_argument("--no-legacy", action="store_true",
+                    help="Skip the plans with INT4 / INT8 / FP16 only (one export and score "
+                         "fewer per budget).")
     ap.add_argument("--corpora", default="sotu,business-eval")
     ap.add_argument("--max-tokens", type=int, default=4096,
                     help="Scored business-eval tokens (0: all); sotu is always 8 x 511.")
@@ -189,6 +192,8 @@ def main() -> None:
     for b in args.budgets.split(","):
         budget = uniform.effective_bits() + 1e-9 if b == "same" else float(b)
         configs[f"menu-{b}"] = {"budget_bits": budget}
+        if args.no_legacy:
+            continue
         legacy = legacy_plan(calib, budget, sens_path, args.damage)
         configs[f"int4-8-16-{b}"] = {"overrides": tuple(
             f"{n}={'fp16' if e is None else e}" for n, e in legacy.items())}

@@ -48,10 +48,12 @@ def test_allocation_counts_entries_per_layer_type():
 from tests.calibration.test_pipeline import _spec, fp16_dir, prompt_file  # noqa: E402,F401
 
 
+@pytest.mark.parametrize("legacy", [True, False])
 def test_proxy_damage_plans_without_a_sensitivity_measurement(fp16_dir, prompt_file,  # noqa: F811
-                                                              tmp_path, monkeypatch):
+                                                              tmp_path, monkeypatch, legacy):
     """--damage proxy: no sensitivity file is written or read, every plan is made on the
-    calibration losses, exported and scored."""
+    calibration losses, exported and scored; --no-legacy leaves out the INT4/INT8/FP16-only
+    plans."""
     import json
 
     from quantpipe.calibration.pipeline import calibrate
@@ -64,13 +66,13 @@ def test_proxy_damage_plans_without_a_sensitivity_measurement(fp16_dir, prompt_f
         "mixed_precision_menu.py", "--fp16", str(fp16_dir), "--calib", str(calib), "--work",
         str(tmp_path / "work"), "--budgets", "same,5.0", "--uniform", "w4g64-asym",
         "--damage", "proxy", "--corpora", "business-eval", "--max-tokens", "64", "--ctx", "32",
-        "--json", str(out)])
+        "--json", str(out)] + ([] if legacy else ["--no-legacy"]))
     mpm.main()
     data = json.loads(out.read_text())
     assert data["sensitivity"] is None and not list(tmp_path.rglob("sensitivity*.json"))
     res = data["results"]
     assert set(res) == {"uniform-w4", "uniform-w4g64-asym", "uniform-w8", "menu-same",
-                        "int4-8-16-same", "menu-5.0", "int4-8-16-5.0"}
+                        "menu-5.0"} | ({"int4-8-16-same", "int4-8-16-5.0"} if legacy else set())
     assert res["uniform-w4g64-asym"]["entries"] == {"w4g64-asym": sum(
         res["uniform-w4"]["entries"].values())}
     assert res["menu-5.0"]["effective_bits_per_weight"] <= 5.0 + 1e-6
