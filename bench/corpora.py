@@ -24,7 +24,9 @@ settings on, so that the ``sotu`` numbers the issues set targets on stay unseen 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 SOTU_DOCS = 8
@@ -96,29 +98,40 @@ def parse_corpora(text: str) -> list[str]:
     return names
 
 
-def score_folders(fp16: Path, tokenizer, folders: dict[str, str], corpora: list[str],
-                  max_tokens: int, ctx: int) -> dict[str, dict[str, object]]:
-    """Every candidate folder against the FP16 reference on each corpus, one reference
-    forward per window for all the candidates that fit in memory at once
-    (``reports.eval.candidate_batches``, ``evaluate_many``); business-eval is cut to its first
-    ``max_tokens`` scored tokens (0: all), the other corpora are scored whole.
-    Returns corpus -> candidate name -> EvalResult."""
+def score_loaders(fp16: Path, tokenizer, loaders: dict[str, Callable[[], object]],
+                  texts: dict[str, list[str]], max_tokens: int, ctx: int,
+                  spec_candidate: Path | None = None) -> dict[str, dict[str, object]]:
+    """Every candidate (name -> a callable that loads it) against the FP16 reference on each
+    corpus of ``texts`` (corpus -> documents), one reference forward per window for all the
+    candidates that fit in memory at once (``reports.eval.candidate_batches``,
+    ``evaluate_many``); business-eval is cut to its first ``max_tokens`` scored tokens (0:
+    all), the other corpora are scored whole. ``spec_candidate``: the folder EvalSpec names
+    as the candidate (default the reference). Returns corpus -> candidate name -> EvalResult."""
     from quantpipe.reports.eval import EvalSpec, candidate_batches, evaluate_many, load_eval_model
 
     ref = load_eval_model(fp16)
-    names = list(folders)
-    texts = {c: eval_texts(c, fp16, tokenizer) for c in corpora}
-    out: dict[str, dict[str, object]] = {c: {} for c in corpora}
+    names = list(loaders)
+    out: dict[str, dict[str, object]] = {c: {} for c in texts}
     for batch in candidate_batches(fp16, len(names)):
-        cands = [load_eval_model(folders[names[i]]) for i in batch]
-        for c in corpora:
+        cands = [loaders[names[i]]() for i in batch]
+        for c, docs in texts.items():
             limit = max_tokens if c == "business-eval" else 0
             evals = evaluate_many(ref, cands, tokenizer,
-                                  EvalSpec(fp16, fp16, texts[c], limit, ctx),
+                                  EvalSpec(fp16, spec_candidate or fp16, docs, limit, ctx),
                                   names=[names[i] for i in batch])
             out[c].update(zip((names[i] for i in batch), evals))
         del cands
-    return {c: {name: out[c][name] for name in names} for c in corpora}
+    return {c: {name: out[c][name] for name in names} for c in texts}
+
+
+def score_folders(fp16: Path, tokenizer, folders: dict[str, str], corpora: list[str],
+                  max_tokens: int, ctx: int) -> dict[str, dict[str, object]]:
+    """:func:`score_loaders` over candidate folders (name -> folder) on ``corpora``."""
+    from quantpipe.reports.eval import load_eval_model
+
+    texts = {c: eval_texts(c, fp16, tokenizer) for c in corpora}
+    loaders = {n: functools.partial(load_eval_model, f) for n, f in folders.items()}
+    return score_loaders(fp16, tokenizer, loaders, texts, max_tokens, ctx)
 
 
 def score_results(fp16: Path, tokenizer, results: dict[str, dict], corpora: list[str],

@@ -46,7 +46,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from corpora import eval_texts, parse_corpora  # bench/corpora.py (the script's folder)
+from corpora import eval_texts, parse_corpora, score_loaders  # bench/corpora.py, same folder
 from safetensors.torch import save_file
 
 from quantpipe.calibration.artifact import read_calibration
@@ -54,7 +54,7 @@ from quantpipe.calibration.config import ALGO_OPTIONS
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
 from quantpipe.core.io import write_json_atomic
 from quantpipe.prompts.sets import CalibDataSpec, build_calibration_set, load_prompt_records
-from quantpipe.reports.eval import EvalSpec, candidate_batches, evaluate_many, load_eval_model
+from quantpipe.reports.eval import load_eval_model
 from quantpipe.stages.export import ExportSpec, export_quantized
 
 SCHEMES = {"sym": True, "asym": False}  # scheme name -> symmetric
@@ -308,8 +308,8 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer,
     """llm-compressor's GPTQ and each quantpipe algorithm for one scheme, on every corpus.
 
     Every calibration first, then all candidates scored together: one reference forward per
-    window serves all the candidates that fit in memory beside it (``candidate_batches``,
-    ``evaluate_many``). The reference loads only then: the calibrations (llm-compressor's
+    window serves all the candidates that fit in memory beside it (``corpora.score_loaders``).
+    The reference loads only then: the calibrations (llm-compressor's
     holds the whole FP32 model) do not share memory with it."""
     ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
     qp = {}
@@ -319,22 +319,12 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer,
     agreement = None
     if args.llmc_loader == "quantpipe":  # before the reference: two copies of one model at most
         agreement = loader_agreement(load_llmc_model(ldir, "quantpipe"), ldir)
-    loaders = [functools.partial(load_llmc_model, ldir, args.llmc_loader)] + [
-        functools.partial(load_eval_model, Path(q["dir"])) for q in qp.values()]
-    names = [str(ldir)] + [q["dir"] for q in qp.values()]
-    evs: dict[str, list] = {c: [None] * len(loaders) for c in args.corpus_list}
-    ref_model = load_eval_model(args.fp16)
-    for batch in candidate_batches(args.fp16, len(loaders)):  # what fits beside the reference
-        models = [loaders[i]() for i in batch]
-        for c in args.corpus_list:
-            limit = args.max_tokens if c == "business-eval" else 0
-            got = evaluate_many(ref_model, models, tokenizer,
-                                EvalSpec(args.fp16, ldir, texts[c], limit, args.ctx),
-                                [names[i] for i in batch])
-            for i, ev in zip(batch, got):
-                evs[c][i] = ev
-        del models
-    del ref_model
+    loaders = {str(ldir): functools.partial(load_llmc_model, ldir, args.llmc_loader)}
+    loaders.update({q["dir"]: functools.partial(load_eval_model, Path(q["dir"]))
+                    for q in qp.values()})
+    scored = score_loaders(args.fp16, tokenizer, loaders, texts, args.max_tokens, args.ctx,
+                           spec_candidate=ldir)
+    evs = {c: list(scored[c].values()) for c in args.corpus_list}
     ev_l = {c: evs[c][0].to_dict() for c in args.corpus_list}
     for c in args.corpus_list:
         for q, ev in zip(qp.values(), evs[c][1:]):

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import quantpipe.reports.eval as reports_eval
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 vs = pytest.importorskip("vs_llmcompressor")
 
@@ -103,7 +105,9 @@ def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch
     monkeypatch.setattr(vs, "load_llmc_model", lambda d, loader: "llmc")
     monkeypatch.setattr(vs, "loader_agreement", lambda m, d: {"max_rel_diff": 0.0})
     monkeypatch.setattr(vs, "load_eval_model", lambda d: Path(d).name)
-    monkeypatch.setattr(vs, "candidate_batches", lambda ref, n: groups if n == 3 else None)
+    monkeypatch.setattr(reports_eval, "load_eval_model", lambda d: Path(d).name)
+    monkeypatch.setattr(reports_eval, "candidate_batches",
+                        lambda ref, n: groups if n == 3 else None)
     calls = []
 
     def fake_many(ref, models, tok, spec, names):
@@ -113,7 +117,7 @@ def test_run_scheme_scores_all_candidates_against_one_reference_pass(monkeypatch
         return [SimpleNamespace(to_dict=lambda m=m: {"kld": {"mean": scale * kld[m]}})
                 for m in models]
 
-    monkeypatch.setattr(vs, "evaluate_many", fake_many)
+    monkeypatch.setattr(reports_eval, "evaluate_many", fake_many)
     out = vs.run_scheme("asym", args, {}, {"business-eval": ("b",), "sotu": ("s",)}, None, {})
     every = ["llmc", "gptq", "gptaq"]
     assert [(m, t) for m, t, _ in calls] == [([every[i] for i in g], t)
