@@ -162,13 +162,30 @@ def worker_main(kind: str, arg: str, threads: int, head: str) -> None:
 # --- the driver ---------------------------------------------------------------------------------
 
 
-def ensure_llama_venv(venv: Path) -> Path:
-    """The venv's python with llama_cpp importable; builds llama-cpp-python from source there."""
+# llama.cpp's CPU build for each --llama-isa: "native" takes the compiler's -march=native (AMX
+# off, below); "avx2" is the AVX2 + FMA + F16C build without any AVX-512 or VNNI, the peer of
+# quantpipe's AVX2 kernels on a host that has more
+LLAMA_ISA_CMAKE = {
+    "native": "-DGGML_NATIVE=ON",
+    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+            "-DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF "
+            "-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF "
+            "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF",
+}
+
+
+def default_venv(isa: str) -> Path:
+    return DEFAULT_VENV if isa == "native" else ROOT / "bench" / f".llamacpp-{isa}-venv"
+
+
+def ensure_llama_venv(venv: Path, isa: str = "native") -> Path:
+    """The venv's python with llama_cpp importable; builds llama-cpp-python from source there
+    for ``isa`` (LLAMA_ISA_CMAKE)."""
     py = venv / "bin" / "python"
     if py.is_file() and subprocess.run([str(py), "-c", "import llama_cpp"],
                                        capture_output=True).returncode == 0:
         return py
-    print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source in {venv} "
+    print(f"building llama-cpp-python {LLAMA_CPP_VERSION} ({isa}) from source in {venv} "
           "(several minutes)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # AMX off: on a Xeon with AMX, a native build's AMX matmul (ggml_backend_amx_mul_mat)
@@ -176,11 +193,13 @@ def ensure_llama_venv(venv: Path) -> Path:
     # compiler's -march=native macros, not the GGML_AMX_* options, so the AMX instructions are
     # turned off at the compiler; the AVX-512 kernels remain
     no_amx = r"-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16"  # one flag value (shlex-split)
-    env = dict(os.environ, CMAKE_ARGS=f"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS={no_amx} "
+    env = dict(os.environ, CMAKE_ARGS=f"{LLAMA_ISA_CMAKE[isa]} -DCMAKE_C_FLAGS={no_amx} "
                f"-DCMAKE_CXX_FLAGS={no_amx} -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF",
                CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
-    subprocess.run([str(py), "-m", "pip", "install", "--no-binary", "llama-cpp-python",
-                    f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)
+    # --no-cache-dir: pip would otherwise reuse a wheel it built for another ISA
+    subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", "--no-binary",
+                    "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
+                   check=True, env=env)
     return py
 
 
@@ -224,7 +243,8 @@ def systems(args, fp16_dir: Path) -> list[tuple[str, str, str, str, dict]]:
     from quantpipe.runtime.kernels import cpu_ext
 
     rows = [("llama.cpp", "llama", str(args.gguf), "", {})]
-    for isa in [i for i in cpu_ext.ISAS if cpu_ext.cpu_can_run(i)]:
+    wanted = args.qp_isas.split(",") if args.qp_isas else list(cpu_ext.ISAS)
+    for isa in [i for i in cpu_ext.ISAS if cpu_ext.cpu_can_run(i) and i in wanted]:
         for head in args.head_dtype.split(","):
             rows.append((f"quantpipe-{isa}-head-{head}", "quantpipe", str(args.int4), head,
                          {"QUANTPIPE_CPU_ISA": isa}))
@@ -391,7 +411,14 @@ def main() -> None:
                     help="packaged model whose GGUF llama.cpp runs: smollm2-135m (default), "
                          "gemma-3-270m, qwen2.5-coder-1.5b")
     ap.add_argument("--gguf", type=Path, help="GGUF for llama.cpp [--source's]")
-    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="llama-cpp-python venv")
+    ap.add_argument("--llama-isa", choices=sorted(LLAMA_ISA_CMAKE), default="native",
+                    help="llama.cpp's CPU build: native (-march=native) or avx2 (no AVX-512, "
+                         "the peer of quantpipe's AVX2 kernels)")
+    ap.add_argument("--venv", type=Path, default=None,
+                    help="llama-cpp-python venv [bench/.llamacpp-venv; "
+                         "bench/.llamacpp-ISA-venv for another --llama-isa]")
+    ap.add_argument("--qp-isas", default="",
+                    help="comma list of quantpipe CPU builds to run [every one this CPU runs]")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens after the first")
@@ -419,7 +446,7 @@ def main() -> None:
         quality(args.int4, fp16_dir, args.quality,
                 args.out.with_name(args.out.stem + "_quality.json"))
         return
-    llama_py = ensure_llama_venv(args.venv)
+    llama_py = ensure_llama_venv(args.venv or default_venv(args.llama_isa), args.llama_isa)
     t0 = time.time()
     results = measure(args, llama_py, fp16_dir)
     version = subprocess.run([str(llama_py), "-c", "import llama_cpp as m; print(m.__version__)"],
@@ -427,7 +454,8 @@ def main() -> None:
     doc = {"host": {**lscpu(), "machine": platform.machine()},
            "config": {"source": args.source or "smollm2-135m", "int4": str(args.int4),
                       "fp16": str(fp16_dir), "gguf": str(args.gguf),
-                      "llama_cpp_python": version, "tokens": args.tokens,
+                      "llama_cpp_python": version, "llama_cpp_build": args.llama_isa,
+                      "llama_cpp_cmake": LLAMA_ISA_CMAKE[args.llama_isa], "tokens": args.tokens,
                       "prefill": args.prefill, "repeats": args.repeats,
                       "prompt": PROMPT, "seconds": round(time.time() - t0, 1)},
            "results": results, "ratios": ratios(results), "table": table(results)}

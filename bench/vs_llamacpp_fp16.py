@@ -49,11 +49,15 @@ from vs_llamacpp import DEFAULT_VENV, Worker, ensure_llama_venv, lscpu  # noqa: 
 # --- the llama.cpp worker: JSON lines on stdin/stdout ---------------------------------------------
 
 
-def llama_worker(gguf: str, threads: int) -> None:
+KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type of llama.cpp's KV cache (GGML_TYPE_F16 / _F32)
+
+
+def llama_worker(gguf: str, threads: int, kv: str) -> None:
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads,
-                n_threads_batch=threads, logits_all=True, verbose=False)
+                n_threads_batch=threads, logits_all=True, verbose=False,
+                type_k=KV_TYPES[kv], type_v=KV_TYPES[kv])
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -77,9 +81,10 @@ def llama_worker(gguf: str, threads: int) -> None:
 class LlamaCpp(Worker):
     """The llama.cpp worker process (bench/vs_llamacpp.py's JSON-lines worker protocol)."""
 
-    def __init__(self, python: Path, gguf: Path, threads: int) -> None:
+    def __init__(self, python: Path, gguf: Path, threads: int, kv: str = "f16") -> None:
         super().__init__("llama.cpp", [str(python), __file__, "--worker", str(gguf),
-                                       "--threads", str(threads)], dict(os.environ))
+                                       "--threads", str(threads), "--llama-kv", kv],
+                         dict(os.environ))
 
     def _ask(self, cmd: dict) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -151,6 +156,12 @@ def main() -> None:
     ap.add_argument("--fp16", type=Path, help="quantpipe export-fp16 folder of SOURCE")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV,
                     help="llama-cpp-python venv (built here when missing)")
+    ap.add_argument("--llama-gguf", type=Path, default=None,
+                    help="run llama.cpp on this GGUF instead of SOURCE's file: an F32 GGUF written "
+                         "from --fp16 by llama.cpp's convert_hf_to_gguf.py --outtype f32 takes "
+                         "llama.cpp's weight formats and 8-bit activations out of the comparison")
+    ap.add_argument("--llama-kv", choices=sorted(KV_TYPES), default="f16",
+                    help="llama.cpp's KV cache type (its default f16; f32 as the FP16 side's)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -158,7 +169,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return llama_worker(args.worker, args.threads)
+        return llama_worker(args.worker, args.threads, args.llama_kv)
     if not args.source or args.fp16 is None:
         ap.error("give SOURCE and --fp16 FOLDER")
 
@@ -171,13 +182,17 @@ def main() -> None:
     if src.kind != "gguf":
         ap.error(f"{args.source} is not a GGUF source ({src.path})")
     gguf = src.path
+    if args.llama_gguf is not None:
+        if not args.llama_gguf.is_file():
+            ap.error(f"--llama-gguf {args.llama_gguf}: no such file")
+        gguf = args.llama_gguf
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.fp16, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(args.fp16, dtype=torch.float32,
                                                  trust_remote_code=False).eval()
     records = load_prompt_records("business-eval")[: args.prompts]
     texts = render_eval_texts(tok, records)
-    llama = LlamaCpp(ensure_llama_venv(args.venv), gguf, args.threads)
+    llama = LlamaCpp(ensure_llama_venv(args.venv), gguf, args.threads, args.llama_kv)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"qp-llama-logits-{os.getpid()}.npy"
     results = []
     try:
@@ -202,11 +217,14 @@ def main() -> None:
     print(f"{args.source}: identical greedy {same}/{len(results)}, mean KLD "
           f"{summary['kld_mean']:.5f}, top-1 agreement {summary['top1_agree']:.4f}")
     import importlib.metadata as md
-    doc = {"source": args.source, "gguf": str(gguf), "fp16": str(args.fp16),
+    doc = {"source": args.source, "gguf": str(gguf), "gguf_is_source": gguf == src.path,
+           "llama_kv": args.llama_kv, "fp16": str(args.fp16),
            "tokens": args.tokens, "cpu": lscpu(), "torch": torch.__version__,
            "transformers": md.version("transformers"), "summary": summary, "prompts": results}
     out = args.json or ROOT / "bench" / "results" / \
-        f"vs_llamacpp_fp16_{args.source.replace('/', '_')}.json"
+        f"vs_llamacpp_fp16_{args.source.replace('/', '_')}" \
+        f"{'' if gguf == src.path else '_' + Path(gguf).stem}" \
+        f"{'' if args.llama_kv == 'f16' else '_kv-' + args.llama_kv}.json"
     from quantpipe.core.io import write_json_atomic
     write_json_atomic(out, doc)
     print(f"wrote {out}")
