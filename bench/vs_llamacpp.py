@@ -268,6 +268,10 @@ def measure(args, llama_py: Path, fp16_dir: Path) -> list[dict]:
                         "--worker-threads", str(threads), "--worker-head", head or "fp16"]
                 workers.append(Worker(name, argv, env))
             runs = {w.name: {"decode": [], "prefill": []} for w in workers}
+            for _ in range(args.warmup):  # untimed: llama.cpp maps the GGUF lazily, so its
+                for w in workers:  # first runs can read the file from disk
+                    w.run("decode", args.tokens)
+                    w.run("prefill", args.prefill)
             for r in range(args.repeats):  # interleaved: every system once per repeat
                 for w in workers:
                     runs[w.name]["decode"].append(w.run("decode", args.tokens))
@@ -421,6 +425,8 @@ def main() -> None:
                     help="comma list of quantpipe CPU builds to run [every one this CPU runs]")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed rounds of every system before the repeats")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens after the first")
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt tokens")
     ap.add_argument("--head-dtype", default="fp16,int8", help="quantpipe head dtypes to run")
@@ -457,6 +463,7 @@ def main() -> None:
                       "llama_cpp_python": version, "llama_cpp_build": args.llama_isa,
                       "llama_cpp_cmake": LLAMA_ISA_CMAKE[args.llama_isa], "tokens": args.tokens,
                       "prefill": args.prefill, "repeats": args.repeats,
+                      "warmup": args.warmup,
                       "prompt": PROMPT, "seconds": round(time.time() - t0, 1)},
            "results": results, "ratios": ratios(results), "table": table(results)}
     print(doc["table"])

@@ -69,10 +69,11 @@ def llama_worker(gguf: str, threads: int, kv: str) -> None:
                 if len(out) == cmd["n"]:
                     break
             print(json.dumps({"ids": out}), flush=True)
-        else:  # "logits": every position's logits of one forward over ids
+        else:  # "logits": the logits of positions start.. of one forward over ids
             llm.reset()
             llm.eval(cmd["ids"])
-            scores = np.asarray(llm.scores[: len(cmd["ids"])], dtype=np.float32)
+            scores = np.asarray(llm.scores[cmd.get("start", 0): len(cmd["ids"])],
+                                dtype=np.float32)
             path = cmd["out"]
             np.save(path, scores)
             print(json.dumps({"path": path}), flush=True)
@@ -94,9 +95,11 @@ class LlamaCpp(Worker):
     def greedy(self, ids: list[int], n: int) -> list[int]:
         return self._ask({"op": "greedy", "ids": ids, "n": n})["ids"]
 
-    def logits(self, ids: list[int], tmp: Path) -> torch.Tensor:
-        path = self._ask({"op": "logits", "ids": ids, "out": str(tmp)})["path"]
-        return torch.from_numpy(np.load(path))  # [len(ids), n_vocab] fp32
+    def logits(self, ids: list[int], tmp: Path, start: int = 0) -> torch.Tensor:
+        """[len(ids) - start, n_vocab] fp32: positions start.. (a long prompt's every position
+        times a 262k vocabulary would be a file of gigabytes)."""
+        path = self._ask({"op": "logits", "ids": ids, "out": str(tmp), "start": start})["path"]
+        return torch.from_numpy(np.load(path))
 
 
 
@@ -114,9 +117,10 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return new
 
 
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
+def hf_logits(model, ids: list[int], keep: int = 0) -> torch.Tensor:
+    """[keep, vocab] fp32: the last ``keep`` positions' logits (0: every position)."""
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()  # [len(ids), vocab] fp32
+        return model(torch.tensor([ids]), logits_to_keep=keep).logits[0].float()
 
 
 def top2(logits: torch.Tensor) -> dict:
@@ -131,8 +135,8 @@ def compare_prompt(model, llama: LlamaCpp, ids: list[int], n: int, tmp: Path,
                  "fp16": tok.decode(ours), "llama_cpp": tok.decode(theirs)}
     # teacher-forced on the FP16 side's continuation: positions len(ids)-1 .. len(ids)+n-2
     full = ids + ours
-    p_log = torch.log_softmax(hf_logits(model, full)[len(ids) - 1: -1].double(), -1)
-    q_all = llama.logits(full, tmp)[len(ids) - 1: -1].double()
+    p_log = torch.log_softmax(hf_logits(model, full, keep=n + 1)[:-1].double(), -1)
+    q_all = llama.logits(full, tmp, start=len(ids) - 1)[:-1].double()
     vocab = min(p_log.shape[-1], q_all.shape[-1])  # a padded HF vocab has no extra real tokens
     p_log, q_log = p_log[:, :vocab], torch.log_softmax(q_all[:, :vocab], -1)
     kld = (p_log.exp() * (p_log - q_log)).sum(-1)  # [n] KL(P_fp16 || P_llama)
@@ -144,8 +148,8 @@ def compare_prompt(model, llama: LlamaCpp, ids: list[int], n: int, tmp: Path,
         prefix = ids + ours[:k]  # the same prefix in both systems up to position k
         rec["first_difference"] = {
             "position": k,
-            "fp16": top2(hf_logits(model, prefix)[-1]),
-            "llama_cpp": top2(llama.logits(prefix, tmp)[-1]),
+            "fp16": top2(hf_logits(model, prefix, keep=1)[-1]),
+            "llama_cpp": top2(llama.logits(prefix, tmp, start=len(prefix) - 1)[-1]),
         }
     return rec
 
