@@ -446,6 +446,11 @@ def main() -> None:
     if args.worker:
         worker_main(args.worker, args.worker_arg, args.worker_threads, args.worker_head)
         return
+    if args.qp_isas:
+        from quantpipe.runtime.kernels import cpu_ext
+        unknown = sorted(set(args.qp_isas.split(",")) - set(cpu_ext.ISAS))
+        if unknown:
+            ap.error(f"--qp-isas: unknown {', '.join(unknown)} (known: {', '.join(cpu_ext.ISAS)})")
     resolve_models(args)
     fp16_dir = fp16_source(args.int4, args.fp16)
     if args.quality:

@@ -309,8 +309,8 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer,
 
     Every calibration first, then all candidates scored together: one reference forward per
     window serves all the candidates that fit in memory beside it (``corpora.score_loaders``).
-    The reference loads only then: the calibrations (llm-compressor's
-    holds the whole FP32 model) do not share memory with it."""
+    The reference loads only then: the calibrations (llm-compressor's holds the whole FP32
+    model) do not share memory with it."""
     ldir, llmc_info = llmc_side(args.fp16, args.work, scheme, args, tokens)
     qp = {}
     for algo in args.algo_list:
@@ -324,11 +324,10 @@ def run_scheme(scheme: str, args, tokens: dict, texts: dict, tokenizer,
                     for q in qp.values()})
     scored = score_loaders(args.fp16, tokenizer, loaders, texts, args.max_tokens, args.ctx,
                            spec_candidate=ldir)
-    evs = {c: list(scored[c].values()) for c in args.corpus_list}
-    ev_l = {c: evs[c][0].to_dict() for c in args.corpus_list}
+    ev_l = {c: scored[c][str(ldir)].to_dict() for c in args.corpus_list}
     for c in args.corpus_list:
-        for q, ev in zip(qp.values(), evs[c][1:]):
-            q.setdefault("eval", {})[c] = ev.to_dict()
+        for q in qp.values():
+            q.setdefault("eval", {})[c] = scored[c][q["dir"]].to_dict()
     ratio = {a: {c: q["eval"][c]["kld"]["mean"] / ev_l[c]["kld"]["mean"]
                  for c in args.corpus_list} for a, q in qp.items()}
     for a in qp:
