@@ -18,14 +18,16 @@ CUDA there is no paged-attention kernel of quantpipe's, on CPU there is one (bel
 On CPU with fp32 activations, when quantpipe's C++ kernels are usable
 (``runtime.kernels.cpu_ext``), the norms (with the residual add folded in; the per-head q/k
 norms and the norms around the sublayer outputs too) and RoPE run as one C++ call each instead
-of ~8 small torch ops, and a step whose chunks are all short (decode tokens, prefill chunks of
-at most ``KERNEL_ATTENTION_MAX_Q`` tokens) attends with ``quantpipe_cpu::paged_attention``,
-which reads each sequence's K/V straight from its paged blocks (no gather, no padding, no
-mask; a sliding-window layer's keys at or beyond ``window`` positions back are skipped, the
-rule of :func:`window_mask`): the same formulas in fp32 (:func:`fused_ops_status` says whether
-and why not). Longer prefill chunks, and layers with score soft-capping (the kernel has none),
-keep the gather + SDPA path. The C++ norm takes the gain as a weight, so a (1 + w) norm passes
-(1 + w), computed once.
+of ~8 small torch ops, and attention runs in ``quantpipe_cpu::paged_attention``, which reads
+each sequence's K/V from its paged blocks (no gather, no padding, no mask; a sliding-window
+layer's keys at or beyond ``window`` positions back are skipped, the rule of
+:func:`window_mask`): the same formulas in fp32 (:func:`fused_ops_status` says whether and why
+not). The kernel takes decode tokens and short chunks query by query, and chunks of 16+
+queries (prompts) in flash-style tiles; ``QUANTPIPE_CPU_PREFILL_ATTENTION``
+(:data:`PREFILL_ATTENTION_ENV`) can send long chunks to SDPA instead, which "auto" does for a
+whole prompt on an AMX CPU with a bf16 cache. Layers with score soft-capping (the kernel has
+none) keep the gather + SDPA path. The C++ norm takes the gain as a weight, so a (1 + w) norm
+passes (1 + w), computed once.
 
 Where a layer's parts are all W4A8 (q/k/v and gate/up stacked, o and down) with a gated MLP of
 :data:`GATED_ACTS` (silu, Gemma's gelu_pytorch_tanh) and no score soft-capping, a step the
@@ -77,9 +79,16 @@ LAYER_OP_ENV = "QUANTPIPE_CPU_LAYER_OP"
 # their gate/up projections are stacked, and decoder_layer runs their layers
 GATED_ACTS = {"silu": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 
-# longest query chunk for the kernel attention path (its cost is O(q_len * ctx) per sequence;
-# a mixed step of 7 decodes and one 16-token prefill: 14 ms of SDPA + gathers -> ~1 ms)
+# longest query chunk of a step that the whole-layer C++ op runs (decode steps, short prefill
+# chunks; a mixed step of 7 decodes and one 16-token prefill: 14 ms of SDPA + gathers -> ~1 ms)
 KERNEL_ATTENTION_MAX_Q = 32
+
+# where long prefill chunks attend on CPU: "kernel" (quantpipe_cpu::paged_attention, which runs
+# chunks of 16+ queries in flash-style tiles), "sdpa" (torch's SDPA: causal on a chunk's own
+# keys, else the gather + mask path), or "auto" (the default: the kernel, except that a chunk
+# starting its sequence goes to SDPA in bf16 where the KV cache is bf16 and the CPU has AMX,
+# whose bf16 GEMMs oneDNN uses there)
+PREFILL_ATTENTION_ENV = "QUANTPIPE_CPU_PREFILL_ATTENTION"
 
 
 @dataclass(frozen=True)
@@ -472,6 +481,7 @@ class ModelRunner:
         self.fused, self.fused_reason = fused_ops_status(self.layers, self.final_norm,
                                                          self.dtype, self.device, family)
         self.ops = cpu_ext.ops() if self.fused else None  # the active ISA build's ops
+        self.long_kernel, self.fresh_sdpa = self._prefill_attention()
         # the C++ norm's (gain, eps), one per norm module that is an fp32 RMSNorm (the residual
         # norms all are, fused_ops_status checked): weight, or (1 + weight) computed once
         self.gains = {id(n): self._gain(n) for n in self._c_norms()} if self.fused else {}
@@ -484,6 +494,19 @@ class ModelRunner:
                           in zip(self.layers, self.plans, self.projections)]
         self.k_pools = [zero_pool(shape, self.kv_dtype, self.device) for _ in self.layers]
         self.v_pools = [zero_pool(shape, self.kv_dtype, self.device) for _ in self.layers]
+
+    def _prefill_attention(self) -> tuple[bool, bool]:
+        """(long chunks attend in the C++ kernel, a chunk that starts its sequence attends with
+        SDPA instead) from ``QUANTPIPE_CPU_PREFILL_ATTENTION`` (see
+        :data:`PREFILL_ATTENTION_ENV`)."""
+        choice = os.environ.get(PREFILL_ATTENTION_ENV, "auto")
+        if choice not in ("auto", "kernel", "sdpa"):
+            raise ValueError(f"{PREFILL_ATTENTION_ENV}={choice!r}: expected auto, kernel or sdpa")
+        if not self.fused or self.attn_softcap is not None or choice == "sdpa":
+            return False, False
+        amx = (choice == "auto" and self.kv_dtype == torch.bfloat16
+               and hasattr(self.ops, "amx_supported") and bool(self.ops.amx_supported()))
+        return True, amx
 
     def _fused(self, layer, act: str | None, family: Family) -> FusedProjections:
         if not self.fused:
@@ -584,11 +607,13 @@ class ModelRunner:
         # embedding, or fp_head.CastEmbedding carrying its embed_scale)
         h = self.decoder.embed_tokens(meta.input_ids)
         rope = self._rope_tables(h, meta.positions)
-        # short chunks only (decode, small prefills): the kernel's work is O(q_len * ctx)
+        # short chunks only (decode, small prefills) run the whole-layer op
         attn_kernel = self.fused and meta.q_max <= KERNEL_ATTENTION_MAX_Q
-        groups = [AttentionGroup(None, meta, attn_kernel and self.attn_softcap is None,
+        # the kernel takes each sequence on its own (long chunks in tiles): one group
+        groups = [AttentionGroup(None, meta, (attn_kernel or self.long_kernel)
+                                 and self.attn_softcap is None,
                                  fresh=len(chunks) == 1 and chunks[0].start == 0)]
-        if not attn_kernel and len(chunks) > 1:
+        if not attn_kernel and not self.long_kernel and len(chunks) > 1:
             groups = self._attention_groups(chunks)
         delta = None  # the last sublayer's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
@@ -701,8 +726,9 @@ class ModelRunner:
         of this step) -> their attention output [T_g, H, D]."""
         meta, window = group.meta, self.plans[i].window
         T = q.shape[0]
-        if (not group.kernel and group.fresh and k is not None and self.attn_softcap is None
-                and (window is None or window >= T)):
+        if (group.fresh and k is not None and self.attn_softcap is None
+                and (window is None or window >= T)
+                and (not group.kernel or (self.fresh_sdpa and T > KERNEL_ATTENTION_MAX_Q))):
             # the whole context is this step's T keys: causal SDPA on them as the cache holds
             # them (rounded to the KV dtype); with a bf16 cache the attention runs in bf16
             # (oneDNN's AMX / AVX-512 bf16 GEMMs inside: 2.5x fp32 at 1,266 tokens here)

@@ -602,6 +602,39 @@ def test_paged_attention_sliding_window_matches_float64_reference(isa, d, ops):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+# 64, 128, 256: the tiled path (chunks of 16+ queries); 48: not a multiple of two AVX-512
+# vectors, so even long chunks take the per-query path there (a multiple of 16 on AVX2)
+@pytest.mark.parametrize("d,heads", [(64, 6), (128, 4), (256, 2), (48, 6)])
+def test_paged_attention_long_chunks_match_float64_reference(isa, d, heads, ops):
+    """Chunks of kTiledMinQ (16) queries or more run in flash-style tiles: whole prompts and
+    chunks after a cached prefix, lengths around the tiles' 6 / 8 rows and 16 / 32 keys, beside
+    decode tokens and short chunks of the same call; sliding windows shorter and longer than the
+    chunks; fp32 and bf16 pools."""
+    gen = torch.Generator().manual_seed(d)
+    kv, bs = 2, 16
+    ctx_lens, q_lens = [16, 1, 57, 40, 3, 100], [16, 1, 17, 33, 2, 100]
+    k_pool = torch.randn(40, bs, kv, d, generator=gen)
+    v_pool = torch.randn(40, bs, kv, d, generator=gen)
+    blocks = torch.randperm(39, generator=gen) + 1  # scattered blocks, 0 left unused
+    tables, used = torch.zeros(len(ctx_lens), 7, dtype=torch.int64), 0
+    for b, n in enumerate(ctx_lens):
+        nb = -(-n // bs)
+        tables[b, :nb] = blocks[used:used + nb]
+        used += nb
+    q = torch.randn(sum(q_lens), heads, d, generator=gen) * 3  # peaked softmaxes too
+    args = (tables, torch.tensor(ctx_lens), torch.tensor(q_lens), d ** -0.5)
+    for pools in ((k_pool, v_pool), (k_pool.bfloat16(), v_pool.bfloat16())):
+        for window in (0, 5, 20, 64):
+            got = ops.paged_attention(q, *pools, *args, window)
+            want = _attention_reference(q, pools[0].double(), pools[1].double(),
+                                        tables.tolist(), ctx_lens, q_lens, d ** -0.5, window)
+            # queries x3: scores up to ~15, whose fp32 rounding (~1e-6) moves the weights (the
+            # per-query path's tolerance, 2e-6, is with unit-scale queries)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=4e-6,
+                                       msg=f"window {window}, {pools[0].dtype}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("width", [64, 37])  # 37: the tail after the 16- / 8-wide vectors
 def test_gated_activations_match_float64_reference(isa, width, ops):
     """silu_mul and gelu_tanh_mul (gelu_pytorch_tanh) on gu = [gate | up], including gates far

@@ -303,12 +303,46 @@ def test_a_mixed_step_gives_each_sequence_what_it_gets_alone(tiny, monkeypatch):
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
+# bf16 cache: SDPA runs a whole prompt in bf16 (queries rounded too), the kernel in fp32
+@pytest.mark.parametrize("kv_dtype,tol", [(None, 1e-4), (torch.bfloat16, 2e-2)])
+def test_long_chunks_in_the_kernel_equal_sdpa(tiny, kv_dtype, tol, monkeypatch):
+    """QUANTPIPE_CPU_PREFILL_ATTENTION: long chunks attend in the C++ kernel's tiles ("kernel")
+    or with torch's SDPA ("sdpa"): whole prompts, a chunk after a cached prefix and a step that
+    mixes them with decode tokens give the same logits (fp32 sums in another order); an unknown
+    value is refused."""
+    from quantpipe.runtime.engine.model_runner import (
+        KERNEL_ATTENTION_MAX_Q, PREFILL_ATTENTION_ENV, ModelRunner, SeqChunk)
+
+    model, tok, prompts, ref = tiny
+    runners = {}
+    for choice in ("kernel", "sdpa"):
+        monkeypatch.setenv(PREFILL_ATTENTION_ENV, choice)
+        runners[choice] = ModelRunner(model, 4, 64, kv_dtype)
+    if not runners["kernel"].fused:
+        pytest.skip(f"fused ops not usable here: {runners['kernel'].fused_reason}")
+    assert runners["kernel"].long_kernel and not runners["sdpa"].long_kernel
+    long = list(range(3, 3 + KERNEL_ATTENTION_MAX_Q + 8))  # 40 tokens, 10 blocks of 4
+    steps = [[SeqChunk(long, 0, list(range(0, 10)))],  # a whole prompt
+             [SeqChunk(prompts[1], 0, list(range(10, 15)))],  # 17 tokens (kernel tiles: 16+)
+             [SeqChunk([9], 17, list(range(10, 15))),  # a decode beside a whole prompt
+              SeqChunk(long[:36], 0, list(range(20, 29)))],
+             # 34 tokens after 36 cached ones, beside a decode
+             [SeqChunk(long[36:] + long[:30], 36, list(range(20, 38))),
+              SeqChunk([4], 18, list(range(10, 15)))]]
+    for chunks in steps:
+        torch.testing.assert_close(runners["kernel"].forward(chunks),
+                                   runners["sdpa"].forward(chunks), rtol=tol, atol=tol)
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "flash")
+    with pytest.raises(ValueError, match="expected auto, kernel or sdpa"):
+        ModelRunner(model, 4, 64, kv_dtype)
+
+
 @pytest.mark.parametrize("kv_dtype,tol", [(None, 1e-4), (torch.bfloat16, 2e-2)])
 def test_a_prompt_attends_causally_to_its_own_keys_as_over_the_cache(tiny, kv_dtype, tol):
-    """A long chunk that starts its sequence attends with causal SDPA on the step's own keys
-    (no gather, no mask; in bf16 with a bf16 cache): its last logits are what the same prompt
-    gets when its first token is already cached and the other 36 go through the gathered
-    cache and the mask (fp32 rounding; bf16 rounding of the queries too with a bf16 cache)."""
+    """A long chunk that starts its sequence (the C++ kernel's tiles; where SDPA runs it, causal
+    SDPA on the step's own keys, in bf16 with a bf16 cache): its last logits are what the same
+    prompt gets when its first token is already cached and the other 36 go through the cache
+    (fp32 rounding; bf16 rounding of the queries too where SDPA runs with a bf16 cache)."""
     from quantpipe.runtime.engine.model_runner import ModelRunner, SeqChunk
 
     model, tok, prompts, ref = tiny

@@ -378,12 +378,18 @@ struct PagedRows {
 // head, query) of a paged_attention call, over torch's threads; fp32 or bf16 pools. The query
 // at position p sees keys first .. p (n = p + 1 of them from key 0): first = 0, or with a
 // sliding window (window > 0) p - window + 1 where that is larger (keys at or beyond `window`
-// positions back are hidden, transformers' sliding-window rule).
-template <typename Attend>
+// positions back are hidden, transformers' sliding-window rule). A sequence with
+// kTiledMinQ or more queries, where D is a multiple of 2 * `lanes` and at most kTiledMaxDim, runs
+// attend_long(q_seq, q_len, ctx_len, k_pool, v_pool, table, BS, KV, H, D, window, scale,
+// out_seq) instead (simd.h: the same attention in tiles of queries).
+constexpr int64_t kTiledMinQ = 16;
+constexpr int64_t kTiledMaxDim = 256;
+
+template <typename Attend, typename AttendLong>
 at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& ctx_lens,
                      const at::Tensor& q_lens, double scale, int64_t window,
-                     const Attend& attend) {
+                     const Attend& attend, const AttendLong& attend_long, int64_t lanes) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   const float sc = static_cast<float>(scale);
   const std::vector<int64_t> q_off = check_paged(q, k_pool, v_pool, block_tables, ctx_lens,
@@ -397,17 +403,25 @@ at::Tensor run_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   at::Tensor out = at::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  auto tiled = [&](int64_t b) {
+    return qlens[b] >= kTiledMinQ && D % (2 * lanes) == 0 && D <= kTiledMaxDim;
+  };
   // threads only for enough work (query-key products): short contexts stay on one thread
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b)
-    work += qlens[b] * (window > 0 ? std::min(lens[b], window) : lens[b]) * H * D;
+    if (!tiled(b)) work += qlens[b] * (window > 0 ? std::min(lens[b], window) : lens[b]) * H * D;
   const int64_t grain = work < kMinMacsPerThread ? B * KV : 1;
   auto run = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    for (int64_t b = 0; b < B; ++b)
+      if (tiled(b))
+        attend_long(qp + q_off[b] * H * D, qlens[b], lens[b], kp, vp, bt + b * max_blocks, BS,
+                    KV, H, D, window, sc, op + q_off[b] * H * D);
     qp::parallel_for(0, B * KV, grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> p;  // [G, n] scores, then softmax numerators
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KV, kvh = i % KV;
+        if (tiled(b)) continue;
         const PagedRows<T> keys{kp, bt + b * max_blocks, BS, KV, kvh, D};
         const PagedRows<T> values{vp, bt + b * max_blocks, BS, KV, kvh, D};
         for (int64_t t = 0; t < qlens[b]; ++t) {

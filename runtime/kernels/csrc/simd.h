@@ -434,6 +434,186 @@ QP_TARGET void weighted_values(const float* p, const float* inv, int64_t G,
   }
 }
 
+// --- paged_attention, long chunks: flash-style tiles over fp32 copies of the keys -------------
+// A chunk of kTiledMinQ or more queries (a prompt's prefill) would read every key and value row
+// once per query on the per-query path above (O(q_len * ctx) row reads, one dot product per
+// key). Here one sequence's keys and values of each KV head are first copied into fp32 scratch,
+// keys transposed ([D, npad], npad = ctx rounded up to KB keys, zero-padded) and values as rows
+// ([npad, D]); then each tile of R consecutive queries of one query head walks its visible keys
+// KB = 2 L at a time:
+//   scores s[r][j] = scale * q_r . k_j          outer products: per d one load of KB keys'
+//                                               d-th components for all R queries
+//   keys not visible (after the query, or at or beyond `window` back) -> weight 0
+//   running softmax per query: m = max so far, l = sum of e^(s - m), outputs and l rescaled
+//   by e^(m_old - m_new) when the maximum grows (flash attention's online softmax)
+//   o[r] += sum_j e^(s[r][j] - m) v_j           R x (2 L) outputs in registers per pass
+// and writes o[r] / l[r]. fp32 throughout; the sums run in another order than the per-query
+// path's (tests compare both with a float64 reference).
+static_assert(kTiledMaxDim % 16 == 0, "the tiles' output scratch holds kTiledMaxDim floats");
+
+template <class V>
+constexpr int tiled_rows() {
+  return V::L == 16 ? 8 : 6;  // R x 2 score and output accumulators fit the registers
+}
+
+// One tile: queries q + r * ldq (r < rows; rows <= R) at positions pos0 + r, over the fp32
+// copies kt [D, npad] / vals [npad, D] of their KV head; out + r * ldq.
+template <class V>
+QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq, int64_t rows,
+                                                    int64_t pos0, int64_t window,
+                                                    const float* kt, const float* vals,
+                                                    int64_t npad, int64_t D, float scale,
+                                                    float* out) {
+  using F = typename V::F;
+  constexpr int R = tiled_rows<V>(), L = V::L, KB = 2 * L, CW = 2;
+  const float* qr[R];
+  for (int r = 0; r < R; ++r) qr[r] = q + std::min<int64_t>(r, rows - 1) * ldq;
+  alignas(64) float s[R][KB];
+  alignas(64) float o[R][kTiledMaxDim];
+  float m[R], l[R], alpha[R];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    for (int64_t d = 0; d < D; d += L) V::store(o[r] + d, V::zero());
+  }
+  const int64_t last = pos0 + rows - 1;  // the last key any query of the tile sees
+  const int64_t from = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  for (int64_t j0 = from / KB * KB; j0 <= last; j0 += KB) {
+    // the dot products in pieces of kDotPiece components, the pieces' sums added in s: one
+    // chain of D FMAs per score would lose ~sqrt(D / kDotPiece) times more to rounding
+    constexpr int64_t kDotPiece = 32;
+    for (int64_t d0 = 0; d0 < D; d0 += kDotPiece) {
+      F acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+      for (int64_t d = d0; d < std::min(D, d0 + kDotPiece); ++d) {
+        const F k0 = V::load(kt + d * npad + j0), k1 = V::load(kt + d * npad + j0 + L);
+        for (int r = 0; r < R; ++r) {
+          const F qd = V::set1(qr[r][d]);
+          acc[r][0] = V::fmadd(qd, k0, acc[r][0]);
+          acc[r][1] = V::fmadd(qd, k1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        V::store(s[r], d0 == 0 ? acc[r][0] : V::add(V::load(s[r]), acc[r][0]));
+        V::store(s[r] + L, d0 == 0 ? acc[r][1] : V::add(V::load(s[r] + L), acc[r][1]));
+      }
+    }
+    const F sc = V::set1(scale);
+    for (int r = 0; r < R; ++r) {
+      V::store(s[r], V::mul(V::load(s[r]), sc));
+      V::store(s[r] + L, V::mul(V::load(s[r] + L), sc));
+    }
+    // a block that some query sees only in part: hide the keys it must not see
+    const bool edge = j0 + KB - 1 > pos0 || (window > 0 && j0 <= last - window);
+    if (edge)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < KB; ++j) {
+          const int64_t key = j0 + j, pos = pos0 + r;
+          if (key > pos || (window > 0 && key <= pos - window)) s[r][j] = -INFINITY;
+        }
+    for (int r = 0; r < R; ++r) {
+      const float mx = V::reduce_max(V::max(V::load(s[r]), V::load(s[r] + L)));
+      if (mx == -INFINITY) {  // nothing of this block is visible to query r
+        alpha[r] = 1.0f;
+        V::store(s[r], V::zero());
+        V::store(s[r] + L, V::zero());
+        continue;
+      }
+      const float mn = std::max(m[r], mx);
+      // 0 while m[r] is -inf (nothing accumulated yet); 1 (no exp) where the maximum stays
+      alpha[r] = mx <= m[r] ? 1.0f : std::exp(m[r] - mn);
+      const F mv = V::set1(mn);
+      const F e0 = exp_lanes<V>(V::sub(V::load(s[r]), mv));
+      const F e1 = exp_lanes<V>(V::sub(V::load(s[r] + L), mv));
+      if (edge) {  // exp_lanes clamps at e^-87: a hidden key weighs exactly 0
+        alignas(64) float e[KB];
+        V::store(e, e0);
+        V::store(e + L, e1);
+        for (int j = 0; j < KB; ++j)
+          if (s[r][j] == -INFINITY) e[j] = 0.0f;
+        std::memcpy(s[r], e, sizeof(e));
+      } else {
+        V::store(s[r], e0);
+        V::store(s[r] + L, e1);
+      }
+      l[r] = l[r] * alpha[r] + V::reduce_add(V::add(V::load(s[r]), V::load(s[r] + L)));
+      m[r] = mn;
+    }
+    bool rescale = false;
+    for (int r = 0; r < R; ++r) rescale = rescale || alpha[r] != 1.0f;
+    for (int64_t dc = 0; dc < D; dc += CW * L) {
+      F oa[R][CW];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < CW; ++c) {
+          oa[r][c] = V::load(o[r] + dc + c * L);
+          if (rescale) oa[r][c] = V::mul(oa[r][c], V::set1(alpha[r]));
+        }
+      for (int j = 0; j < KB; ++j) {
+        const float* vr = vals + (j0 + j) * D + dc;
+        const F v0 = V::load(vr), v1 = V::load(vr + L);
+        for (int r = 0; r < R; ++r) {
+          const F w = V::set1(s[r][j]);
+          oa[r][0] = V::fmadd(w, v0, oa[r][0]);
+          oa[r][1] = V::fmadd(w, v1, oa[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < CW; ++c) V::store(o[r] + dc + c * L, oa[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const F inv = V::set1(1.0f / l[r]);  // l >= 1: each query sees at least its own key
+    for (int64_t d = 0; d < D; d += L) V::store(out + r * ldq + d, V::mul(V::load(o[r] + d), inv));
+  }
+}
+
+// Keys j0 .. j1 - 1 of KV head kvh into attend_long's fp32 copies: kd [D, npad] transposed,
+// vd [npad, D]. (A function of its own: the lambdas that call it are not compiled for the ISA.)
+template <class V, typename T>
+QP_TARGET void copy_keys_values(const T* k_pool, const T* v_pool, const int64_t* table,
+                                int64_t BS, int64_t KV, int64_t kvh, int64_t D, int64_t j0,
+                                int64_t j1, int64_t npad, float* kd, float* vd) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t slot = table[j / BS] * BS + j % BS;
+    const T* kr = k_pool + (slot * KV + kvh) * D;
+    const T* vr = v_pool + (slot * KV + kvh) * D;
+    for (int64_t d = 0; d < D; ++d) kd[d * npad + j] = scalar(kr[d]);
+    for (int64_t d = 0; d < D; d += V::L) V::store(vd + j * D + d, V::load(vr + d));
+  }
+}
+
+// One sequence's chunk of q_len queries (q / out: its rows [q_len, H, D]) over its n context
+// keys in the paged pool (table: its block table), through attend_tile: the fp32 copies of each
+// KV head's keys and values, then the tiles of every query head, over the kernels' threads.
+template <class V, typename T>
+QP_TARGET void attend_long(const float* q, int64_t q_len, int64_t n, const T* k_pool,
+                           const T* v_pool, const int64_t* table, int64_t BS, int64_t KV,
+                           int64_t H, int64_t D, int64_t window, float scale, float* out) {
+  constexpr int R = tiled_rows<V>(), KB = 2 * V::L;
+  const int64_t npad = (n + KB - 1) / KB * KB, G = H / KV;
+  std::vector<float> kt(KV * D * npad, 0.0f), vals(KV * npad * D, 0.0f);
+  constexpr int64_t kCopyKeys = 64;  // keys per piece of the copy (the pieces spread over threads)
+  const int64_t pieces = (n + kCopyKeys - 1) / kCopyKeys;
+  qp::parallel_for(0, KV * pieces, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t kvh = i / pieces, j0 = (i % pieces) * kCopyKeys;
+      copy_keys_values<V>(k_pool, v_pool, table, BS, KV, kvh, D, j0,
+                          std::min(n, j0 + kCopyKeys), npad, kt.data() + kvh * D * npad,
+                          vals.data() + kvh * npad * D);
+    }
+  });
+  const int64_t tiles = (q_len + R - 1) / R, pos_first = n - q_len;
+  // tiles late in the chunk see more keys: many small chunks, claimed as threads get free
+  qp::parallel_for(0, H * tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / tiles, t0 = (i % tiles) * R, kvh = h / G;
+      attend_tile<V>(q + (t0 * H + h) * D, H * D, std::min<int64_t>(R, q_len - t0),
+                     pos_first + t0, window, kt.data() + kvh * D * npad,
+                     vals.data() + kvh * npad * D, npad, D, scale, out + (t0 * H + h) * D);
+    }
+  }, 16);
+}
+
 // paged_attention's per-KV-head work (common.h's attend_heads), one target-specific function
 // with everything inlined, so that the vector helpers inline into its loops.
 template <class V, typename T>
@@ -535,7 +715,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool,
                            int64_t window) {
   V::check();
   return run_paged(q, k_pool, v_pool, block_tables, ctx_lens, q_lens, scale, window,
-                   [](const auto&... a) { attend<V>(a...); });
+                   [](const auto&... a) { attend<V>(a...); },
+                   [](const auto&... a) { attend_long<V>(a...); }, V::L);
 }
 
 template <class V>
