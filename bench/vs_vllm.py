@@ -13,11 +13,15 @@ Two pairs, four servers, started one at a time (two servers never share the host
 Each server is started, warmed up (``--warmup`` s of unrecorded load at the highest
 concurrency, plus ``--warmup-requests`` before every level), then measured by quantpipe's load
 generator (``runtime/loadgen.py``, the one ``quantpipe bench-serve`` runs) at every
-``--concurrency`` for ``--duration`` s: output tokens/s, requests/s, TTFT / TPOT / ITL / E2E
-mean, p50, p95, p99 (medians over ``--repeats``). Prompts: the shipped ``business-eval`` set
-rendered with the model's chat template (as ``/v1/chat/completions`` renders it), sent as token
-ids to ``/v1/completions`` in the same seeded order to every server; ``--output-len`` tokens
-each, greedy, ``ignore_eos``. Prefix caching is off in both servers unless ``--prefix-caching``
+``--concurrency`` for ``--duration`` s, or for ``--requests`` requests: output tokens/s,
+requests/s, TTFT / TPOT / ITL / E2E mean, p50, p95, p99 (medians over ``--repeats``). Prompts:
+the shipped ``business-eval`` set rendered with the model's chat template (as
+``/v1/chat/completions`` renders it), sent as token ids to ``/v1/completions`` in the same
+seeded order to every server at every level; ``--output-len`` tokens each, greedy,
+``ignore_eos``. By duration, a faster server gets further into that order, so its latency
+percentiles cover more prompts (the set runs from 46 to 1,266 tokens: more long prompts); by
+``--requests`` every server answers the same prompts, and the TTFT verdict compares like for
+like. Prefix caching is off in both servers unless ``--prefix-caching``
 (the 80 prompts repeat, so with it on TTFT measures cache hits).
 
 Settings. Each side's candidates are probed first, ``--probe-duration`` s at the lowest and the
@@ -387,6 +391,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per level")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests per level instead of --duration (0: by duration): every "
+                         "server answers the same prompts, so latency percentiles compare "
+                         "like for like")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--probe-duration", type=float, default=10.0,
                     help="seconds per level when choosing a side's setting")
@@ -480,9 +488,11 @@ def main(argv: list[str] | None = None) -> None:
         print("warning: no tcmalloc on this system; vLLM runs slower without it (apt-get "
               "install libtcmalloc-minimal4)", flush=True)
     prompt_ids = chat_prompt_ids(fp16, args.prompts)
-    spec = BenchSpec(concurrency=args.conc, output_len=args.output_len, duration=args.duration,
-                     repeats=args.repeats, prompt_ids=prompt_ids,
-                     warmup_requests=args.warmup_requests)
+    # by request count: a duration no level reaches (an hour), so no server stops short
+    by_count = {"duration": 3600.0, "max_requests": args.requests} if args.requests else {
+        "duration": args.duration}
+    spec = BenchSpec(concurrency=args.conc, output_len=args.output_len, repeats=args.repeats,
+                     prompt_ids=prompt_ids, warmup_requests=args.warmup_requests, **by_count)
     logdir = Path(tempfile.mkdtemp(prefix="qp-vs-vllm-"))  # server logs (named in the JSON)
     print(f"{len(prompt_ids)} {args.prompts} prompts; server logs in {logdir}", flush=True)
     t0 = time.time()

@@ -584,6 +584,9 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
               help="Leading prompt tokens common to all requests (prefix caching).")
 @click.option("--warmup", default=DEFAULTS.bench_warmup_requests, show_default=True, type=int,
               help="Warm-up requests.")
+@click.option("--max-requests", default=DEFAULTS.bench_max_requests, show_default=True, type=int,
+              help="Requests per run at most. With a --duration the runs do not reach, every "
+                   "server gets exactly the same prompts (fair latency percentiles).")
 @click.option("--ttft-slo", default=DEFAULTS.ttft_slo, show_default=True, type=float,
               help="Seconds.")
 @click.option("--tpot-slo", default=DEFAULTS.tpot_slo, show_default=True, type=float,
@@ -592,7 +595,8 @@ def serve_cmd(model_dir, host, port, max_num_seqs, max_queue, kv_cache_memory, b
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path),
               help="Write all runs and medians here.")
 def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats, request_rate,
-                    shared_prefix_len, warmup, ttft_slo, tpot_slo, allow_remote, json_out):
+                    shared_prefix_len, warmup, max_requests, ttft_slo, tpot_slo, allow_remote,
+                    json_out):
     """Load-test a running server (metrics as `vllm bench serve` defines them)."""
     from quantpipe.core.io import check_output_file
     from quantpipe.runtime.loadgen import BenchSpec, format_table, run_bench
@@ -605,9 +609,9 @@ def bench_serve_cmd(url, concurrency, prompt_len, output_len, duration, repeats,
         raise ValueError(f"--concurrency {concurrency!r}: write integers like 1,4,16") from None
     spec = BenchSpec(url=url, concurrency=conc, prompt_len=prompt_len, output_len=output_len,
                      duration=duration, repeats=repeats, request_rate=request_rate,
-                     warmup_requests=warmup, shared_prefix_len=shared_prefix_len,
-                     ttft_slo=ttft_slo, tpot_slo=tpot_slo, allow_remote=allow_remote,
-                     json_out=json_out)
+                     warmup_requests=warmup, max_requests=max_requests,
+                     shared_prefix_len=shared_prefix_len, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
+                     allow_remote=allow_remote, json_out=json_out)
     res = run_bench(spec)
     click.echo(format_table(res))
 

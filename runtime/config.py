@@ -59,6 +59,7 @@ class RuntimeDefaults:
     bench_duration: float = 60.0  # seconds of sending per run
     bench_repeats: int = 3  # runs per concurrency; medians reported
     bench_warmup_requests: int = 2  # per concurrency, excluded from metrics
+    bench_max_requests: int = 10_000  # requests per run at most (a run also ends at its duration)
     ttft_slo: float = 2.0  # seconds, for goodput
     tpot_slo: float = 0.060  # seconds, for goodput
 
@@ -67,7 +68,7 @@ class RuntimeDefaults:
                     "max_request_bytes", "max_prompt_chars", "max_connections",
                     "completion_max_tokens", "chat_max_tokens", "max_new_tokens", "plan_context",
                     "plan_concurrency", "device_memory", "bench_prompt_len", "bench_output_len",
-                    "bench_repeats")
+                    "bench_repeats", "bench_max_requests")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"RuntimeDefaults.{name} must be >= 1, got {getattr(self, name)}")

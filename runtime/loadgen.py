@@ -8,8 +8,14 @@ excluded; each setting is repeated and every scalar reported as the median over 
 
 Prompts: random token ids of ``prompt_len`` (with an optional shared prefix), or a fixed pool
 of token-id prompts (``prompt_ids``, e.g. a prompt set rendered with the chat template) drawn in
-a seeded order, so two servers benchmarked with the same spec get the same prompts in the same
-order. Requests go to ``/v1/completions`` with token ids, so the servers' tokenizers play no part.
+a seeded order. Each run (a concurrency level, a repeat) draws from its own seeded sequence, so
+two servers benchmarked with the same spec get the same prompts in the same order in every run,
+however many requests each completed in the runs before. A run ends after ``duration`` seconds
+of sending or ``max_requests`` requests, whichever comes first: a faster server completes more
+of the sequence in a fixed duration, so its latency percentiles cover more prompts (with a
+mixed pool, more long ones); to compare latencies over exactly the same prompts, bound runs by
+``max_requests`` and give them a duration they do not reach. Requests go to
+``/v1/completions`` with token ids, so the servers' tokenizers play no part.
 
 Safety: only loopback URLs unless ``allow_remote``; each run is bounded by ``duration`` and by
 ``max_requests``.
@@ -47,7 +53,7 @@ class BenchSpec:
     repeats: int = DEFAULTS.bench_repeats  # runs per concurrency; medians reported
     request_rate: float | None = None  # Poisson arrivals (req/s); None -> closed loop
     warmup_requests: int = DEFAULTS.bench_warmup_requests  # per concurrency, not measured
-    max_requests: int = 10_000  # hard cap per run
+    max_requests: int = DEFAULTS.bench_max_requests  # requests per run at most
     shared_prefix_len: int = 0  # leading tokens common to all prompts (prefix caching)
     ttft_slo: float = DEFAULTS.ttft_slo  # seconds, for goodput
     tpot_slo: float = DEFAULTS.tpot_slo  # seconds, for goodput
@@ -286,13 +292,14 @@ def run_bench(spec: BenchSpec) -> BenchResult:
         raise ValueError(f"cannot reach an OpenAI-compatible server at {spec.url} ({exc}); "
                          "start one with `quantpipe serve MODEL_DIR`") from exc
     vocab = int(models.get("vocab_size", 32000))  # quantpipe reports it; random prompts only
-    rng = random.Random(spec.seed)
     spec_d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(spec).items()}
     spec_d["prompt_ids"] = [len(p) for p in spec_d["prompt_ids"]]  # their lengths, not the ids
     res = BenchResult(spec={**spec_d, "model": models.get("id")})
     for c in spec.concurrency:
-        runs = [asyncio.run(_run_once(spec, c, models.get("id"), vocab, rng))
-                for _ in range(spec.repeats)]
+        # each run its own sequence: the prompts of a run do not depend on the runs before
+        runs = [asyncio.run(_run_once(spec, c, models.get("id"), vocab,
+                                      random.Random(f"{spec.seed}/{c}/{i}")))
+                for i in range(spec.repeats)]
         res.results[str(c)] = {"median": median_metrics(runs), "runs": [asdict(r) for r in runs]}
     if spec.json_out is not None:
         write_json_atomic(spec.json_out, asdict(res))

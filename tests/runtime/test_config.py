@@ -56,7 +56,7 @@ SPEC_FIELDS = {
                 "prompt_len": "bench_prompt_len", "output_len": "bench_output_len",
                 "duration": "bench_duration", "repeats": "bench_repeats",
                 "warmup_requests": "bench_warmup_requests", "ttft_slo": "ttft_slo",
-                "tpot_slo": "tpot_slo"},
+                "tpot_slo": "tpot_slo", "max_requests": "bench_max_requests"},
 }
 
 # command -> {option parameter: the DEFAULTS field its default comes from}
@@ -75,7 +75,7 @@ CLI_OPTIONS = {
                     "prompt_len": "bench_prompt_len", "output_len": "bench_output_len",
                     "duration": "bench_duration", "repeats": "bench_repeats",
                     "warmup": "bench_warmup_requests", "ttft_slo": "ttft_slo",
-                    "tpot_slo": "tpot_slo"},
+                    "tpot_slo": "tpot_slo", "max_requests": "bench_max_requests"},
 }
 SIZE_OPTIONS = {"max_request_bytes", "device_memory", "reserve"}  # "1MiB" -> bytes
 

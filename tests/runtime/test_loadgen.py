@@ -159,3 +159,36 @@ def test_fixed_prompts_are_drawn_from_the_pool_in_a_seeded_order():
     assert a != next_prompts(20, spec, 500, random.Random(1), [])
     rand = next_prompts(2, BenchSpec(prompt_len=7), 500, random.Random(0), [])
     assert [len(p) for p in rand] == [7, 7]  # no pool: random prompts of prompt_len
+
+
+def test_each_run_draws_its_own_prompt_sequence(monkeypatch):
+    """A run's prompts do not depend on how many requests the runs before it sent: a slow and a
+    fast server get the same prompts in the same order at every level and repeat (by duration
+    the fast one only gets further into that order); repeats draw different sequences."""
+    import httpx
+
+    from quantpipe.runtime import loadgen
+
+    class Models:  # the server's /v1/models answer
+        @staticmethod
+        def json():
+            return {"data": [{"id": "m", "vocab_size": 100}]}
+
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: Models())
+    pool = tuple((i, i + 1) for i in range(50))
+    seen = []
+    for sent in (3, 11):  # requests the fake server answers in each run
+        draws = []
+
+        async def fake_run(spec, c, model, vocab, rng, sent=sent, draws=draws):
+            draws.append(loadgen.next_prompts(sent, spec, vocab, rng, []))
+            return loadgen.summarize([], 1.0, spec.ttft_slo, spec.tpot_slo)
+
+        monkeypatch.setattr(loadgen, "_run_once", fake_run)
+        loadgen.run_bench(BenchSpec(concurrency=(1, 4), repeats=2, prompt_ids=pool))
+        seen.append(draws)
+    slow, fast = seen
+    assert len(slow) == len(fast) == 4  # 2 levels x 2 repeats
+    for a, b in zip(slow, fast):
+        assert b[:3] == a
+    assert slow[0] != slow[1] and slow[0] != slow[2]
