@@ -253,6 +253,17 @@ struct Simd {
   using I = __m512i;
   QP_SIMD_OPS(_mm512, si512)
   QP_TARGET static F load(const uint16_t* p) { return bf16x16(p); }
+  // bf16 dot products (simd.h's attention tiles over a bf16 KV cache): lane i of acc plus the
+  // products of the bf16 pairs in 32-bit lane i of a and b (vdpbf16ps, fp32 sums)
+  static constexpr bool kBf16Dot = true;
+  QP_TARGET static F dot_bf16(F acc, I a, I b) { return _mm512_dpbf16_ps(acc, as_bh(a), as_bh(b)); }
+  QP_TARGET static I load_words(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  QP_TARGET static I bcast_word(const uint32_t* p) { return _mm512_set1_epi32(*p); }
+  // lo then hi (2 L fp32) rounded to bf16 (nearest even) and stored in that order
+  QP_TARGET static void store_bf16(uint16_t* out, F lo, F hi) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(hi, lo);
+    std::memcpy(out, &b, sizeof(b));
+  }
   QP_TARGET static F load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

@@ -45,6 +45,7 @@ constexpr int kMaxTile = 4;  // activation rows per tile: 16 ymm registers hold 
 struct Simd {
   static constexpr int L = 8;
   static constexpr bool kMasks = false;  // AVX2 has no masked fp32 loads and stores
+  static constexpr bool kBf16Dot = false;  // no bf16 dot products: attention tiles stay fp32
   using F = __m256;
   using I = __m256i;
   QP_SIMD_OPS(_mm256, si256)

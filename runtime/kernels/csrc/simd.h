@@ -14,6 +14,9 @@
 //   store_first(p, v, cnt)  the first cnt lanes of v to p[0..cnt)
 //   store_xq(xq, q)         the 32 int32 of q[32 / L] (in [-127, 127]) as int8
 //   kMasks                  masked tails (load_masked(cnt, p), store_masked, zero_masked)
+//   kBf16Dot                bf16 dot products: dot_bf16(acc, a, b) (lane i += the products of
+//                           the bf16 pairs in 32-bit lane i of a and b), load_words, bcast_word,
+//                           store_bf16(out, lo, hi) (2 L fp32 -> bf16, nearest even)
 //   int8_chains(MT), fp16_chains(MT)   FMA chains per row and 16-row block in those tiles
 // The functions carry QP_TARGET, which the including file defines (its ISA's target attribute,
 // or nothing where the whole file is compiled for its ISA), so that V's inline ops inline here.
@@ -456,12 +459,17 @@ constexpr int tiled_rows() {
   return V::L == 16 ? 8 : 6;  // R x 2 score and output accumulators fit the registers
 }
 
-// One tile: queries q + r * ldq (r < rows; rows <= R) at positions pos0 + r, over the fp32
-// copies kt [D, npad] / vals [npad, D] of their KV head; out + r * ldq.
-template <class V>
+// One tile: queries q + r * ldq (r < rows; rows <= R) at positions pos0 + r, over the copies of
+// their KV head's keys and values; out + r * ldq. B16 false: fp32 copies kt [D, npad] (keys
+// transposed) and vals [npad, D], fp32 FMAs. B16 true (a bf16 KV cache on a build with bf16 dot
+// products): bf16 copies as 32-bit words of two bf16, kt [D / 2, npad] (word (p, j) = key j's
+// dimensions 2p, 2p + 1) and vals [npad / 2, D] (word (i, d) = dimension d of keys 2i, 2i + 1);
+// the queries and the softmax weights rounded to bf16 too (as SDPA runs on a bf16 cache), every
+// product summed in fp32 by vdpbf16ps: half the instructions of the fp32 FMAs.
+template <class V, bool B16>
 QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq, int64_t rows,
                                                     int64_t pos0, int64_t window,
-                                                    const float* kt, const float* vals,
+                                                    const void* kt_, const void* vals_,
                                                     int64_t npad, int64_t D, float scale,
                                                     float* out) {
   using F = typename V::F;
@@ -470,6 +478,13 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
   for (int r = 0; r < R; ++r) qr[r] = q + std::min<int64_t>(r, rows - 1) * ldq;
   alignas(64) float s[R][KB];
   alignas(64) float o[R][kTiledMaxDim];
+  // B16: the queries, then each block's softmax weights, as bf16 (pairs = 32-bit words)
+  alignas(64) uint16_t qb[B16 ? R : 1][B16 ? kTiledMaxDim : 1];
+  alignas(64) uint16_t pb[B16 ? R : 1][B16 ? KB : 1];
+  if constexpr (B16)
+    for (int r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; d += KB)
+        V::store_bf16(qb[r] + d, V::load(qr[r] + d), V::load(qr[r] + d + L));
   float m[R], l[R], alpha[R];
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
@@ -485,12 +500,26 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
     for (int64_t d0 = 0; d0 < D; d0 += kDotPiece) {
       F acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
-      for (int64_t d = d0; d < std::min(D, d0 + kDotPiece); ++d) {
-        const F k0 = V::load(kt + d * npad + j0), k1 = V::load(kt + d * npad + j0 + L);
-        for (int r = 0; r < R; ++r) {
-          const F qd = V::set1(qr[r][d]);
-          acc[r][0] = V::fmadd(qd, k0, acc[r][0]);
-          acc[r][1] = V::fmadd(qd, k1, acc[r][1]);
+      if constexpr (B16) {
+        const uint32_t* kt = static_cast<const uint32_t*>(kt_);
+        for (int64_t p = d0 / 2; p < std::min(D, d0 + kDotPiece) / 2; ++p) {
+          const auto k0 = V::load_words(kt + p * npad + j0);
+          const auto k1 = V::load_words(kt + p * npad + j0 + L);
+          for (int r = 0; r < R; ++r) {
+            const auto qp = V::bcast_word(reinterpret_cast<const uint32_t*>(qb[r]) + p);
+            acc[r][0] = V::dot_bf16(acc[r][0], k0, qp);
+            acc[r][1] = V::dot_bf16(acc[r][1], k1, qp);
+          }
+        }
+      } else {
+        const float* kt = static_cast<const float*>(kt_);
+        for (int64_t d = d0; d < std::min(D, d0 + kDotPiece); ++d) {
+          const F k0 = V::load(kt + d * npad + j0), k1 = V::load(kt + d * npad + j0 + L);
+          for (int r = 0; r < R; ++r) {
+            const F qd = V::set1(qr[r][d]);
+            acc[r][0] = V::fmadd(qd, k0, acc[r][0]);
+            acc[r][1] = V::fmadd(qd, k1, acc[r][1]);
+          }
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -517,27 +546,28 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
         alpha[r] = 1.0f;
         V::store(s[r], V::zero());
         V::store(s[r] + L, V::zero());
-        continue;
-      }
-      const float mn = std::max(m[r], mx);
-      // 0 while m[r] is -inf (nothing accumulated yet); 1 (no exp) where the maximum stays
-      alpha[r] = mx <= m[r] ? 1.0f : std::exp(m[r] - mn);
-      const F mv = V::set1(mn);
-      const F e0 = exp_lanes<V>(V::sub(V::load(s[r]), mv));
-      const F e1 = exp_lanes<V>(V::sub(V::load(s[r] + L), mv));
-      if (edge) {  // exp_lanes clamps at e^-87: a hidden key weighs exactly 0
-        alignas(64) float e[KB];
-        V::store(e, e0);
-        V::store(e + L, e1);
-        for (int j = 0; j < KB; ++j)
-          if (s[r][j] == -INFINITY) e[j] = 0.0f;
-        std::memcpy(s[r], e, sizeof(e));
       } else {
-        V::store(s[r], e0);
-        V::store(s[r] + L, e1);
+        const float mn = std::max(m[r], mx);
+        // 0 while m[r] is -inf (nothing accumulated yet); 1 (no exp) where the maximum stays
+        alpha[r] = mx <= m[r] ? 1.0f : std::exp(m[r] - mn);
+        const F mv = V::set1(mn);
+        const F e0 = exp_lanes<V>(V::sub(V::load(s[r]), mv));
+        const F e1 = exp_lanes<V>(V::sub(V::load(s[r] + L), mv));
+        if (edge) {  // exp_lanes clamps at e^-87: a hidden key weighs exactly 0
+          alignas(64) float e[KB];
+          V::store(e, e0);
+          V::store(e + L, e1);
+          for (int j = 0; j < KB; ++j)
+            if (s[r][j] == -INFINITY) e[j] = 0.0f;
+          std::memcpy(s[r], e, sizeof(e));
+        } else {
+          V::store(s[r], e0);
+          V::store(s[r] + L, e1);
+        }
+        l[r] = l[r] * alpha[r] + V::reduce_add(V::add(V::load(s[r]), V::load(s[r] + L)));
+        m[r] = mn;
       }
-      l[r] = l[r] * alpha[r] + V::reduce_add(V::add(V::load(s[r]), V::load(s[r] + L)));
-      m[r] = mn;
+      if constexpr (B16) V::store_bf16(pb[r], V::load(s[r]), V::load(s[r] + L));
     }
     bool rescale = false;
     for (int r = 0; r < R; ++r) rescale = rescale || alpha[r] != 1.0f;
@@ -548,13 +578,27 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
           oa[r][c] = V::load(o[r] + dc + c * L);
           if (rescale) oa[r][c] = V::mul(oa[r][c], V::set1(alpha[r]));
         }
-      for (int j = 0; j < KB; ++j) {
-        const float* vr = vals + (j0 + j) * D + dc;
-        const F v0 = V::load(vr), v1 = V::load(vr + L);
-        for (int r = 0; r < R; ++r) {
-          const F w = V::set1(s[r][j]);
-          oa[r][0] = V::fmadd(w, v0, oa[r][0]);
-          oa[r][1] = V::fmadd(w, v1, oa[r][1]);
+      if constexpr (B16) {
+        const uint32_t* vals = static_cast<const uint32_t*>(vals_);
+        for (int jp = 0; jp < KB / 2; ++jp) {
+          const uint32_t* vr = vals + (j0 / 2 + jp) * D + dc;
+          const auto v0 = V::load_words(vr), v1 = V::load_words(vr + L);
+          for (int r = 0; r < R; ++r) {
+            const auto w = V::bcast_word(reinterpret_cast<const uint32_t*>(pb[r]) + jp);
+            oa[r][0] = V::dot_bf16(oa[r][0], v0, w);
+            oa[r][1] = V::dot_bf16(oa[r][1], v1, w);
+          }
+        }
+      } else {
+        const float* vals = static_cast<const float*>(vals_);
+        for (int j = 0; j < KB; ++j) {
+          const float* vr = vals + (j0 + j) * D + dc;
+          const F v0 = V::load(vr), v1 = V::load(vr + L);
+          for (int r = 0; r < R; ++r) {
+            const F w = V::set1(s[r][j]);
+            oa[r][0] = V::fmadd(w, v0, oa[r][0]);
+            oa[r][1] = V::fmadd(w, v1, oa[r][1]);
+          }
         }
       }
       for (int r = 0; r < R; ++r)
@@ -567,39 +611,53 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
   }
 }
 
-// Keys j0 .. j1 - 1 of KV head kvh into attend_long's fp32 copies: kd [D, npad] transposed,
-// vd [npad, D]. (A function of its own: the lambdas that call it are not compiled for the ISA.)
-template <class V, typename T>
+// Keys j0 .. j1 - 1 of KV head kvh into attend_long's copies (attend_tile's layouts): fp32, kd
+// [D, npad] transposed and vd [npad, D]; or (B16, bf16 pools) bf16 pairs, kd [D / 2, npad] and
+// vd [npad / 2, D] words. (A function of its own: the lambdas that call it are not compiled for
+// the ISA.)
+template <class V, bool B16, typename T>
 QP_TARGET void copy_keys_values(const T* k_pool, const T* v_pool, const int64_t* table,
                                 int64_t BS, int64_t KV, int64_t kvh, int64_t D, int64_t j0,
-                                int64_t j1, int64_t npad, float* kd, float* vd) {
+                                int64_t j1, int64_t npad, void* kd_, void* vd_) {
   for (int64_t j = j0; j < j1; ++j) {
     const int64_t slot = table[j / BS] * BS + j % BS;
     const T* kr = k_pool + (slot * KV + kvh) * D;
     const T* vr = v_pool + (slot * KV + kvh) * D;
-    for (int64_t d = 0; d < D; ++d) kd[d * npad + j] = scalar(kr[d]);
-    for (int64_t d = 0; d < D; d += V::L) V::store(vd + j * D + d, V::load(vr + d));
+    if constexpr (B16) {
+      uint32_t* kd = static_cast<uint32_t*>(kd_);
+      uint16_t* vd = static_cast<uint16_t*>(vd_);
+      for (int64_t p = 0; p < D / 2; ++p) std::memcpy(kd + p * npad + j, kr + 2 * p, 4);
+      for (int64_t d = 0; d < D; ++d) vd[((j / 2) * D + d) * 2 + j % 2] = vr[d];
+    } else {
+      float* kd = static_cast<float*>(kd_);
+      float* vd = static_cast<float*>(vd_);
+      for (int64_t d = 0; d < D; ++d) kd[d * npad + j] = scalar(kr[d]);
+      for (int64_t d = 0; d < D; d += V::L) V::store(vd + j * D + d, V::load(vr + d));
+    }
   }
 }
 
 // One sequence's chunk of q_len queries (q / out: its rows [q_len, H, D]) over its n context
-// keys in the paged pool (table: its block table), through attend_tile: the fp32 copies of each
-// KV head's keys and values, then the tiles of every query head, over the kernels' threads.
+// keys in the paged pool (table: its block table), through attend_tile: the copies of each KV
+// head's keys and values, then the tiles of every query head, over the kernels' threads.
 template <class V, typename T>
 QP_TARGET void attend_long(const float* q, int64_t q_len, int64_t n, const T* k_pool,
                            const T* v_pool, const int64_t* table, int64_t BS, int64_t KV,
                            int64_t H, int64_t D, int64_t window, float scale, float* out) {
+  constexpr bool B16 = V::kBf16Dot && std::is_same_v<T, uint16_t>;
   constexpr int R = tiled_rows<V>(), KB = 2 * V::L;
   const int64_t npad = (n + KB - 1) / KB * KB, G = H / KV;
-  std::vector<float> kt(KV * D * npad, 0.0f), vals(KV * npad * D, 0.0f);
+  // fp32 copies, or bf16 ones (half the floats' bytes: 2 bf16 per float slot)
+  const int64_t per_head = B16 ? D * npad / 2 : D * npad;
+  std::vector<float> kt(KV * per_head, 0.0f), vals(KV * per_head, 0.0f);
   constexpr int64_t kCopyKeys = 64;  // keys per piece of the copy (the pieces spread over threads)
   const int64_t pieces = (n + kCopyKeys - 1) / kCopyKeys;
   qp::parallel_for(0, KV * pieces, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t kvh = i / pieces, j0 = (i % pieces) * kCopyKeys;
-      copy_keys_values<V>(k_pool, v_pool, table, BS, KV, kvh, D, j0,
-                          std::min(n, j0 + kCopyKeys), npad, kt.data() + kvh * D * npad,
-                          vals.data() + kvh * npad * D);
+      copy_keys_values<V, B16>(k_pool, v_pool, table, BS, KV, kvh, D, j0,
+                               std::min(n, j0 + kCopyKeys), npad, kt.data() + kvh * per_head,
+                               vals.data() + kvh * per_head);
     }
   });
   const int64_t tiles = (q_len + R - 1) / R, pos_first = n - q_len;
@@ -607,9 +665,10 @@ QP_TARGET void attend_long(const float* q, int64_t q_len, int64_t n, const T* k_
   qp::parallel_for(0, H * tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / tiles, t0 = (i % tiles) * R, kvh = h / G;
-      attend_tile<V>(q + (t0 * H + h) * D, H * D, std::min<int64_t>(R, q_len - t0),
-                     pos_first + t0, window, kt.data() + kvh * D * npad,
-                     vals.data() + kvh * npad * D, npad, D, scale, out + (t0 * H + h) * D);
+      attend_tile<V, B16>(q + (t0 * H + h) * D, H * D, std::min<int64_t>(R, q_len - t0),
+                          pos_first + t0, window, kt.data() + kvh * per_head,
+                          vals.data() + kvh * per_head, npad, D, scale,
+                          out + (t0 * H + h) * D);
     }
   }, 16);
 }
