@@ -4,10 +4,12 @@
         # writes bench/results/prefill_attention.json
 
 Part 1, one layer's attention for a whole prompt of T tokens: ``quantpipe_cpu::paged_attention``
-(chunks of 16+ queries in flash-style tiles, fp32, over the paged cache) against
-``scaled_dot_product_attention`` causal on the same keys (fp32, and bf16 as the runner calls it
-on a bf16 cache), for each head layout and thread count; median ms and the largest difference
-from a float64 SDPA. Random queries, keys and values (the speed does not depend on them).
+(chunks of 16+ queries in flash-style tiles over the paged cache) on a bf16 cache (``kernel``:
+bf16 dot products where the build has them, AVX-512) and on an fp32 cache (``kernel_fp32_cache``:
+fp32 FMAs) against ``scaled_dot_product_attention`` causal on the same bf16 keys (fp32, and bf16
+as the runner calls it on a bf16 cache), for each head layout and thread count; median ms and
+the largest difference from a float64 SDPA. Random queries, keys and values (the speed does not
+depend on them).
 
 Part 2 (with ``--w4``): the whole prefill of a T-token prompt in the serving engine (bf16 KV
 cache, int8 head, as ``quantpipe serve`` runs), with long chunks in the kernel
@@ -60,6 +62,11 @@ def one_layer(ops, heads: int, kv: int, d: int, tokens: int, min_s: float) -> di
     def kernel():
         return ops.paged_attention(q, *pools, table, lens, lens, scale, 0)
 
+    pools32 = [p.float() for p in pools]  # the same values in an fp32 cache
+
+    def kernel_fp32_cache():
+        return ops.paged_attention(q, *pools32, table, lens, lens, scale, 0)
+
     def sdpa(dt):
         return lambda: F.scaled_dot_product_attention(
             qh.to(dt), kh.to(dt), vh.to(dt), is_causal=True, scale=scale,
@@ -67,7 +74,8 @@ def one_layer(ops, heads: int, kv: int, d: int, tokens: int, min_s: float) -> di
 
     ref = sdpa(torch.float64)()
     out = {}
-    for name, fn in (("kernel", kernel), ("sdpa_fp32", sdpa(torch.float32)),
+    for name, fn in (("kernel", kernel), ("kernel_fp32_cache", kernel_fp32_cache),
+                     ("sdpa_fp32", sdpa(torch.float32)),
                      ("sdpa_bf16", sdpa(torch.bfloat16))):
         out[name] = {"ms": round(1000 * _timeit(fn, torch.device("cpu"), min_s), 3),
                      "max_abs_diff_vs_float64": float((fn().double() - ref).abs().max())}
@@ -134,7 +142,8 @@ def main() -> None:
                 r = one_layer(ops, heads, kv, d, n, args.min_s)
                 rows.append({"layout": name, "heads": heads, "kv_heads": kv, "head_dim": d,
                              "tokens": n, "threads": threads, **r})
-                print(f"t{threads} {name} {n}: kernel {r['kernel']['ms']} ms, SDPA fp32 "
+                print(f"t{threads} {name} {n}: kernel {r['kernel']['ms']} ms (fp32 cache "
+                      f"{r['kernel_fp32_cache']['ms']}), SDPA fp32 "
                       f"{r['sdpa_fp32']['ms']}, bf16 {r['sdpa_bf16']['ms']} "
                       f"({r['sdpa_fp32_over_kernel']}x)", flush=True)
     res = {"host": lscpu(), "isa": cpu_ext.active_isa(), "torch": torch.__version__,
