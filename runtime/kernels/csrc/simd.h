@@ -466,6 +466,18 @@ constexpr int tiled_rows() {
 // dimensions 2p, 2p + 1) and vals [npad / 2, D] (word (i, d) = dimension d of keys 2i, 2i + 1);
 // the queries and the softmax weights rounded to bf16 too (as SDPA runs on a bf16 cache), every
 // product summed in fp32 by vdpbf16ps: half the instructions of the fp32 FMAs.
+// acc[r][c] += a_c x the bf16 pair (32-bit word) i of row r, for the R rows and 2 vectors
+template <class V, int R>
+QP_TARGET inline void add_pair_products(typename V::F (&acc)[R][2], typename V::I a0,
+                                        typename V::I a1, const uint32_t* const (&rows)[R],
+                                        int64_t i) {
+  for (int r = 0; r < R; ++r) {
+    const auto w = V::bcast_word(rows[r] + i);
+    acc[r][0] = V::dot_bf16(acc[r][0], a0, w);
+    acc[r][1] = V::dot_bf16(acc[r][1], a1, w);
+  }
+}
+
 template <class V, bool B16>
 QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq, int64_t rows,
                                                     int64_t pos0, int64_t window,
@@ -481,6 +493,12 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
   // B16: the queries, then each block's softmax weights, as bf16 (pairs = 32-bit words)
   alignas(64) uint16_t qb[B16 ? R : 1][B16 ? kTiledMaxDim : 1];
   alignas(64) uint16_t pb[B16 ? R : 1][B16 ? KB : 1];
+  const uint32_t* qw[R];  // the rows of qb and pb as words (pairs of bf16)
+  const uint32_t* pw[R];
+  for (int r = 0; r < R; ++r) {
+    qw[r] = reinterpret_cast<const uint32_t*>(qb[B16 ? r : 0]);
+    pw[r] = reinterpret_cast<const uint32_t*>(pb[B16 ? r : 0]);
+  }
   if constexpr (B16)
     for (int r = 0; r < R; ++r)
       for (int64_t d = 0; d < D; d += KB)
@@ -502,15 +520,9 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
       if constexpr (B16) {
         const uint32_t* kt = static_cast<const uint32_t*>(kt_);
-        for (int64_t p = d0 / 2; p < std::min(D, d0 + kDotPiece) / 2; ++p) {
-          const auto k0 = V::load_words(kt + p * npad + j0);
-          const auto k1 = V::load_words(kt + p * npad + j0 + L);
-          for (int r = 0; r < R; ++r) {
-            const auto qp = V::bcast_word(reinterpret_cast<const uint32_t*>(qb[r]) + p);
-            acc[r][0] = V::dot_bf16(acc[r][0], k0, qp);
-            acc[r][1] = V::dot_bf16(acc[r][1], k1, qp);
-          }
-        }
+        for (int64_t p = d0 / 2; p < std::min(D, d0 + kDotPiece) / 2; ++p)
+          add_pair_products<V, R>(acc, V::load_words(kt + p * npad + j0),
+                                  V::load_words(kt + p * npad + j0 + L), qw, p);
       } else {
         const float* kt = static_cast<const float*>(kt_);
         for (int64_t d = d0; d < std::min(D, d0 + kDotPiece); ++d) {
@@ -582,12 +594,7 @@ QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq,
         const uint32_t* vals = static_cast<const uint32_t*>(vals_);
         for (int jp = 0; jp < KB / 2; ++jp) {
           const uint32_t* vr = vals + (j0 / 2 + jp) * D + dc;
-          const auto v0 = V::load_words(vr), v1 = V::load_words(vr + L);
-          for (int r = 0; r < R; ++r) {
-            const auto w = V::bcast_word(reinterpret_cast<const uint32_t*>(pb[r]) + jp);
-            oa[r][0] = V::dot_bf16(oa[r][0], v0, w);
-            oa[r][1] = V::dot_bf16(oa[r][1], v1, w);
-          }
+          add_pair_products<V, R>(oa, V::load_words(vr), V::load_words(vr + L), pw, jp);
         }
       } else {
         const float* vals = static_cast<const float*>(vals_);
