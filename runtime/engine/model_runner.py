@@ -167,7 +167,7 @@ class AttentionGroup:
 
     rows: torch.Tensor | slice | None  # their rows of the step's [T, ...] tensors; None: all
     meta: BatchMeta  # prepare_batch of their chunks alone
-    kernel: bool  # the C++ paged kernel (short chunks, no soft-capping) or padded SDPA
+    kernel: bool  # the C++ paged kernel (no soft-capping) or padded SDPA
     masks: dict = field(default_factory=dict)  # the padded path's, one per window size
     # one chunk that starts its sequence (a whole prompt, or its first prefill chunk): its
     # keys are exactly this step's, so it attends causally to them with no gather or mask
