@@ -424,6 +424,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--pairs {args.pairs!r}: write w4, fp or w4,fp")
     if not args.vllm_config_list or not args.qp_thread_list:
         ap.error("--vllm-configs and --qp-threads need at least one value each")
+    if args.requests < 0:
+        ap.error(f"--requests {args.requests}: give a count >= 1, or 0 to run by --duration")
     if not args.qp_kv_list or not set(args.qp_kv_list) <= {"model", "bf16"}:
         ap.error(f"--qp-kv-dtypes {args.qp_kv_dtypes!r}: write model, bf16 or model,bf16")
     for setting in args.vllm_config_list:

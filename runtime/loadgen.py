@@ -83,7 +83,8 @@ class BenchSpec:
         if any(not p or min(p) < 0 for p in self.prompt_ids):
             raise ValueError("prompt_ids must be non-empty lists of token ids >= 0")
         if self.duration <= 0 or self.repeats < 1 or self.max_requests < 1:
-            raise ValueError("--duration must be > 0, --repeats and max_requests >= 1")
+            raise ValueError(f"--duration must be > 0, --repeats and --max-requests >= 1; got "
+                             f"{self.duration}, {self.repeats}, {self.max_requests}")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ValueError(f"--request-rate must be > 0, got {self.request_rate}")
 

@@ -23,11 +23,12 @@ each sequence's K/V from its paged blocks (no gather, no padding, no mask; a sli
 layer's keys at or beyond ``window`` positions back are skipped, the rule of
 :func:`window_mask`): the same formulas in fp32 (:func:`fused_ops_status` says whether and why
 not). The kernel takes decode tokens and short chunks query by query, and chunks of 16+
-queries (prompts) in flash-style tiles; ``QUANTPIPE_CPU_PREFILL_ATTENTION``
-(:data:`PREFILL_ATTENTION_ENV`) can send long chunks to SDPA instead, which "auto" does for a
-whole prompt on an AMX CPU with a bf16 cache. Layers with score soft-capping (the kernel has
-none) keep the gather + SDPA path. The C++ norm takes the gain as a weight, so a (1 + w) norm
-passes (1 + w), computed once.
+queries (prompts) in flash-style tiles (over a bf16 cache on AVX-512, with bf16 dot products:
+queries and softmax weights rounded to bf16, as SDPA computes on a bf16 cache);
+``QUANTPIPE_CPU_PREFILL_ATTENTION`` (:data:`PREFILL_ATTENTION_ENV`) can send long chunks to
+SDPA instead, which "auto" does for a whole prompt on an AMX CPU with a bf16 cache. Layers
+with score soft-capping (the kernel has none) keep the gather + SDPA path. The C++ norm takes
+the gain as a weight, so a (1 + w) norm passes (1 + w), computed once.
 
 Where a layer's parts are all W4A8 (q/k/v and gate/up stacked, o and down) with a gated MLP of
 :data:`GATED_ACTS` (silu, Gemma's gelu_pytorch_tanh) and no score soft-capping, a step the

@@ -68,6 +68,7 @@ def test_median_over_repeats():
     ({"prompt_ids": ((1, 2, 3),), "shared_prefix_len": 8}, "either prompt_ids"),
     ({"prompt_ids": ((1, 2), ())}, "non-empty"),
     ({"prompt_ids": ((1, -2),)}, ">= 0"),
+    ({"max_requests": 0}, "--max-requests >= 1"),
 ])
 def test_spec_validation(kw, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -437,12 +437,12 @@ QP_TARGET void weighted_values(const float* p, const float* inv, int64_t G,
   }
 }
 
-// --- paged_attention, long chunks: flash-style tiles over fp32 copies of the keys -------------
+// --- paged_attention, long chunks: flash-style tiles over copies of the keys -----------------
 // A chunk of kTiledMinQ or more queries (a prompt's prefill) would read every key and value row
 // once per query on the per-query path above (O(q_len * ctx) row reads, one dot product per
-// key). Here one sequence's keys and values of each KV head are first copied into fp32 scratch,
-// keys transposed ([D, npad], npad = ctx rounded up to KB keys, zero-padded) and values as rows
-// ([npad, D]); then each tile of R consecutive queries of one query head walks its visible keys
+// key). Here one sequence's keys and values of each KV head are first copied into scratch,
+// keys transposed (npad = ctx rounded up to KB keys, zero-padded; attend_tile gives the
+// layouts); then each tile of R consecutive queries of one query head walks its visible keys
 // KB = 2 L at a time:
 //   scores s[r][j] = scale * q_r . k_j          outer products: per d one load of KB keys'
 //                                               d-th components for all R queries
@@ -450,8 +450,9 @@ QP_TARGET void weighted_values(const float* p, const float* inv, int64_t G,
 //   running softmax per query: m = max so far, l = sum of e^(s - m), outputs and l rescaled
 //   by e^(m_old - m_new) when the maximum grows (flash attention's online softmax)
 //   o[r] += sum_j e^(s[r][j] - m) v_j           R x (2 L) outputs in registers per pass
-// and writes o[r] / l[r]. fp32 throughout; the sums run in another order than the per-query
-// path's (tests compare both with a float64 reference).
+// and writes o[r] / l[r]. fp32 FMAs, or bf16 dot products over a bf16 cache where the build has
+// them (attend_tile); the sums run in another order than the per-query path's (tests compare
+// both with a float64 reference).
 static_assert(kTiledMaxDim % 16 == 0, "the tiles' output scratch holds kTiledMaxDim floats");
 
 template <class V>
@@ -459,13 +460,6 @@ constexpr int tiled_rows() {
   return V::L == 16 ? 8 : 6;  // R x 2 score and output accumulators fit the registers
 }
 
-// One tile: queries q + r * ldq (r < rows; rows <= R) at positions pos0 + r, over the copies of
-// their KV head's keys and values; out + r * ldq. B16 false: fp32 copies kt [D, npad] (keys
-// transposed) and vals [npad, D], fp32 FMAs. B16 true (a bf16 KV cache on a build with bf16 dot
-// products): bf16 copies as 32-bit words of two bf16, kt [D / 2, npad] (word (p, j) = key j's
-// dimensions 2p, 2p + 1) and vals [npad / 2, D] (word (i, d) = dimension d of keys 2i, 2i + 1);
-// the queries and the softmax weights rounded to bf16 too (as SDPA runs on a bf16 cache), every
-// product summed in fp32 by vdpbf16ps: half the instructions of the fp32 FMAs.
 // acc[r][c] += a_c x the bf16 pair (32-bit word) i of row r, for the R rows and 2 vectors
 template <class V, int R>
 QP_TARGET inline void add_pair_products(typename V::F (&acc)[R][2], typename V::I a0,
@@ -478,6 +472,13 @@ QP_TARGET inline void add_pair_products(typename V::F (&acc)[R][2], typename V::
   }
 }
 
+// One tile: queries q + r * ldq (r < rows; rows <= R) at positions pos0 + r, over the copies of
+// their KV head's keys and values; out + r * ldq. B16 false: fp32 copies kt [D, npad] (keys
+// transposed) and vals [npad, D], fp32 FMAs. B16 true (a bf16 KV cache on a build with bf16 dot
+// products): bf16 copies as 32-bit words of two bf16, kt [D / 2, npad] (word (p, j) = key j's
+// dimensions 2p, 2p + 1) and vals [npad / 2, D] (word (i, d) = dimension d of keys 2i, 2i + 1);
+// the queries and the softmax weights rounded to bf16 too (as SDPA runs on a bf16 cache), every
+// product summed in fp32 by vdpbf16ps: half the instructions of the fp32 FMAs.
 template <class V, bool B16>
 QP_TARGET __attribute__((flatten)) void attend_tile(const float* q, int64_t ldq, int64_t rows,
                                                     int64_t pos0, int64_t window,
