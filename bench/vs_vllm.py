@@ -377,6 +377,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the GPTQ-format export of the same calibration (for vLLM)")
     ap.add_argument("--fp16", type=Path, help="FP16 export [the W4 export's source]")
     ap.add_argument("--pairs", default="w4,fp", help="which pairs to run: w4, fp or both")
+    ap.add_argument("--fp-sides", default="both", choices=("both", "vllm"),
+                    help="the unquantized pair's servers: both, or vLLM's alone (its bf16 path "
+                         "is a peer for the verdict; quantpipe's FP16 server is not, and on a "
+                         "1.5B model it takes the better part of an hour)")
     ap.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
                     help="a python that imports vllm [$QUANTPIPE_VLLM_PYTHON or .venv-vllm]")
     ap.add_argument("--vllm-configs", help="vLLM BIND-MODE[-iomp] candidates [%s; the -iomp "
@@ -443,12 +447,18 @@ def candidates(args, pair: str, fp16: Path, tcmalloc: str | None) -> dict[str, l
     qp_dir, vl_dir = (args.w4, args.gptq) if pair == "w4" else (fp16, fp16)
     top, cpus = max(args.conc), allowed_cpus()
     extra = tuple(shlex.split(args.qp_serve_args))
-    return {"quantpipe": [quantpipe_server(qp_dir, t, top, args.kv_cache_gib,
-                                           args.prefix_caching, extra, kv)
-                          for kv in args.qp_kv_list for t in args.qp_thread_list],
-            "vllm": [vllm_server(args.vllm_python, vl_dir, s, top, args.kv_cache_gib,
-                                 args.prefix_caching, cpus, tcmalloc)
-                     for s in args.vllm_config_list]}
+    sides = {"quantpipe": [quantpipe_server(qp_dir, t, top, args.kv_cache_gib,
+                                            args.prefix_caching, extra, kv)
+                           for kv in args.qp_kv_list for t in args.qp_thread_list],
+             "vllm": [vllm_server(args.vllm_python, vl_dir, s, top, args.kv_cache_gib,
+                                  args.prefix_caching, cpus, tcmalloc)
+                      for s in args.vllm_config_list]}
+    return {k: v for k, v in sides.items() if k in expected_sides(args, pair)}
+
+
+def expected_sides(args, pair: str) -> tuple[str, ...]:
+    """the servers a pair runs: both, or (``--fp-sides vllm``) vLLM's alone for the fp pair"""
+    return ("vllm",) if pair == "fp" and args.fp_sides == "vllm" else ("quantpipe", "vllm")
 
 
 def document(args, fp16: Path, prompt_ids, vers: dict, pairs: dict, t0: float,
@@ -465,8 +475,8 @@ def document(args, fp16: Path, prompt_ids, vers: dict, pairs: dict, t0: float,
                  "load_average_at_end": os.getloadavg()},
         "versions": vers, "argv": sys.argv, "seconds": round(time.time() - t0, 1),
         "vllm_tcmalloc_preloaded": tcmalloc,
-        "complete": all(len(s) == 2 for s in pairs.values()) and len(pairs) == len(
-            args.pair_list),
+        "complete": all(len(s) == len(expected_sides(args, p)) for p, s in pairs.items())
+                    and len(pairs) == len(args.pair_list),
         "models": {"w4": str(args.w4), "gptq": str(args.gptq), "fp16": str(fp16)},
         "prompts": {"set": args.prompts, "chat_template": True, "count": len(lengths),
                     "tokens_min": lengths[0], "tokens_median": lengths[len(lengths) // 2],

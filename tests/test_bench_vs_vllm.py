@@ -134,6 +134,12 @@ def test_parse_args(monkeypatch, tmp_path):
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
     assert vs.parse_args(base + py).vllm_config_list == list(vs.DEFAULT_VLLM_CONFIGS)
     vs.parse_args(base + py + ["--vllm-configs", "all-eager-iomp"])
+    assert [vs.expected_sides(args, p) for p in ("w4", "fp")] == [("quantpipe", "vllm")] * 2
+    vonly = vs.parse_args(base + ["--fp-sides", "vllm"])  # vLLM's bf16 path alone as a peer
+    assert [vs.expected_sides(vonly, p) for p in ("w4", "fp")] == [("quantpipe", "vllm"),
+                                                                   ("vllm",)]
+    with pytest.raises(SystemExit):
+        vs.parse_args(base + ["--fp-sides", "quantpipe"])
     monkeypatch.setenv("QUANTPIPE_VLLM_PYTHON", "/x/python")
     assert vs.default_vllm_python() == Path("/x/python")
     monkeypatch.delenv("QUANTPIPE_VLLM_PYTHON")

@@ -259,6 +259,20 @@ struct Simd {
   QP_TARGET static F dot_bf16(F acc, I a, I b) { return _mm512_dpbf16_ps(acc, as_bh(a), as_bh(b)); }
   QP_TARGET static I load_words(const uint32_t* p) { return _mm512_loadu_si512(p); }
   QP_TARGET static I bcast_word(const uint32_t* p) { return _mm512_set1_epi32(*p); }
+  // the 16-bit words of a and b interleaved within each 128-bit lane: lo's 32-bit lane i holds
+  // (a, b) of element (i / 4) * 8 + i % 4, hi's of element (i / 4) * 8 + 4 + i % 4
+  QP_TARGET static void pair_words(I a, I b, I& lo, I& hi) {
+    lo = _mm512_unpacklo_epi16(a, b);
+    hi = _mm512_unpackhi_epi16(a, b);
+  }
+  // the inverse order for fp32 lanes: elements 0 .. 15 and 16 .. 31 of (lo, hi) as pair_words
+  // arranged them
+  QP_TARGET static void unpair(F lo, F hi, F& first, F& second) {
+    const I a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const I b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    first = _mm512_permutex2var_ps(lo, a, hi);
+    second = _mm512_permutex2var_ps(lo, b, hi);
+  }
   // lo then hi (2 L fp32) rounded to bf16 (nearest even) and stored in that order
   QP_TARGET static void store_bf16(uint16_t* out, F lo, F hi) {
     const __m512bh b = _mm512_cvtne2ps_pbh(hi, lo);

@@ -23,6 +23,8 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "common.h"
 
@@ -279,8 +281,10 @@ QP_TARGET void fp16_tile(const float* x, int64_t K, const uint16_t* w, float* ou
 // context after this step, the chunk's included). Query i of sequence b sits at position
 // ctx_lens[b] - q_lens[b] + i and sees keys 0 .. that position (causal); with window w > 0 only
 // the last w of them (a sliding-window layer: keys w or more positions back hidden). Query head
-// h reads KV head h / (H / KV) (HF's repeat_kv order). softmax(q k^T * scale) v in fp32. Work
-// is O(q_len * min(ctx, w)) per sequence: the runner sends long prefill chunks to torch's SDPA.
+// h reads KV head h / (H / KV) (HF's repeat_kv order). softmax(q k^T * scale) v in fp32; on a
+// bf16 cache where the build has bf16 dot products, with the queries and weights rounded to bf16
+// (attend_b16 below). Work is O(q_len * min(ctx, w)) per sequence: chunks of kTiledMinQ or more
+// queries go to the tiles (attend_long).
 
 inline float scalar(float v) { return v; }
 inline float scalar(uint16_t h) { return bf16_to_float(h); }
@@ -328,7 +332,13 @@ template <class V>
 QP_TARGET float softmax_numerators(float* p, int64_t n) {
   using F = typename V::F;
   float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  {
+    F mv = V::set1(-INFINITY);
+    int64_t j = 0;
+    for (; j + V::L <= n; j += V::L) mv = V::max(mv, V::load(p + j));
+    mx = V::reduce_max(mv);
+    for (; j < n; ++j) mx = std::max(mx, p[j]);
+  }
   const F m = V::set1(mx);
   F acc = V::zero();
   int64_t j = 0;
@@ -358,11 +368,14 @@ QP_TARGET float softmax_numerators(float* p, int64_t n) {
 
 // p[g * (n - first) + j - first] = scale * q_g . k_j for the G query heads of one KV head and
 // keys first <= j < n, D a multiple of L: L keys at a time, their partial sums reduced together
-// by V::sum_lanes
-template <class V, typename T>
-QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64_t first,
+// by V::sum_lanes. Q float: q [G, D] fp32, each key row widened to fp32. Q uint32_t (a bf16 cache
+// where V::kBf16Dot, D a multiple of 2 L): q [G, D / 2] words of two bf16, the key rows read as
+// words, fp32 sums of the bf16 products (vdpbf16ps).
+template <class V, typename T, typename Q>
+QP_TARGET void scores(const Q* q, int64_t G, const PagedRows<T>& keys, int64_t first,
                       int64_t n, float scale, float* p) {
-  const int64_t D = keys.D, stride = n - first;
+  constexpr bool kWords = std::is_same_v<Q, uint32_t>;
+  const int64_t D = keys.D, W = kWords ? D / 2 : D, stride = n - first;
   const T* rows[V::L];
   int64_t blk = first / keys.BS, off = first % keys.BS;  // position of key j0 in the table
   const int64_t blocks = (n + keys.BS - 1) / keys.BS;
@@ -374,14 +387,22 @@ QP_TARGET void scores(const float* q, int64_t G, const PagedRows<T>& keys, int64
       rows[jj] = keys.row(blk, off);
       if (++off == keys.BS) off = 0, ++blk;
     }
+    for (int64_t jj = cnt; jj < V::L; ++jj) rows[jj] = rows[0];  // past n: sums not stored
     for (int64_t g = 0; g < G; ++g) {
+      // the L keys' sums side by side (L independent chains), each over d in order
       typename V::F part[V::L];
-      for (int64_t jj = 0; jj < V::L; ++jj) {
-        typename V::F acc = V::zero();
-        if (jj < cnt)
-          for (int64_t d = 0; d < D; d += V::L)
-            acc = V::fmadd(V::load(q + g * D + d), V::load(rows[jj] + d), acc);
-        part[jj] = acc;
+      for (int jj = 0; jj < V::L; ++jj) part[jj] = V::zero();
+      for (int64_t d = 0; d < W; d += V::L) {
+        if constexpr (kWords) {
+          const typename V::I qd = V::load_words(q + g * W + d);
+          for (int jj = 0; jj < V::L; ++jj)
+            part[jj] = V::dot_bf16(
+                part[jj], qd, V::load_words(reinterpret_cast<const uint32_t*>(rows[jj]) + d));
+        } else {
+          const typename V::F qd = V::load(q + g * W + d);
+          for (int jj = 0; jj < V::L; ++jj)
+            part[jj] = V::fmadd(qd, V::load(rows[jj] + d), part[jj]);
+        }
       }
       V::store_first(p + g * stride + j0 - first, V::mul(V::sum_lanes(part), V::set1(scale)),
                      cnt);
@@ -681,13 +702,116 @@ QP_TARGET void attend_long(const float* q, int64_t q_len, int64_t n, const T* k_
   }, 16);
 }
 
-// paged_attention's per-KV-head work (common.h's attend_heads), one target-specific function
-// with everything inlined, so that the vector helpers inline into its loops.
+// --- paged_attention's per-query path over a bf16 cache with bf16 dot products -------------
+// Where V::kBf16Dot, a bf16 cache and D a multiple of 2 L (up to kTiledMaxDim): the arithmetic of
+// the tiles' B16 case on the per-query path. The G queries and the softmax weights rounded to
+// bf16 (as SDPA computes on a bf16 cache), every product summed in fp32 by vdpbf16ps from the
+// cache's words as they lie: no widening of each key and value row to fp32, half the dot
+// instructions. Values go by in pairs of keys (j, j + 1), their words interleaved (pair_words)
+// so one dot product adds w_j v_j[d] + w_j+1 v_j+1[d]; the outputs' lanes put back in order at
+// the end (unpair). An odd last key pairs with itself at weight 0.
+
+// out_g += sum_j w_g[j] v_j, w [G, ldw] words: pairs of bf16 weights (w_g[j], w_g[j + 1]) from
+// key `first` on (zero past n); NV = D / L outputs per head, kAcc / NV heads held in registers
+template <class V, int NV>
+QP_TARGET void weighted_values_b16(const uint32_t* w, int64_t ldw, int64_t G,
+                                   const PagedRows<uint16_t>& values, int64_t first, int64_t n,
+                                   float* out) {
+  static_assert(NV % 2 == 0, "rows of whole 2 L-bf16 vectors");
+  constexpr int kAcc = 16, GT = NV >= kAcc ? 1 : kAcc / NV, L = V::L;
+  using F = typename V::F;
+  using I = typename V::I;
+  const int64_t D = values.D, BS = values.BS, blocks = (n + BS - 1) / BS;
+  for (int64_t g0 = 0; g0 < G; g0 += GT) {
+    const int64_t gt = std::min<int64_t>(GT, G - g0);
+    F acc[GT][NV];
+    for (int g = 0; g < GT; ++g)
+      for (int v = 0; v < NV; ++v) acc[g][v] = V::zero();
+    int64_t blk = first / BS, off = first % BS;  // the next key's place in the table
+    for (int64_t j = first, i = 0; j < n; j += 2, ++i) {
+      const uint32_t* rows[2];
+      for (int k = 0; k < 2; ++k) {
+        if (j + k == n) {  // odd count: the last key again, at weight 0
+          rows[1] = rows[0];
+          break;
+        }
+        if (g0 == 0) values.prefetch(blk + kPrefetchBlocks, off, blocks);
+        rows[k] = reinterpret_cast<const uint32_t*>(values.row(blk, off));
+        if (++off == BS) off = 0, ++blk;
+      }
+      for (int c = 0; c < NV / 2; ++c) {
+        I lo, hi;
+        V::pair_words(V::load_words(rows[0] + c * L), V::load_words(rows[1] + c * L), lo, hi);
+        for (int g = 0; g < GT; ++g) {
+          if (g >= gt) break;
+          const I wg = V::bcast_word(w + (g0 + g) * ldw + i);
+          acc[g][2 * c] = V::dot_bf16(acc[g][2 * c], lo, wg);
+          acc[g][2 * c + 1] = V::dot_bf16(acc[g][2 * c + 1], hi, wg);
+        }
+      }
+    }
+    for (int g = 0; g < gt; ++g)
+      for (int c = 0; c < NV / 2; ++c) {
+        F a, b;
+        V::unpair(acc[g][2 * c], acc[g][2 * c + 1], a, b);
+        float* o = out + (g0 + g) * D + c * 2 * L;
+        V::store(o, V::add(V::load(o), a));
+        V::store(o + L, V::add(V::load(o + L), b));
+      }
+  }
+}
+
+template <class V>
+QP_TARGET void attend_b16(const float* q, int64_t G, const PagedRows<uint16_t>& keys,
+                          const PagedRows<uint16_t>& values, int64_t first, int64_t n,
+                          float scale, float* p, float* out) {
+  constexpr int L = V::L;
+  const int64_t D = keys.D, cnt = n - first;
+  const int64_t ldp = (cnt + 2 * L - 1) / (2 * L) * (2 * L);  // bf16 weights per head, padded
+  thread_local std::vector<uint16_t> qb, pb;
+  qb.resize(G * D);
+  pb.resize(G * ldp);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 2 * L)
+      V::store_bf16(qb.data() + g * D + d, V::load(q + g * D + d), V::load(q + g * D + d + L));
+  scores<V>(reinterpret_cast<const uint32_t*>(qb.data()), G, keys, first, n, scale, p);
+  values.prefetch_first(first, n);  // the first block of values on its way
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p + g * cnt;
+    const typename V::F inv = V::set1(1.0f / softmax_numerators<V>(pg, cnt));
+    for (int64_t j = 0; j < ldp; j += 2 * L) {
+      auto weights = [&](int64_t j) {  // zero past cnt
+        const int64_t k = std::clamp<int64_t>(cnt - j, 0, L);
+        return V::mul(V::load_masked(k, pg + std::min(j, cnt)), inv);
+      };
+      V::store_bf16(pb.data() + g * ldp + j, weights(j), weights(j + L));
+    }
+  }
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(pb.data());
+  switch (D / L) {
+    case 2: return weighted_values_b16<V, 2>(w, ldp / 2, G, values, first, n, out);
+    case 4: return weighted_values_b16<V, 4>(w, ldp / 2, G, values, first, n, out);
+    case 6: return weighted_values_b16<V, 6>(w, ldp / 2, G, values, first, n, out);
+    case 8: return weighted_values_b16<V, 8>(w, ldp / 2, G, values, first, n, out);
+    case 10: return weighted_values_b16<V, 10>(w, ldp / 2, G, values, first, n, out);
+    case 12: return weighted_values_b16<V, 12>(w, ldp / 2, G, values, first, n, out);
+    case 14: return weighted_values_b16<V, 14>(w, ldp / 2, G, values, first, n, out);
+    default: return weighted_values_b16<V, 16>(w, ldp / 2, G, values, first, n, out);
+  }
+}
+
+// paged_attention's per-KV-head work (common.h's attend_heads; attend_b16 where it applies), one
+// target-specific function with everything inlined, so that the vector helpers inline into its
+// loops.
 template <class V, typename T>
 QP_TARGET __attribute__((flatten)) void attend(const float* q, int64_t G,
                                                const PagedRows<T>& keys,
                                                const PagedRows<T>& values, int64_t first,
                                                int64_t n, float scale, float* p, float* out) {
+  if constexpr (V::kBf16Dot && std::is_same_v<T, uint16_t>) {
+    if (keys.D % (2 * V::L) == 0 && keys.D <= kTiledMaxDim)
+      return attend_b16<V>(q, G, keys, values, first, n, scale, p, out);
+  }
   attend_heads<V::L>(q, G, keys, values, first, n, scale, p, out,
                      [](const auto&... a) { scores<V>(a...); },
                      [](const auto&... a) { return dot<V>(a...); }, &softmax_numerators<V>,
