@@ -784,12 +784,14 @@ QP_TARGET void attend_b16(const float* q, int64_t G, const PagedRows<uint16_t>& 
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p + g * cnt;
     const typename V::F inv = V::set1(1.0f / softmax_numerators<V>(pg, cnt));
+    // the weights in bf16, zero past cnt (written out, not in a lambda: a lambda's body would
+    // not carry the ISA's target attribute)
     for (int64_t j = 0; j < ldp; j += 2 * L) {
-      auto weights = [&](int64_t j) {  // zero past cnt
-        const int64_t k = std::clamp<int64_t>(cnt - j, 0, L);
-        return V::mul(V::load_masked(k, pg + std::min(j, cnt)), inv);
-      };
-      V::store_bf16(pb.data() + g * ldp + j, weights(j), weights(j + L));
+      const int64_t k0 = std::clamp<int64_t>(cnt - j, 0, L);
+      const int64_t k1 = std::clamp<int64_t>(cnt - j - L, 0, L);
+      V::store_bf16(pb.data() + g * ldp + j,
+                    V::mul(V::load_masked(k0, pg + std::min(j, cnt)), inv),
+                    V::mul(V::load_masked(k1, pg + std::min(j + L, cnt)), inv));
     }
   }
   const uint32_t* w = reinterpret_cast<const uint32_t*>(pb.data());
