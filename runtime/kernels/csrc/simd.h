@@ -131,8 +131,6 @@ QP_TARGET inline void w4a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t 
       typename V::F s[HP];
       for (int j = 0; j < HP; ++j)
         s[j] = V::load_f16(sc + g * kRows + (h0 + j) * V::L);  // exact in fp32
-      // the group's blocks summed with their activation scales, then times the weight scales
-      typename V::F part[MT][HP];
       for (int64_t blk = g * per_group; blk < (g + 1) * per_group; ++blk) {
         const int8_t* xb[MT];
         for (int m = 0; m < MT; ++m) xb[m] = a.xq.data() + (m0 + m) * K + blk * kA8Block;
@@ -140,14 +138,11 @@ QP_TARGET inline void w4a8_tile(const A8Acts& a, int64_t m0, int64_t K, int64_t 
           typename V::I iacc[MT];
           Dot::template run<MT>(w + blk * 4 * 64 + (h0 + j) * 4 * V::L, xb, iacc);
           for (int m = 0; m < MT; ++m) {
-            const typename V::F d = V::set1(a.dx[(m0 + m) * nb + blk]);
-            part[m][j] = blk == g * per_group ? V::mul(V::to_float(iacc[m]), d)
-                                              : V::fmadd(V::to_float(iacc[m]), d, part[m][j]);
+            const typename V::F sd = V::mul(s[j], V::set1(a.dx[(m0 + m) * nb + blk]));
+            total[m][j] = V::fmadd(V::to_float(iacc[m]), sd, total[m][j]);
           }
         }
       }
-      for (int m = 0; m < MT; ++m)
-        for (int j = 0; j < HP; ++j) total[m][j] = V::fmadd(part[m][j], s[j], total[m][j]);
       // symmetric layers have no mz tensor: their zero point is 8, so mz = -8 * scale (exact)
       for (int j = 0; j < HP; ++j) {
         const typename V::F z = mz != nullptr ? V::load(mz + g * kRows + (h0 + j) * V::L)
