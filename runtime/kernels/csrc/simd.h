@@ -16,7 +16,9 @@
 //   kMasks                  masked tails (load_masked(cnt, p), store_masked, zero_masked)
 //   kBf16Dot                bf16 dot products: dot_bf16(acc, a, b) (lane i += the products of
 //                           the bf16 pairs in 32-bit lane i of a and b), load_words, bcast_word,
-//                           store_bf16(out, lo, hi) (2 L fp32 -> bf16, nearest even)
+//                           store_bf16(out, lo, hi) (2 L fp32 -> bf16, nearest even),
+//                           pair_words(a, b, lo, hi) (two rows' words interleaved) and unpair
+//                           (fp32 lanes of such pairs back in order)
 //   int8_chains(MT), fp16_chains(MT)   FMA chains per row and 16-row block in those tiles
 // The functions carry QP_TARGET, which the including file defines (its ISA's target attribute,
 // or nothing where the whole file is compiled for its ISA), so that V's inline ops inline here.
