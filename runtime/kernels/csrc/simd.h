@@ -741,14 +741,16 @@ QP_TARGET void weighted_values_b16(const uint32_t* w, int64_t ldw, int64_t G,
         rows[k] = reinterpret_cast<const uint32_t*>(values.row(blk, off));
         if (++off == BS) off = 0, ++blk;
       }
+      I wg[GT];  // each head's pair of weights, broadcast once for the whole row
+      for (int g = 0; g < GT; ++g)
+        wg[g] = V::bcast_word(w + (g0 + std::min<int64_t>(g, gt - 1)) * ldw + i);
       for (int c = 0; c < NV / 2; ++c) {
         I lo, hi;
         V::pair_words(V::load_words(rows[0] + c * L), V::load_words(rows[1] + c * L), lo, hi);
         for (int g = 0; g < GT; ++g) {
           if (g >= gt) break;
-          const I wg = V::bcast_word(w + (g0 + g) * ldw + i);
-          acc[g][2 * c] = V::dot_bf16(acc[g][2 * c], lo, wg);
-          acc[g][2 * c + 1] = V::dot_bf16(acc[g][2 * c + 1], hi, wg);
+          acc[g][2 * c] = V::dot_bf16(acc[g][2 * c], lo, wg[g]);
+          acc[g][2 * c + 1] = V::dot_bf16(acc[g][2 * c + 1], hi, wg[g]);
         }
       }
     }
