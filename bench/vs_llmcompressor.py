@@ -94,9 +94,10 @@ def check_calibration(calib_dir: Path, scheme: str, algo: str, args,
     r = qp_spec(Path(m["fp16_dir"]), calib_dir, scheme, algo, args).resolved()
     want = {"algo": algo, "group_size": args.group_size, "sym": SCHEMES[scheme],
             "act_order": r.act_order, "static_groups": r.static_groups, "mse_clip": r.mse_clip,
-            "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
+            "damp": r.damp, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
             "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
-    wrong = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
+    found = {**s, "damp": s.get("damp", 0.01)}  # (calibrations from before --damp: 0.01)
+    wrong = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
     if wrong:
         raise ValueError(f"{calib_dir} was calibrated with other settings "
                          f"(found, wanted): {wrong}; recalibrate or pass another folder")
@@ -117,8 +118,8 @@ def qp_spec(fp16: Path, calib_dir: Path, scheme: str, algo: str, args) -> Calibr
         sym=SCHEMES[scheme], act_order=args.act_order,
         static_groups={"default": None, "static": True, "dynamic": False}[
             args.qp_static_groups],
-        mse_clip=CHOICE[args.qp_mse_clip], samples=args.samples, seq_len=args.seq_len,
-        seed=args.seed)
+        mse_clip=CHOICE[args.qp_mse_clip], damp=args.qp_damp, samples=args.samples,
+        seq_len=args.seq_len, seed=args.seed)
 
 
 def tag(scheme: str, args, tool: str, algo: str = "gptq") -> str:
@@ -128,6 +129,7 @@ def tag(scheme: str, args, tool: str, algo: str = "gptq") -> str:
     if tool == "qp":
         t += "" if args.qp_static_groups == "default" else f"-{args.qp_static_groups}"
         t += "" if args.qp_mse_clip == "default" else f"-mse{args.qp_mse_clip}"
+        t += "" if args.qp_damp is None else f"-damp{args.qp_damp:g}"
         t += "" if algo == "gptq" else "-" + algo.replace("+", "-")
     return t
 
@@ -263,6 +265,9 @@ def parse_args(argv=None):
                     default="default", help="quantpipe's group params (default: calibrate's)")
     ap.add_argument("--qp-mse-clip", choices=tuple(CHOICE), default="default",
                     help="quantpipe's clip search (default: calibrate's)")
+    ap.add_argument("--qp-damp", type=float, default=None,
+                    help="quantpipe's GPTQ dampening, a fraction of mean(diag(H)) (default: "
+                         "calibrate's; llm-compressor keeps its own dampening_frac 0.01)")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)

@@ -109,12 +109,13 @@ def quantize_gptq(spec: CalibrateSpec, name: str, W: torch.Tensor, H: torch.Tens
         # least); every column keeps group 0, so no g_idx is stored and kernels and
         # formats see a plain per-channel layer, with a lower proxy loss (docs/algorithms.md)
         res = solve(W, H, QuantSpec(qspec.bits, -1, qspec.sym, act_order=True),
-                    mse_clip=spec.mse_clip)
+                    mse_clip=spec.mse_clip, percdamp=spec.percdamp)
         w = res.weight
         assert w.g_idx is None
         res.weight = QuantizedWeight(qspec, w.q, w.scales, w.zeros, None)
         return res
-    return solve(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups)
+    return solve(W, H, qspec, mse_clip=spec.mse_clip, static_groups=spec.static_groups,
+                 percdamp=spec.percdamp)
 
 
 @dataclass

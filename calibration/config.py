@@ -70,6 +70,9 @@ class CalibrationDefaults:
     seq_len: int = 512  # tokens per sequence
     min_tokens: int = 16  # prompts shorter than this are dropped
     seed: int = 0  # shuffles the prompts before packing
+    # GPTQ family: the dampening added to diag(H) before its inverse, as a fraction of
+    # mean(diag(H)) (GPTQ's percdamp; raised tenfold while the Cholesky factor fails)
+    damp: float = 0.01
     batch_size: int = 8  # sequences per block forward
     awq_samples: int = 16  # sequences of AWQ's scale search (block-output loss)
     min_expert_tokens: int = 64  # MoE: an expert routed fewer tokens is quantized with RTN

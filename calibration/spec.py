@@ -61,6 +61,9 @@ class CalibrateSpec:
     # RTN/GPTQ: search a clipping range per group (weighted by diag(H) for GPTQ);
     # None = GPTQ_MSE_CLIP_DEFAULT for GPTQ, off for RTN (the plain min-max baseline)
     mse_clip: bool | None = None
+    # GPTQ family: the Hessian's dampening, a fraction of mean(diag(H)); None = DEFAULTS.damp
+    # for the GPTQ family, absent for RTN and AWQ (which invert no Hessian)
+    damp: float | None = None
     strict_group_size: bool = False  # error instead of falling back to a smaller group size
     samples: int = DEFAULTS.samples  # calibration sequences
     seq_len: int = DEFAULTS.seq_len  # tokens per sequence
@@ -110,6 +113,12 @@ class CalibrateSpec:
         algo = ALGO_OPTIONS[AUTO_OPTIONS if self.algo == AUTO else self.algo]
         if self.act_order and algo.act_order_default is None:
             raise ValueError("--act-order applies to GPTQ only; drop it or use --algo gptq")
+        if self.damp is not None and algo.act_order_default is None:
+            raise ValueError("--damp applies to the GPTQ family (gptq, gptaq, awq+gptq); drop "
+                             "it or use --algo gptq")
+        if self.damp is not None and not 0 < self.damp <= 10:
+            raise ValueError(f"--damp must be > 0 and <= 10, a fraction of mean(diag(H)) "
+                             f"(got {self.damp})")
         if self.mse_clip and algo.mse_clip_default is None:
             raise ValueError("--mse-clip applies to RTN and GPTQ; AWQ runs its own clip search")
         if self.static_groups is not None and not algo.takes_static_groups:
@@ -136,12 +145,19 @@ class CalibrateSpec:
         static = self.static_groups if self.static_groups is not None else (
             act_order if algo.takes_static_groups else None)
         mse = self.mse_clip if self.mse_clip is not None else bool(algo.mse_clip_default)
+        damp = None if algo.act_order_default is None else (
+            self.damp if self.damp is not None else DEFAULTS.damp)
         prompts = self.prompts
         if prompts not in SHIPPED_SETS and Path(prompts).expanduser().exists():
             prompts = str(Path(prompts).expanduser().resolve())
         return replace(self, fp16_dir=Path(self.fp16_dir).expanduser().resolve(),
                        prompts=prompts, act_order=act_order, static_groups=static, mse_clip=mse,
-                       menu=parse_menu(self.menu))
+                       damp=damp, menu=parse_menu(self.menu))
+
+    @property
+    def percdamp(self) -> float:
+        """GPTQ's relative dampening for this calibration (the default where none was given)."""
+        return DEFAULTS.damp if self.damp is None else self.damp
 
     @property
     def int4(self) -> QuantSpec:
@@ -152,8 +168,9 @@ class CalibrateSpec:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
                 if k not in ("out", "force", "max_memory", "device", "batch_size")
-                # (runs from before --menu and --int8-group-size existed resume)
-                and not (k == "menu" and not v) and not (k == "int8_group_size" and v == -1)}
+                # (runs from before --menu, --int8-group-size and --damp existed resume)
+                and not (k == "menu" and not v) and not (k == "int8_group_size" and v == -1)
+                and not (k == "damp" and v in (None, 0.01))}
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""

@@ -264,6 +264,9 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
 @click.option("--mse-clip/--no-mse-clip", default=None,
               help="RTN/GPTQ family: search the clipping range per group [default: on for "
                    "the GPTQ family, off for rtn].")
+@click.option("--damp", type=float, default=None,
+              help="GPTQ family: dampening added to the Hessian's diagonal before its inverse, "
+                   f"as a fraction of its mean [default: {CALIB.damp}].")
 @click.option("--static-groups/--dynamic-groups", default=None,
               help="GPTQ group scales: from the original weights up front, or when GPTQ "
                    "reaches the group [default: static with --act-order, else dynamic].")
@@ -297,7 +300,7 @@ def export_fp16_cmd(source, out, dtype, max_shard_size, force, trust_remote_code
               help="Replace a finished CALIB_DIR (only once the new one is complete) and "
                    "discard an unfinished run with other settings.")
 def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, int8_group_size,
-                  act_order, mse_clip,
+                  act_order, mse_clip, damp,
                   static_groups, strict_group_size, per_channel_if_larger, samples, seq_len,
                   min_tokens, seed, batch_size, min_expert_tokens, max_memory, device, menu,
                   force):
@@ -308,7 +311,8 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, int8_gr
     res = calibrate(CalibrateSpec(
         fp16_dir=fp16_dir, out=out, prompts=prompts, column=column, algo=algo,
         group_size=group_size, sym=sym, int8_group_size=int8_group_size, act_order=act_order,
-        mse_clip=mse_clip, strict_group_size=strict_group_size, samples=samples, seq_len=seq_len,
+        mse_clip=mse_clip, damp=damp, strict_group_size=strict_group_size, samples=samples,
+        seq_len=seq_len,
         min_tokens=min_tokens, seed=seed, batch_size=batch_size, static_groups=static_groups,
         force=force, per_channel_if_larger=per_channel_if_larger,
         min_expert_tokens=min_expert_tokens,

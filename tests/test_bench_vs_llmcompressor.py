@@ -34,6 +34,9 @@ def test_folder_names_keep_gptq_and_separate_algos():
     assert vs.tag("sym", args, "llmc", "gptaq") == "sym-ao"  # one llm-compressor run per scheme
     args = vs.parse_args(["--no-act-order", "--qp-mse-clip", "off"])
     assert vs.tag("sym", args, "qp", "gptaq") == "sym-mseoff-gptaq"
+    args = vs.parse_args(["--qp-damp", "0.1"])
+    assert vs.tag("sym", args, "qp", "gptaq") == "sym-ao-damp0.1-gptaq"
+    assert vs.qp_spec(Path("f"), Path("c"), "sym", "gptaq", args).resolved().damp == 0.1
 
 
 def _manifest(algo: str, args, sym: bool, data: dict) -> dict:
@@ -41,7 +44,7 @@ def _manifest(algo: str, args, sym: bool, data: dict) -> dict:
                           args).resolved()
     settings = {"algo": algo, "group_size": args.group_size, "sym": sym,
                 "act_order": resolved.act_order, "static_groups": resolved.static_groups,
-                "mse_clip": resolved.mse_clip, "samples": args.samples,
+                "mse_clip": resolved.mse_clip, "damp": resolved.damp, "samples": args.samples,
                 "seq_len": args.seq_len, "seed": args.seed, "prompts": args.calib_prompts,
                 "min_tokens": vs.MIN_TOKENS}
     return {"settings": settings, "data": data, "fp16_dir": "/tmp/fp16", "int4": {"sym": sym}}
@@ -64,6 +67,14 @@ def test_reused_calibration_must_have_the_algo_asked_for(monkeypatch):
     other = vs.parse_args(["--samples", "128", "--seq-len", "256"])
     with pytest.raises(ValueError, match="samples"):
         vs.check_calibration(Path("/x/b"), "sym", "gptq", other, data)
+    damped = vs.parse_args(["--samples", "64", "--seq-len", "256", "--qp-damp", "0.1"])
+    with pytest.raises(ValueError, match="'damp': \\(0.01, 0.1\\)"):
+        vs.check_calibration(Path("/x/b"), "sym", "gptq", damped, data)
+    # a calibration from before --damp (no "damp" in its settings) used 0.01
+    del manifests[Path("/x/b")]["settings"]["damp"]
+    vs.check_calibration(Path("/x/b"), "sym", "gptq", args, data)
+    with pytest.raises(ValueError, match="damp"):
+        vs.check_calibration(Path("/x/b"), "sym", "gptq", damped, data)
 
 
 def _ev(kld: float) -> dict:

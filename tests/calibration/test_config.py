@@ -41,7 +41,7 @@ def _as_library_value(command: click.Command, param: click.Parameter):
 @pytest.mark.parametrize("command, spec_class, shared", [
     (cli.calibrate_cmd, CalibrateSpec,
      {"prompts", "column", "algo", "group_size", "sym", "int8_group_size", "act_order",
-      "mse_clip", "static_groups", "strict_group_size", "per_channel_if_larger", "samples",
+      "mse_clip", "damp", "static_groups", "strict_group_size", "per_channel_if_larger", "samples",
       "seq_len",
       "min_tokens", "seed", "batch_size", "min_expert_tokens", "max_memory", "device", "menu",
       "force"}),

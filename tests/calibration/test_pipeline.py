@@ -225,11 +225,42 @@ def test_algorithm_table_resolves_the_documented_defaults():
     assert (r.act_order, r.static_groups) == (False, False)  # dynamic groups without act-order
     assert CalibrateSpec(Path("f"), Path("o"), algo="rtn", mse_clip=True).resolved().mse_clip
     for algo, bad in (("awq", dict(mse_clip=True)), ("rtn", dict(static_groups=False)),
-                      ("awq", dict(act_order=True))):
+                      ("awq", dict(act_order=True)), ("rtn", dict(damp=0.1)),
+                      ("awq", dict(damp=0.1))):
         with pytest.raises(ValueError, match="applies to|apply to"):
             CalibrateSpec(Path("f"), Path("o"), algo=algo, **bad)
+    for bad in (0.0, -0.01, 11.0):
+        with pytest.raises(ValueError, match="--damp must be"):
+            CalibrateSpec(Path("f"), Path("o"), algo="gptq", damp=bad)
+    # the dampening resolves to the default for the GPTQ family, to nothing where no Hessian
+    # is inverted; runs started before --damp existed (0.01 implied) keep their fingerprint
+    assert [CalibrateSpec(Path("f"), Path("o"), algo=a).resolved().damp
+            for a in ("gptq", "gptaq", "awq+gptq", "awq", "rtn")] == [0.01, 0.01, 0.01, None, None]
+    fp = {d: CalibrateSpec(Path("f"), Path("o"), algo="gptq", damp=d).fingerprint()
+          for d in (None, 0.01, 0.1)}
+    assert fp[None] == fp[0.01] != fp[0.1]
+    assert "damp" not in CalibrateSpec(Path("f"), Path("o"), algo="gptq").resume_settings()
     assert [a.quantized_forward for a in ALGORITHMS.values()] == [True, True, False, True, False]
     assert [a.asymmetric for a in ALGORITHMS.values()] == [False, True, False, False, False]
+
+
+def test_damp_reaches_every_gptq_solve_and_the_manifest(fp16_dir, prompt_file, tmp_path):
+    """--damp is the percdamp of every linear's GPTQ solve (each block file records the
+    dampening used), the manifest's settings name it, and it changes the codes."""
+    from safetensors.torch import load_file
+
+    from quantpipe.calibration.artifact import block_file
+
+    outs = {d: calibrate(_spec(fp16_dir, prompt_file, tmp_path / str(d), algo="gptaq",
+                               damp=d)).out for d in (0.01, 0.5)}
+    for d, out in outs.items():
+        manifest = json.loads((out / "quantpipe.json").read_text())
+        assert manifest["settings"]["damp"] == d
+        for block in (0, 1):
+            layers = json.loads(block_file(out, block, "json").read_text())["layers"]
+            assert {r["damp"] for by_tag in layers.values() for r in by_tag.values()} == {d}
+    a, b = (load_file(str(block_file(outs[d], 1, "safetensors"))) for d in (0.01, 0.5))
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".qweight"))
 
 
 def test_gptaq_is_gptq_where_the_inputs_agree(fp16_dir, prompt_file, tmp_path):
