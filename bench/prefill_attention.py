@@ -85,8 +85,12 @@ def one_layer(ops, heads: int, kv: int, d: int, tokens: int, min_s: float) -> di
 
 def whole_prefill(w4: Path, tokens: list[int], repeats: int) -> dict:
     """Median ms of a prompt's prefill step in the engine, kernel vs SDPA for long chunks."""
-    from quantpipe.runtime.engine import (EngineConfig, LLMEngine, SamplingParams,
-                                          load_model_for_serving)
+    from quantpipe.runtime.engine import (
+        EngineConfig,
+        LLMEngine,
+        SamplingParams,
+        load_model_for_serving,
+    )
     from quantpipe.runtime.engine.model_runner import PREFILL_ATTENTION_ENV
 
     model, tok = load_model_for_serving(w4, head_dtype="int8")
