@@ -52,6 +52,7 @@ from safetensors.torch import save_file
 from quantpipe.calibration.artifact import read_calibration
 from quantpipe.calibration.config import ALGO_OPTIONS
 from quantpipe.calibration.pipeline import CalibrateSpec, calibrate
+from quantpipe.calibration.spec import OLD_DAMP
 from quantpipe.core.io import write_json_atomic
 from quantpipe.prompts.sets import CalibDataSpec, build_calibration_set, load_prompt_records
 from quantpipe.reports.eval import load_eval_model
@@ -96,7 +97,7 @@ def check_calibration(calib_dir: Path, scheme: str, algo: str, args,
             "act_order": r.act_order, "static_groups": r.static_groups, "mse_clip": r.mse_clip,
             "damp": r.damp, "samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
             "prompts": args.calib_prompts, "min_tokens": MIN_TOKENS}
-    found = {**s, "damp": s.get("damp", 0.01)}  # (calibrations from before --damp: 0.01)
+    found = {**s, "damp": s.get("damp", OLD_DAMP)}  # (calibrations from before --damp)
     wrong = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
     if wrong:
         raise ValueError(f"{calib_dir} was calibrated with other settings "

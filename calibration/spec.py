@@ -40,6 +40,9 @@ def check_group_size(group_size: int | None) -> None:
                          f"{', '.join(map(str, GROUP_SIZES))} (-1: per output channel)")
 
 
+OLD_DAMP = 0.01  # the dampening of every calibration made before --damp existed
+
+
 @dataclass(frozen=True)
 class CalibrateSpec:
     fp16_dir: Path  # output of export-fp16
@@ -168,9 +171,10 @@ class CalibrateSpec:
         """The settings that must match for a partial run to resume (paths resolved)."""
         return {k: str(v) for k, v in asdict(self.resolved()).items()
                 if k not in ("out", "force", "max_memory", "device", "batch_size")
-                # (runs from before --menu, --int8-group-size and --damp existed resume)
+                # (runs from before --menu, --int8-group-size and --damp existed resume: the
+                # last with their 0.01 given as --damp 0.01)
                 and not (k == "menu" and not v) and not (k == "int8_group_size" and v == -1)
-                and not (k == "damp" and v in (None, 0.01))}
+                and not (k == "damp" and v in (None, OLD_DAMP))}
 
     def fingerprint(self) -> str:
         """Identifies the settings a partial run was started with (resume must match)."""

@@ -233,13 +233,16 @@ def test_algorithm_table_resolves_the_documented_defaults():
         with pytest.raises(ValueError, match="--damp must be"):
             CalibrateSpec(Path("f"), Path("o"), algo="gptq", damp=bad)
     # the dampening resolves to the default for the GPTQ family, to nothing where no Hessian
-    # is inverted; runs started before --damp existed (0.01 implied) keep their fingerprint
+    # is inverted; runs started before --damp existed (0.01 implied) resume with --damp 0.01
+    # (their fingerprint), not with today's default
     assert [CalibrateSpec(Path("f"), Path("o"), algo=a).resolved().damp
-            for a in ("gptq", "gptaq", "awq+gptq", "awq", "rtn")] == [0.01, 0.01, 0.01, None, None]
+            for a in ("gptq", "gptaq", "awq+gptq", "awq", "rtn")] == [0.1, 0.1, 0.1, None, None]
     fp = {d: CalibrateSpec(Path("f"), Path("o"), algo="gptq", damp=d).fingerprint()
           for d in (None, 0.01, 0.1)}
-    assert fp[None] == fp[0.01] != fp[0.1]
-    assert "damp" not in CalibrateSpec(Path("f"), Path("o"), algo="gptq").resume_settings()
+    assert fp[None] == fp[0.1] != fp[0.01]
+    spec = CalibrateSpec(Path("f"), Path("o"), algo="gptq", damp=0.01)
+    assert "damp" not in spec.resume_settings()
+    assert CalibrateSpec(Path("f"), Path("o"), algo="gptq").resume_settings()["damp"] == "0.1"
     assert [a.quantized_forward for a in ALGORITHMS.values()] == [True, True, False, True, False]
     assert [a.asymmetric for a in ALGORITHMS.values()] == [False, True, False, False, False]
 
