@@ -47,7 +47,7 @@ def test_bench_only_algorithms(algorithm_tables):
                                         asym=block_step.AsymInputs(dXXT))
     for alpha, same in ((0.5, True), (0.25, False)):
         ref = gptaq(W, H, qspec, dXXT, alpha=alpha, mse_clip=spec.mse_clip,
-                    static_groups=spec.static_groups)
+                    static_groups=spec.static_groups, percdamp=spec.percdamp)
         assert torch.equal(got.weight.q, ref.weight.q) == same, alpha
 
 
