@@ -148,8 +148,7 @@ class CalibrateSpec:
         static = self.static_groups if self.static_groups is not None else (
             act_order if algo.takes_static_groups else None)
         mse = self.mse_clip if self.mse_clip is not None else bool(algo.mse_clip_default)
-        damp = None if algo.act_order_default is None else (
-            self.damp if self.damp is not None else DEFAULTS.damp)
+        damp = None if algo.act_order_default is None else self.percdamp
         prompts = self.prompts
         if prompts not in SHIPPED_SETS and Path(prompts).expanduser().exists():
             prompts = str(Path(prompts).expanduser().resolve())

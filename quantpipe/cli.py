@@ -312,9 +312,8 @@ def calibrate_cmd(fp16_dir, out, prompts, column, algo, group_size, sym, int8_gr
         fp16_dir=fp16_dir, out=out, prompts=prompts, column=column, algo=algo,
         group_size=group_size, sym=sym, int8_group_size=int8_group_size, act_order=act_order,
         mse_clip=mse_clip, damp=damp, strict_group_size=strict_group_size, samples=samples,
-        seq_len=seq_len,
-        min_tokens=min_tokens, seed=seed, batch_size=batch_size, static_groups=static_groups,
-        force=force, per_channel_if_larger=per_channel_if_larger,
+        seq_len=seq_len, min_tokens=min_tokens, seed=seed, batch_size=batch_size,
+        static_groups=static_groups, force=force, per_channel_if_larger=per_channel_if_larger,
         min_expert_tokens=min_expert_tokens,
         max_memory=None if max_memory is None else parse_size(max_memory, "--max-memory"),
         device=device, menu=tuple(menu)))
